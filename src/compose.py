@@ -1,0 +1,99 @@
+"""Compose the config outside @hydra.main (preflight, torchrun workers, tests) and explain failures
+in one line that names the bad value and the fix."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from src import config as _schemas  # noqa: F401  (registers the schemas in the ConfigStore)
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(Exception):
+    """A setting that cannot work. The message is the one line the user sees."""
+
+
+def compose_config(overrides: list[str], config_name: str = "config", with_hydra: bool = False) -> DictConfig:
+    """Compose exactly what `python -m src.run OVERRIDES` would, without creating an output dir."""
+    gh = GlobalHydra.instance()
+    if gh.is_initialized():
+        gh.clear()
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            try:
+                return compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
+            except (ConfigCompositionException, MissingConfigException, OmegaConfBaseException) as exc:
+                raise ConfigError(explain_compose_error(exc, overrides)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _override_for(key: str, overrides: list[str]) -> str:
+    for ov in overrides:
+        if ov.lstrip("+~").split("=", 1)[0] == key:
+            return ov
+    return key
+
+
+def explain_compose_error(exc: Exception, overrides: list[str]) -> str:
+    text = str(exc)
+    missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
+    if isinstance(exc, MissingConfigException) and missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], flags=re.M)
+        options = [o for o in options if not o.startswith("base_")]
+        return f"{group}={option}: no such option in group '{group}'; use one of: {', '.join(options)}"
+    cause = exc.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        m = re.search(r"Key '([^']+)' not in '(\w+)'", str(cause))
+        full_key = getattr(cause, "full_key", None) or (m.group(1) if m else "?")
+        parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+        fields = _fields_of(parent)
+        hint = f"; valid keys in {parent or 'the config'}: {', '.join(fields)}" if fields else ""
+        return f"{_override_for(full_key, overrides)}: unknown key '{full_key}'{hint}"
+    if isinstance(cause, ValidationError):
+        full_key = getattr(cause, "full_key", "") or "?"
+        first = str(cause).splitlines()[0]
+        kind = _field_type(full_key)
+        fix = f"; {full_key} takes a {kind}" if kind else ""
+        return f"{_override_for(full_key, overrides)}: {first}{fix}"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"cannot compose the config: {first}"
+
+
+def _schema_node(key: str):
+    node = OmegaConf.structured(_schemas.RunConfig)
+    for part in [p for p in key.split(".") if p]:
+        node = node._get_node(part) if isinstance(node, DictConfig) else None
+        if node is None:
+            return None
+    return node
+
+
+def _fields_of(key: str) -> list[str]:
+    group = key.split(".")[0] if key else ""
+    schema = _schemas.GROUPS.get(group)
+    if schema is not None and "." not in key:
+        return [f for f in schema.__dataclass_fields__ if f != "name"]
+    node = _schema_node(key) if key else OmegaConf.structured(_schemas.RunConfig)
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _field_type(full_key: str) -> str | None:
+    parent, _, leaf = full_key.rpartition(".")
+    schema = _schemas.GROUPS.get(parent)
+    if schema is None:
+        node = _schema_node(parent)
+        schema = getattr(node, "_metadata", None) and node._metadata.object_type
+    fields = getattr(schema, "__dataclass_fields__", {})
+    if leaf in fields:
+        t = fields[leaf].type
+        return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    return None

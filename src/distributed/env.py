@@ -1,0 +1,77 @@
+"""Who this process is (rank, world, device) and the process group / device mesh it trains on."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+_SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
+
+
+def launched_as_worker() -> bool:
+    """True under torchrun / torch.distributed.run or a multi-task SLURM step: the ranks already exist."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def adopt_slurm_env() -> None:
+    """Map SLURM's task variables onto torch's, so `srun python -m src.run` needs only MASTER_ADDR/PORT."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    for slurm, torch_name in _SLURM_TO_TORCH.items():
+        if slurm in os.environ:
+            os.environ.setdefault(torch_name, os.environ[slurm])
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str, dist_backend: str | None, timeout_s: int = 600) -> DistEnv:
+    """Initialise the default process group (a one-rank group when not launched) and pick the device.
+
+    A one-rank group keeps a single code path: FSDP2 needs a mesh even on one device, and a
+    HashStore needs no port.
+    """
+    adopt_slurm_env()
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(device_type)
+    if not dist.is_initialized() and dist_backend:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(dist_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            kwargs = {"device_id": device} if device_type == "cuda" else {}
+            dist.init_process_group(dist_backend, timeout=timeout, **kwargs)
+    return DistEnv(rank, world, local_rank, device)
+
+
+def build_mesh(device_type: str, world_size: int, strategy: str, replicate: int) -> DeviceMesh:
+    """1-D mesh of all ranks for fsdp2/none; (replicate, shard) 2-D mesh for hsdp."""
+    if strategy == "hsdp":
+        return init_device_mesh(device_type, (replicate, world_size // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,108 @@
+"""SEED.md's MiniLLM as a plain nn.Module: no config objects, no sharding, no kernels inside.
+
+Pre-norm blocks: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)) with a SiLU MLP of 4x width, an
+untied output head. Attention keeps nn.MultiheadAttention's parameters (one qkv projection with
+bias, an output projection with bias) so parameter counts match the seed's, but calls
+scaled_dot_product_attention on (B, nh, T, hs) directly: that skips MHA's batch-first transposes
+and lets the causal mask (which the seed lacks) be a flag.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, causal: bool = True):
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.causal = causal
+        self.in_proj = nn.Linear(dim, 3 * dim, bias=True)
+        self.out_proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.in_proj(x).view(B, T, 3, self.n_heads, C // self.n_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.out_proj(y)
+
+
+class FeedForward(nn.Module):
+    """Linear -> SiLU -> Linear, no biases, as the seed's nn.Sequential."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.act = nn.SiLU()
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, ffn_mult: int = 4, causal: bool = True, norm_eps: float = 1e-6):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(dim, eps=norm_eps)
+        self.attn = Attention(dim, n_heads, causal)
+        self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn = FeedForward(dim, dim * ffn_mult)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class MiniLLM(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        dim: int = 2048,
+        n_layers: int = 12,
+        n_heads: int = 16,
+        ffn_mult: int = 4,
+        causal: bool = True,
+        norm_eps: float = 1e-6,
+        init_std: float = 0.02,
+    ):
+        super().__init__()
+        self.n_layers, self.n_heads, self.dim = n_layers, n_heads, dim
+        self.init_std = init_std
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(dim, n_heads, ffn_mult, causal, norm_eps) for _ in range(n_layers)
+        )
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)  # (B, T, vocab)
+
+    def param_init(self, name: str) -> tuple[str, float]:
+        """How parameter `name` is initialised: ("ones" | "zeros" | "normal", std).
+
+        GPT-2's scheme: N(0, 0.02) for weights, with the two projections that write into the
+        residual stream scaled by 1/sqrt(2 * n_layers) so its variance stays put with depth.
+        Kept as data, not applied here, so sharded code can draw each full tensor from its own
+        seeded generator and initial weights do not depend on the world size.
+        """
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if ".norm" in name:
+            return "ones", 0.0
+        if name.endswith(("out_proj.weight", "ffn.down.weight")):
+            return "normal", self.init_std / math.sqrt(2 * self.n_layers)
+        return "normal", self.init_std
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n

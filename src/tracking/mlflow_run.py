@@ -1,0 +1,154 @@
+"""One MLflow run per training run, driven from rank 0 only.
+
+Uses MlflowClient with an explicit run id (no fluent global state), logs step metrics
+asynchronously so a slow store never stalls a step, and always ends the run: FINISHED, FAILED
+(with the error as a tag) or KILLED on Ctrl-C.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+RUN_ID_FILE = ".mlflow_run_id"
+
+
+def resolve_tracking_uri(uri: str, cwd: str | os.PathLike) -> str:
+    """`sqlite:///mlflow.db` is relative to where the run was started; make it absolute so spawned
+    ranks and sweep jobs all write the same store."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str((Path(cwd) / uri[len(prefix):]).resolve())
+    return uri
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def git_state(cwd: str | os.PathLike) -> dict[str, str]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git.commit": commit, "git.dirty": str(dirty).lower()} if commit else {}
+
+
+def default_run_name(cfg: Any, overrides: list[str]) -> str:
+    shown = [o for o in overrides if not o.startswith(("hydra", "tracking."))]
+    if shown:
+        return " ".join(o.lstrip("+") for o in shown)[:250]
+    return f"{cfg.task.name}-{cfg.model.name}-{cfg.sharding.name}-{cfg.precision.name}"
+
+
+class NullTracker:
+    run_id: str | None = None
+
+    def start(self) -> None: ...
+    def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None: ...
+    def log_artifact(self, path: str | os.PathLike) -> None: ...
+    def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None: ...
+
+
+class MlflowTracker(NullTracker):
+    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str], run_dir: Path | None):
+        self.uri, self.experiment, self.run_name = uri, experiment, run_name
+        self.params, self.tags, self.run_dir = dict(params), dict(tags), run_dir
+        self.client = None
+        self.run_id = None
+
+    def start(self) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        exp = self.client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+        run = self.client.create_run(exp_id, run_name=self.run_name, tags=self.tags)
+        self.run_id = run.info.run_id
+        if self.run_dir is not None:
+            (self.run_dir / RUN_ID_FILE).write_text(self.run_id)
+        # MLflow caps a param value at 6000 characters and a batch at 100 params.
+        params = [Param(k, str(v)[:6000]) for k, v in self.params.items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
+
+    def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
+
+    def log_artifact(self, path: str | os.PathLike) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
+        import mlflow
+
+        try:
+            mlflow.flush_async_logging()
+            if summary:
+                from mlflow.entities import Metric
+
+                now = int(time.time() * 1000)
+                headline = [Metric(f"summary.{k}", float(v), now, 0) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                self.client.log_batch(self.run_id, metrics=headline)
+            if error:
+                self.client.set_tag(self.run_id, "error", error[:5000])
+        finally:
+            self.client.set_terminated(self.run_id, status=status)
+
+
+def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str | os.PathLike) -> dict[str, str]:
+    import torch
+
+    tags = {
+        "overrides": " ".join(overrides) or "(defaults)",
+        "world_size": str(world_size),
+        "device": device_name,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+    }
+    tags.update(git_state(cwd))
+    return tags
+
+
+def fail_dangling_run(run_dir: Path, uri: str, error: str) -> None:
+    """Mark rank 0's run FAILED when rank 0 died without ending it (SIGKILL, OOM killer)."""
+    id_file = run_dir / RUN_ID_FILE
+    if not id_file.exists():
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = id_file.read_text().strip()
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_tag(run_id, "error", error[:5000])
+        client.set_terminated(run_id, status="FAILED")
+
+
+def write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)

@@ -1,0 +1,163 @@
+"""The training step and loop: forward, loss, backward, gradient norm, AdamW, per-step figures."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from src.train.metrics import mfu_percent, peak_memory_gb
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    mfu: float | None
+    peak_mem_alloc_gb: float
+    peak_mem_reserved_gb: float
+    rank0_peak_mem_alloc_gb: float
+
+    def metrics(self) -> dict[str, float | None]:
+        return {k: v for k, v in asdict(self).items() if k != "step"}
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    grad_clip: float = 0.0,
+    autocast_dtype: torch.dtype | None = None,
+    loss_fp32: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced."""
+    optimizer.zero_grad(set_to_none=True)
+    autocast = (
+        torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
+    with autocast:
+        logits = model(inputs)  # (B, T, vocab)
+        if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
+            logits = logits.float()
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):  # DTensor: the local shards' norms reduced over the mesh
+        norm = norm.full_tensor()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
+    optimizer.step()
+    return loss.detach(), norm.detach()
+
+
+def _reduce_across_ranks(loss: torch.Tensor, norm: torch.Tensor, mem: tuple[float, float]) -> tuple[float, float, float, float]:
+    """One all_gather carries every rank's loss and memory: mean loss, max memory, in one sync."""
+    local = torch.stack([loss.float(), norm.float(), torch.tensor(mem[0], device=loss.device), torch.tensor(mem[1], device=loss.device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        rows = torch.stack(gathered).tolist()
+        return (
+            sum(r[0] for r in rows) / len(rows),
+            rows[0][1],
+            max(r[2] for r in rows),
+            max(r[3] for r in rows),
+        )
+    vals = local.tolist()
+    return vals[0], vals[1], vals[2], vals[3]
+
+
+@dataclass
+class LoopResult:
+    steps: list[StepStats]
+    overhead_s: float
+    wall_s: float
+
+
+def train_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    device: torch.device,
+    tokens_per_step_per_device: int,
+    world_size: int,
+    flops_per_token: float,
+    peak_flops: float | None,
+    grad_clip: float = 0.0,
+    autocast_dtype: torch.dtype | None = None,
+    loss_fp32: bool = True,
+    log_every: int = 1,
+    on_step: Iterable[Callable[[StepStats], None]] = (),
+) -> LoopResult:
+    """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
+    device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
+    stats, callbacks) is counted apart as overhead so its share of the step can be reported."""
+    results: list[StepStats] = []
+    overhead = 0.0
+    start = time.perf_counter()
+    interval_start, interval_steps = None, 0
+    for step in range(steps):
+        if interval_start is None:
+            interval_start = time.perf_counter()
+        inputs, targets = next(batches)
+        loss, norm = train_step(model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32)
+        interval_steps += 1
+        if (step + 1) % log_every and step != steps - 1:
+            continue  # no sync: the device runs ahead until the next logged step
+        mem = peak_memory_gb(device)
+        loss_v, norm_v, mem_alloc, mem_reserved = _reduce_across_ranks(loss, norm, mem)
+        t1 = time.perf_counter()
+        dt = (t1 - interval_start) / interval_steps  # mean step time over the unsynced interval
+        interval_start, interval_steps = None, 0
+        tps_dev = tokens_per_step_per_device / dt
+        stats = StepStats(
+            step=step,
+            loss=loss_v,
+            grad_norm=norm_v,
+            step_time_s=dt,
+            tokens_per_s=tps_dev * world_size,
+            tokens_per_s_per_device=tps_dev,
+            mfu=mfu_percent(flops_per_token, tps_dev, peak_flops),
+            peak_mem_alloc_gb=mem_alloc,
+            peak_mem_reserved_gb=mem_reserved,
+            rank0_peak_mem_alloc_gb=mem[0],
+        )
+        results.append(stats)
+        for callback in on_step:
+            callback(stats)
+        overhead += time.perf_counter() - t1
+    return LoopResult(results, overhead, time.perf_counter() - start)
+
+
+def summarize(result: LoopResult, warmup_steps: int) -> dict[str, float | None]:
+    """Headline figures: medians over the steps after warm-up (all steps when the run is shorter)."""
+    steady = [s for s in result.steps if s.step >= warmup_steps] or result.steps[-1:]
+    tps_dev = statistics.median(s.tokens_per_s_per_device for s in steady)
+    mfus = [s.mfu for s in steady if s.mfu is not None]
+    return {
+        "steps": len(result.steps),
+        "final_loss": result.steps[-1].loss,
+        "initial_loss": result.steps[0].loss,
+        "final_grad_norm": result.steps[-1].grad_norm,
+        "tokens_per_s": statistics.median(s.tokens_per_s for s in steady),
+        "tokens_per_s_per_device": tps_dev,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "step_time_s": statistics.median(s.step_time_s for s in steady),
+        "peak_mem_gb": max(s.peak_mem_alloc_gb for s in result.steps),
+        "peak_mem_reserved_gb": max(s.peak_mem_reserved_gb for s in result.steps),
+        "overhead_frac": result.overhead_s / max(result.wall_s, 1e-9),
+        "wall_s": result.wall_s,
+    }

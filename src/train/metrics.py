@@ -1,0 +1,68 @@
+"""Throughput, MFU and memory figures for a training step.
+
+MFU follows torchtitan: 100 * flops_per_token * tokens_per_s_per_device / peak_flops, where
+flops_per_token = 6 * N_non_embedding + 6 * layers * heads * (qk_dim + v_dim) * seq_len, and peak
+is the datasheet's dense rate for the device and compute dtype. Where no peak is known (a CPU, an
+unlisted GPU) MFU is None and shows as "n/a": a made-up denominator would make it meaningless.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+# Dense (no 2:4 sparsity) datasheet peaks in FLOP/s, by a substring of the device name.
+# bf16 is the MFU denominator torchtitan uses; tf32 is what an fp32 matmul runs at when allowed.
+PEAK_FLOPS = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494.5e12, "float32": 67e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "tf32": 494.5e12, "float32": 67e12},
+    "B200": {"bfloat16": 2250e12, "float16": 2250e12, "tf32": 1100e12, "float32": 80e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+    "L40S": {"bfloat16": 362e12, "float16": 362e12, "tf32": 183e12, "float32": 91.6e12},
+    "A10G": {"bfloat16": 70e12, "float16": 70e12, "tf32": 35e12, "float32": 31.2e12},
+}
+
+
+def flops_per_token(n_params_non_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (fwd 2N + bwd 4N) plus attention scores and
+    values, 6 * L * H * (qk_dim + v_dim) * T (torchtitan's count; it does not halve for causal)."""
+    return 6 * n_params_non_embedding + 6 * n_layers * n_heads * (2 * head_dim) * seq_len
+
+
+def peak_flops(device: torch.device, compute_dtype: str) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    dtype = compute_dtype
+    if dtype == "float32" and torch.backends.cuda.matmul.allow_tf32:
+        dtype = "tf32"
+    for key, table in PEAK_FLOPS.items():
+        if key in name:
+            return table.get(dtype)
+    return None
+
+
+def mfu_percent(fpt: float, tokens_per_s_per_device: float, peak: float | None) -> float | None:
+    return None if not peak else 100.0 * fpt * tokens_per_s_per_device / peak
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> tuple[float, float]:
+    """(allocated, reserved) peak in GB (1e9 bytes, as the seed prints). On a CPU there is no caching
+    allocator: both are the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, torch.cuda.max_memory_reserved(device) / 1e9
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory() / 1e9, torch.mps.driver_allocated_memory() / 1e9
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    rss = rss_kb if sys.platform == "darwin" else rss_kb * 1024
+    return rss / 1e9, rss / 1e9
+
+
+def format_metric(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if value is None else fmt.format(value)

@@ -1,0 +1,197 @@
+"""task=train on one rank: build the model on the meta device, shard it, materialise it, train, and
+(rank 0 only) log to MLflow and write summary.json."""
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+from src.data.batches import TokenBatches
+from src.distributed.env import DistEnv, build_mesh, init_distributed, shutdown
+from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
+from src.models.mini_llm import MiniLLM
+from src.runtime import RunContext
+from src.tracking.mlflow_run import MlflowTracker, NullTracker, default_run_name, flatten, run_tags, write_json
+from src.train.loop import summarize, train_loop
+from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
+from src.train.progress import ProgressReporter
+
+log = logging.getLogger("src.train")
+
+
+def build_model(model_cfg: DictConfig) -> MiniLLM:
+    """The config-to-constructor boundary: the model itself only sees plain arguments."""
+    kwargs = {k: v for k, v in OmegaConf.to_container(model_cfg, resolve=True).items() if k != "name"}
+    return MiniLLM(**kwargs)
+
+
+def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
+    """The resolved key settings that summary.json records next to the figures."""
+    return {
+        "exp": cfg.exp,
+        "model": cfg.model.name,
+        "sharding": cfg.sharding.name,
+        "precision": cfg.precision.name,
+        "backend": cfg.backend.name,
+        "kernels": cfg.kernels.name,
+        "data": cfg.data.name,
+        "world_size": world_size,
+        "batch_size_per_device": cfg.data.batch_size,
+        "seq_len": cfg.data.seq_len,
+        "steps": cfg.train.steps,
+        "lr": cfg.optim.lr,
+    }
+
+
+def setup_logging(run_dir: Path | None, rank: int) -> None:
+    """Spawned ranks start with bare logging: rank 0 logs to the console and to <run_dir>/run.log,
+    other ranks log warnings only, so the console shows one copy of each line."""
+    root = logging.getLogger()
+    if getattr(root, "_perflab_configured", False):
+        return
+    level = logging.INFO if rank == 0 else logging.WARNING
+    fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    if not root.handlers:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(fmt)
+        root.addHandler(console)
+    has_file = any(isinstance(h, logging.FileHandler) for h in root.handlers)  # Hydra's run.log, in-process
+    if run_dir is not None and rank == 0 and not has_file:
+        file_handler = logging.FileHandler(run_dir / "run.log")
+        file_handler.setFormatter(fmt)
+        root.addHandler(file_handler)
+    root.setLevel(level)
+    for noisy in ("alembic", "mlflow", "urllib3", "git"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    root._perflab_configured = True  # type: ignore[attr-defined]
+
+
+def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path | None):
+    if not (env.is_main and cfg.tracking.enabled):
+        return NullTracker()
+    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
+    return MlflowTracker(
+        uri=ctx.tracking_uri or cfg.tracking.uri,
+        experiment=cfg.tracking.experiment or cfg.exp or "default",
+        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
+        params=flatten(OmegaConf.to_container(cfg, resolve=True)),
+        tags=run_tags(ctx.overrides, env.world_size, device_name, ctx.cwd),
+        run_dir=run_dir,
+    )
+
+
+def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    """Train on this rank. Returns the summary (the same dict on every rank; rank 0 also writes it)."""
+    env = init_distributed(cfg.backend.device_type, cfg.backend.dist_backend, cfg.dist.timeout_s)
+    run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
+    setup_logging(run_dir, env.rank)
+    tracker = _make_tracker(cfg, ctx, env, run_dir)
+    reporter = None
+    try:
+        torch.manual_seed(cfg.train.seed)
+        strategy = cfg.sharding.strategy
+        compute_dtype = DTYPES[cfg.precision.param_dtype]
+
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        n_params = model.num_params(non_embedding=False)
+        fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads, cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+        if cfg.kernels.compile:
+            for block in model.layers:
+                block.compile()
+
+        autocast_dtype = None
+        dp_rank, dp_world = env.rank, env.world_size
+        if strategy in ("fsdp2", "hsdp"):
+            mesh = build_mesh(env.device.type, env.world_size, strategy, cfg.sharding.replicate)
+            apply_fsdp(
+                model, mesh, mixed_precision_policy(cfg.precision.param_dtype, cfg.precision.reduce_dtype),
+                cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload,
+            )
+        elif compute_dtype != torch.float32:
+            autocast_dtype = compute_dtype  # unsharded mixed precision: fp32 weights, autocast compute
+        init_device = torch.device("cpu") if cfg.sharding.cpu_offload else env.device
+        materialize_and_init(model, init_device, cfg.train.seed)
+        if strategy == "none" and env.world_size > 1:
+            model = DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+
+        fused = cfg.optim.fused if cfg.optim.fused is not None else (env.device.type == "cuda" and not cfg.sharding.cpu_offload)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay, fused=fused,
+        )
+        batches = TokenBatches(
+            cfg.data.source, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed,
+            dp_rank, dp_world, env.device, cfg.data.text_path, cfg.data.corpus_mb,
+        )
+        peak = peak_flops(env.device, cfg.precision.param_dtype)
+        tracker.start()
+        if env.is_main:
+            log.info(
+                "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",
+                cfg.model.name, n_params / 1e6, cfg.sharding.name, env.world_size, env.device.type,
+                cfg.precision.name, cfg.data.batch_size, cfg.data.seq_len, cfg.train.steps,
+            )
+        callbacks = []
+        if env.is_main:
+            reporter = ProgressReporter(cfg.train.steps, cfg.train.progress, cfg.train.seed_line)
+            callbacks = [reporter, lambda s: tracker.log_step(s.step, s.metrics())]
+        reset_peak_memory(env.device)
+        result = train_loop(
+            model, optimizer, batches, cfg.train.steps, env.device,
+            tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
+            world_size=env.world_size, flops_per_token=fpt, peak_flops=peak,
+            grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32,
+            log_every=cfg.train.log_every, on_step=callbacks,
+        )
+        if reporter:
+            reporter.close()
+        summary = {
+            "task": "train",
+            "status": "finished",
+            "settings": settings(cfg, env.world_size),
+            "params": n_params,
+            "flops_per_token": fpt,
+            "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
+            **summarize(result, cfg.train.warmup_steps),
+            "mlflow_run_id": tracker.run_id,
+        }
+        if run_dir is not None:
+            write_json(run_dir / "summary.json", summary)
+            tracker.log_artifact(run_dir / "summary.json")
+            tracker.log_artifact(run_dir / "config.yaml")
+        tracker.finish("FINISHED", summary)
+        if env.is_main:
+            log.info(
+                "done: final loss %.4f, %s tok/s/device, MFU %s, peak %.2f GB, overhead %.2f%% of wall time",
+                summary["final_loss"], f"{summary['tokens_per_s_per_device']:,.0f}",
+                "n/a" if summary["mfu"] is None else f"{summary['mfu']:.1f}%", summary["peak_mem_gb"],
+                100 * summary["overhead_frac"],
+            )
+        return summary
+    except BaseException as exc:
+        if reporter:
+            reporter.close()
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        if tracker.run_id:
+            tracker.finish(status, error=f"rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        raise
+    finally:
+        shutdown()
+
+
+def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def elastic_entry(cfg_container: dict, ctx_fields: dict) -> dict[str, Any]:
+    """What each rank runs under the elastic launcher (spawned: it rebuilds the config from a dict)."""
+    cfg = OmegaConf.create(cfg_container)
+    return train(cfg, RunContext(**ctx_fields))

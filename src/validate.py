@@ -1,0 +1,70 @@
+"""Settings that compose but cannot run: checked before any rank, run directory or MLflow run exists.
+
+Each check raises ConfigError with one line: the bad value, then the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+from omegaconf import DictConfig
+
+from src.compose import ConfigError
+from src.config import GROUPS
+
+TRAINING_TASKS = {"train"}
+TRAINING_BACKENDS = {"cpu", "cuda", "mps"}
+
+
+def _check_group_keys(cfg: DictConfig) -> None:
+    # `+model.dimm=3` appends a key that no schema knows; it would surface much later as a
+    # constructor error, so refuse it here.
+    for group, schema in GROUPS.items():
+        known = {f.name for f in fields(schema)}
+        extra = sorted(set(cfg[group].keys()) - known)
+        if extra:
+            raise ConfigError(f"{group}.{extra[0]}: unknown key in {group}; valid keys: {', '.join(sorted(known - {'name'}))}")
+
+
+def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False) -> None:
+    """Raise ConfigError for the first impossible combination. Device facts are probed unless given
+    (tests pass them to check the messages for hardware this machine lacks)."""
+    _check_group_keys(cfg)
+    backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding
+    nproc = cfg.dist.nproc
+    if cuda_device_count is None:
+        cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if mps_available is None:
+        mps_available = torch.backends.mps.is_available()
+
+    if task in TRAINING_TASKS and backend not in TRAINING_BACKENDS:
+        raise ConfigError(f"backend={backend} cannot train; use it with task=infer (+exp=edge), or train with backend=cpu or backend=cuda")
+    if task in TRAINING_TASKS and backend == "mps" and (sharding.strategy != "none" or nproc != 1):
+        raise ConfigError(f"backend=mps trains on one device only (sharding={sharding.name}, dist.nproc={nproc}); use sharding=none dist.nproc=1")
+    if backend == "cuda" and cuda_device_count == 0:
+        raise ConfigError("backend=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False); use backend=cpu, or run on a machine with an NVIDIA GPU")
+    if backend == "mps" and not mps_available:
+        raise ConfigError("backend=mps but torch.backends.mps.is_available() is False (MPS needs Apple Silicon and macOS 12.3+); use backend=cpu")
+    if nproc < 1 or cfg.dist.nnodes < 1:
+        raise ConfigError(f"dist.nproc={nproc} dist.nnodes={cfg.dist.nnodes}: both must be at least 1")
+    if backend == "cuda" and not as_worker and nproc > cuda_device_count:
+        raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less")
+
+    m = cfg.model
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of {m.n_heads}, or another n_heads")
+    if min(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.ffn_mult) < 1:
+        raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive")
+    if cfg.data.source == "text" and m.vocab_size < 256:
+        raise ConfigError(f"data=text is byte-level and needs model.vocab_size >= 256 (got {m.vocab_size})")
+    if cfg.data.batch_size < 1 or cfg.data.seq_len < 1:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} data.seq_len={cfg.data.seq_len}: both must be at least 1")
+
+    world = nproc * cfg.dist.nnodes
+    if sharding.strategy == "hsdp":
+        if sharding.replicate < 1 or world % sharding.replicate:
+            raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")
+    if sharding.cpu_offload and backend != "cuda":
+        raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")
+    if cfg.train.steps < 1:
+        raise ConfigError(f"train.steps={cfg.train.steps} must be at least 1")
