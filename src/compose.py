@@ -16,6 +16,9 @@ from src import config as _schemas  # noqa: F401  (registers the schemas in the 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
 class ConfigError(Exception):
     """A setting that cannot work. The message is the one line the user sees."""
 
@@ -62,7 +65,7 @@ def explain_compose_error(exc: Exception, overrides: list[str]) -> str:
         full_key = getattr(cause, "full_key", "") or "?"
         first = str(cause).splitlines()[0]
         kind = _field_type(full_key)
-        fix = f"; {full_key} takes a {kind}" if kind else ""
+        fix = f"; {full_key} takes {_TYPE_WORDS.get(kind, kind)}" if kind else ""
         return f"{_override_for(full_key, overrides)}: {first}{fix}"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return f"cannot compose the config: {first}"

@@ -141,6 +141,18 @@ class TrainConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Fault injection, to prove that failures are reported and recovered from (tests, drills)."""
+
+    kind: str = "none"
+    """none, raise (an exception), kill (SIGKILL the rank), or nan (a non-finite loss)"""
+    rank: int = 0
+    """the rank that fails"""
+    step: int = 0
+    """the step at which it fails"""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     sharding: ShardingConfig = MISSING
@@ -153,6 +165,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     exp: Optional[str] = None
     """name of the +exp experiment, set by each conf/exp/*.yaml"""
     extra: dict[str, Any] = field(default_factory=dict)

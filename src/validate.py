@@ -4,6 +4,7 @@ Each check raises ConfigError with one line: the bad value, then the fix.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 import torch
@@ -39,12 +40,12 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
 
     if task in TRAINING_TASKS and backend not in TRAINING_BACKENDS:
         raise ConfigError(f"backend={backend} cannot train; use it with task=infer (+exp=edge), or train with backend=cpu or backend=cuda")
-    if task in TRAINING_TASKS and backend == "mps" and (sharding.strategy != "none" or nproc != 1):
-        raise ConfigError(f"backend=mps trains on one device only (sharding={sharding.name}, dist.nproc={nproc}); use sharding=none dist.nproc=1")
     if backend == "cuda" and cuda_device_count == 0:
         raise ConfigError("backend=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False); use backend=cpu, or run on a machine with an NVIDIA GPU")
     if backend == "mps" and not mps_available:
         raise ConfigError("backend=mps but torch.backends.mps.is_available() is False (MPS needs Apple Silicon and macOS 12.3+); use backend=cpu")
+    if task in TRAINING_TASKS and backend == "mps" and (sharding.strategy != "none" or nproc != 1):
+        raise ConfigError(f"backend=mps trains on one device only (sharding={sharding.name}, dist.nproc={nproc}); use sharding=none dist.nproc=1")
     if nproc < 1 or cfg.dist.nnodes < 1:
         raise ConfigError(f"dist.nproc={nproc} dist.nnodes={cfg.dist.nnodes}: both must be at least 1")
     if backend == "cuda" and not as_worker and nproc > cuda_device_count:
@@ -55,6 +56,10 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of {m.n_heads}, or another n_heads")
     if min(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.ffn_mult) < 1:
         raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive")
+    if cfg.data.source == "text" and cfg.data.text_path and not os.path.isfile(cfg.data.text_path):
+        raise ConfigError(f"data.text_path={cfg.data.text_path}: no such file; give a UTF-8 text file, or leave it empty for the built-in corpus")
+    if cfg.fault.kind not in ("none", "raise", "kill", "nan"):
+        raise ConfigError(f"fault.kind={cfg.fault.kind}: use one of none, raise, kill, nan")
     if cfg.data.source == "text" and m.vocab_size < 256:
         raise ConfigError(f"data=text is byte-level and needs model.vocab_size >= 256 (got {m.vocab_size})")
     if cfg.data.batch_size < 1 or cfg.data.seq_len < 1:

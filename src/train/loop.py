@@ -50,7 +50,7 @@ def train_step(
         logits = model(inputs)  # (B, T, vocab)
         if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
             logits = logits.float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
@@ -101,6 +101,7 @@ def train_loop(
     loss_fp32: bool = True,
     log_every: int = 1,
     on_step: Iterable[Callable[[StepStats], None]] = (),
+    fault: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> LoopResult:
     """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
     device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
@@ -115,6 +116,8 @@ def train_loop(
         inputs, targets = next(batches)
         loss, norm = train_step(model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32)
         interval_steps += 1
+        if fault is not None:
+            loss = fault(step, loss)
         if (step + 1) % log_every and step != steps - 1:
             continue  # no sync: the device runs ahead until the next logged step
         mem = peak_memory_gb(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init
 from src.models.mini_llm import MiniLLM
 from src.runtime import RunContext
 from src.tracking.mlflow_run import MlflowTracker, NullTracker, default_run_name, flatten, run_tags, write_json
+from src.train.faults import inject
 from src.train.loop import summarize, train_loop
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
 from src.train.progress import ProgressReporter
@@ -149,6 +151,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             world_size=env.world_size, flops_per_token=fpt, peak_flops=peak,
             grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32,
             log_every=cfg.train.log_every, on_step=callbacks,
+            fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
         )
         if reporter:
             reporter.close()

@@ -1,0 +1,110 @@
+"""The config tree composes, and every impossible setting fails before anything starts, in one line."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from src.compose import CONF_DIR, ConfigError, compose_config
+from src.config import GROUPS
+from src.run import preflight
+from src.validate import validate
+from tests.conftest import run_cli
+
+EXPS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
+GROUP_OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+
+
+def test_defaults_compose_to_the_cpu_fsdp2_run():
+    cfg = compose_config([])
+    assert (cfg.model.name, cfg.sharding.name, cfg.precision.name, cfg.backend.name) == ("tiny", "fsdp2", "bf16", "cpu")
+    assert (cfg.data.name, cfg.tracking.name, cfg.task.name, cfg.kernels.name) == ("random", "mlflow", "train", "eager")
+    assert cfg.dist.nproc == 2
+    validate(cfg, cuda_device_count=0, mps_available=False)
+
+
+@pytest.mark.parametrize("exp", EXPS)
+def test_every_experiment_composes(exp):
+    cfg = compose_config([f"+exp={exp}"])
+    assert cfg.exp == exp
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_group_option_composes(group, option):
+    cfg = compose_config([f"{group}={option}"])
+    assert cfg[group].name == option
+
+
+def test_fsdp4_is_the_seeds_run():
+    cfg = compose_config(["+exp=fsdp4"])
+    m = cfg.model
+    assert (m.vocab_size, m.dim, m.n_layers, m.n_heads, m.ffn_mult, m.causal) == (32000, 2048, 12, 16, 4, False)
+    assert (cfg.data.batch_size, cfg.data.seq_len, cfg.dist.nproc, cfg.train.steps) == (8, 1024, 4, 5)
+    assert (cfg.precision.param_dtype, cfg.precision.reduce_dtype, cfg.optim.lr) == ("bfloat16", "float32", 3e-4)
+    assert cfg.backend.name == "cuda" and cfg.train.seed_line
+    # the command line still wins over the experiment's choices
+    assert compose_config(["+exp=fsdp4", "model=tiny", "backend=cpu"]).model.name == "tiny"
+
+
+BAD_OVERRIDES = [
+    (["precision=fp9"], "precision=fp9: no such option in group 'precision'; use one of: bf16, fp32"),
+    (["model.dimm=3"], "model.dimm=3: unknown key 'model.dimm'; valid keys in model: vocab_size, dim,"),
+    (["+model.dimm=3"], "model.dimm: unknown key in model; valid keys:"),
+    (["model.dim=abc"], "model.dim=abc: Value 'abc' of type 'str' could not be converted to Integer; model.dim takes an integer"),
+    (["train.steps=1.5"], "train.steps=1.5:"),
+    (["backend=cuda"], "backend=cuda but no CUDA GPU is visible"),
+    (["backend=vulkan"], "backend=vulkan cannot train; use it with task=infer"),
+    (["backend=mps", "sharding=none", "dist.nproc=1"], "backend=mps but torch.backends.mps.is_available() is False"),
+    (["model.dim=100", "model.n_heads=16"], "model.dim=100 is not divisible by model.n_heads=16"),
+    (["sharding=hsdp", "dist.nproc=3"], "sharding.replicate=2 must divide the world size 3"),
+    (["sharding=fsdp2_offload"], "sharding=fsdp2_offload offloads to host memory from a GPU; with backend=cpu use sharding=fsdp2"),
+    (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
+    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: fsdp4"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_OVERRIDES, ids=[" ".join(o) for o, _ in BAD_OVERRIDES])
+def test_bad_settings_fail_in_preflight_with_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        preflight(overrides, multirun=False)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_bad_value_inside_a_sweep_fails_the_whole_sweep_before_it_starts():
+    with pytest.raises(ConfigError, match="precision=fp9: no such option"):
+        preflight(["precision=fp32,fp9", "sharding=none,fsdp2"], multirun=True)
+
+
+def test_more_ranks_than_gpus_names_the_count():
+    cfg = compose_config(["backend=cuda", "dist.nproc=4"])
+    with pytest.raises(ConfigError, match=r"dist.nproc=4 but only 2 GPU\(s\) are present; set dist.nproc=2 or less"):
+        validate(cfg, cuda_device_count=2, mps_available=False)
+    validate(cfg, cuda_device_count=4, mps_available=False)
+    # under torchrun the launcher, not us, decided how many ranks run on the node
+    validate(cfg, cuda_device_count=2, mps_available=False, as_worker=True)
+
+
+def test_mps_trains_on_one_device_only():
+    cfg = compose_config(["backend=mps"])
+    with pytest.raises(ConfigError, match="backend=mps trains on one device only"):
+        validate(cfg, cuda_device_count=0, mps_available=True)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["precision=fp9"], "precision=fp9"),
+        (["model.dim=abc"], "model.dim=abc"),
+        (["backend=cuda"], "backend=cuda"),
+        (["-m", "precision=fp32,bf16", "model.dim=100", "model.n_heads=16"], "model.dim=100"),
+    ],
+)
+def test_cli_exits_2_with_one_line_and_leaves_nothing_behind(workdir: Path, args, needle):
+    proc = run_cli(args, cwd=workdir, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert list(workdir.iterdir()) == []  # no outputs/, multirun/, mlflow.db or mlruns/

@@ -1,0 +1,112 @@
+"""The real command line, end to end on 2 CPU ranks: run directory, summary.json, MLflow, failures."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import read_summary, run_cli
+
+HEADLINE = ("tokens_per_s_per_device", "tokens_per_s", "mfu", "peak_mem_gb", "final_loss", "step_time_s", "mlflow_run_id")
+
+
+def _client(cwd: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
+
+
+def _runs(cwd: Path):
+    client = _client(cwd)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("default")
+    proc = run_cli(["train.steps=6"], cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return cwd
+
+
+def test_default_run_writes_one_run_dir_with_summary(default_run: Path):
+    run_dirs = list(default_run.glob("outputs/*/*"))
+    assert len(run_dirs) == 1, run_dirs  # one Hydra output directory, not one per rank
+    summary = read_summary(default_run)
+    assert summary["task"] == "train" and summary["status"] == "finished"
+    for key in HEADLINE:
+        assert key in summary, key
+    s = summary["settings"]
+    assert (s["model"], s["sharding"], s["precision"], s["backend"], s["world_size"]) == ("tiny", "fsdp2", "bf16", "cpu", 2)
+    assert summary["mfu"] is None  # no peak-FLOPS figure for a CPU: not applicable, not invented
+    assert summary["tokens_per_s"] == pytest.approx(2 * summary["tokens_per_s_per_device"])
+    assert summary["steps"] == 6 and summary["final_loss"] > 0 and summary["peak_mem_gb"] > 0
+    assert 0 <= summary["overhead_frac"] < 0.2
+    assert (run_dirs[0] / "config.yaml").exists() and (run_dirs[0] / "run.log").read_text().count("step ") >= 6
+
+
+def test_default_run_is_in_mlflow_with_params_metrics_and_tags(default_run: Path):
+    (run,) = _runs(default_run)
+    summary = read_summary(default_run)
+    assert run.info.run_id == summary["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert run.data.params["model.name"] == "tiny" and run.data.params["dist.nproc"] == "2"
+    assert run.data.params["precision.param_dtype"] == "bfloat16"
+    assert run.data.tags["world_size"] == "2" and run.data.tags["device"] == "cpu" and "torch" in run.data.tags
+    history = _client(default_run).get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(6))
+    assert run.data.metrics["summary.tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s_per_device"])
+    artifacts = {a.path for a in _client(default_run).list_artifacts(run.info.run_id)}
+    assert {"summary.json", "config.yaml"} <= artifacts
+
+
+def test_fsdp4_experiment_on_cpu_prints_the_seed_line(workdir: Path):
+    proc = run_cli(["+exp=fsdp4", "backend=cpu", "model=tiny", "dist.nproc=2", "data.seq_len=256", "tracking=none"], cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seed_lines = [line for line in proc.stdout.splitlines() if line.startswith("Step ")]
+    assert len(seed_lines) == 5
+    assert seed_lines[0].startswith("Step 0 | Loss: ") and seed_lines[-1].endswith(" GB")
+    summary = read_summary(workdir)
+    assert summary["settings"]["exp"] == "fsdp4" and summary["mlflow_run_id"] is None
+    assert not (workdir / "mlflow.db").exists()
+
+
+def test_text_corpus_loss_falls(workdir: Path):
+    proc = run_cli(["data=text", "sharding=none", "dist.nproc=1", "train.steps=40", "optim.lr=3e-3", "tracking=none", "model.dim=128"], cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = read_summary(workdir)
+    assert summary["settings"]["world_size"] == 1
+    # bytes start at ln(256) = 5.55 nats; 40 steps of real text get well under 3.5
+    assert summary["initial_loss"] > 5.0 and summary["final_loss"] < 3.5, summary
+
+
+def test_a_crashing_rank_fails_the_run_with_its_rank_and_error(workdir: Path):
+    proc = run_cli(["fault.kind=raise", "fault.rank=1", "fault.step=2", "train.steps=5"], cwd=workdir)
+    assert proc.returncode == 1
+    assert "error: rank 1 failed: InjectedFault: injected fault at step 2" in proc.stderr.splitlines()
+    summary = read_summary(workdir)
+    assert summary["status"] == "failed" and "rank 1" in summary["error"]
+    (run,) = _runs(workdir)
+    assert run.info.status == "FAILED" and "injected fault" in run.data.tags["error"]
+
+
+def test_a_killed_rank_0_leaves_no_mlflow_run_running(workdir: Path):
+    proc = run_cli(["fault.kind=kill", "fault.rank=0", "fault.step=1", "train.steps=4"], cwd=workdir)
+    assert proc.returncode == 1
+    assert "error: rank 0 failed: killed by signal SIGKILL" in proc.stderr.splitlines()
+    (run,) = _runs(workdir)
+    assert run.info.status == "FAILED"
+
+
+def test_under_torchrun_the_entry_is_a_worker_and_rank_0_owns_the_run_dir(workdir: Path):
+    proc = run_cli(
+        ["train.steps=3", "tracking=none"], cwd=workdir,
+        launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summaries = list(workdir.glob("outputs/*/*/summary.json"))
+    assert len(summaries) == 1
+    summary = json.loads(summaries[0].read_text())
+    assert summary["settings"]["world_size"] == 2 and summary["steps"] == 3
