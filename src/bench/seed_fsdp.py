@@ -1,0 +1,119 @@
+"""SEED.md section 1's `train_fsdp.py`, unchanged in what it computes, with timing added so it can be
+compared with `python -m src.run +exp=fsdp4`:
+
+    torchrun --standalone --nproc_per_node=N src/bench/seed_fsdp.py --steps 20
+
+Additions (marked `# bench:`): a --steps argument (the seed runs 5), a device sync and a timer
+around each step on every rank, and a last JSON line with tokens/s per GPU, MFU and peak memory.
+"""
+import argparse  # bench:
+import json  # bench:
+import os
+import statistics  # bench:
+import time  # bench:
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+try:
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # bench: the private path is gone in newer torch; same functions
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim=2048, n_heads=16):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, n_heads, batch_first=True)
+        self.norm2 = nn.RMSNorm(dim)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, dim * 4, bias=False),
+            nn.SiLU(),
+            nn.Linear(dim * 4, dim, bias=False),
+        )
+
+    def forward(self, x):
+        h = self.norm1(x)
+        attn_out, _ = self.attn(h, h, h, need_weights=False)
+        x = x + attn_out
+        return x + self.ffn(self.norm2(x))
+
+
+class MiniLLM(nn.Module):
+    def __init__(self, vocab_size=32000, dim=2048, n_layers=12):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList([TransformerBlock(dim) for _ in range(n_layers)])
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def main():
+    parser = argparse.ArgumentParser()  # bench:
+    parser.add_argument("--steps", type=int, default=5)  # bench:
+    parser.add_argument("--warmup", type=int, default=2)  # bench: steps left out of the medians
+    args = parser.parse_args()  # bench:
+
+    # 1. Initialize NCCL process group
+    dist.init_process_group(backend="nccl")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+
+    # 2. Build model on meta device or standard CUDA, then shard layer-by-layer
+    model = MiniLLM().to(device)
+    n_non_embedding = sum(p.numel() for p in model.parameters()) - model.embed.weight.numel()  # bench:
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
+    # Shard each TransformerBlock independently to prefetch weights on the fly
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    step_times = []  # bench:
+    # 3. Distributed Training Step (All-Gather -> Compute -> Reduce-Scatter)
+    for step in range(args.steps):
+        torch.cuda.synchronize()  # bench:
+        t0 = time.perf_counter()  # bench:
+        tokens = torch.randint(0, 32000, (8, 1024), device=device)
+        targets = torch.randint(0, 32000, (8, 1024), device=device)
+        optimizer.zero_grad()
+        logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.view(-1, 32000), targets.view(-1))
+        loss.backward()
+        optimizer.step()
+        if local_rank == 0:
+            mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
+            print(f"Step {step} | Loss: {loss.item():.4f} | Peak VRAM/GPU: {mem_gb:.2f} GB")
+        torch.cuda.synchronize()  # bench:
+        step_times.append(time.perf_counter() - t0)  # bench:
+
+    if local_rank == 0:  # bench: the figures src.run reports, by the same formulas
+        steady = step_times[args.warmup:] or step_times[-1:]
+        tps = 8 * 1024 / statistics.median(steady)
+        fpt = 6 * n_non_embedding + 6 * 12 * 16 * (2 * 128) * 1024
+        peak = 989e12 if any(k in torch.cuda.get_device_name(device) for k in ("H100", "H200")) else None
+        print("SEED_RESULT " + json.dumps({
+            "tokens_per_s_per_device": tps,
+            "mfu": 100 * fpt * tps / peak if peak else None,
+            "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "step_time_s": statistics.median(steady),
+            "final_loss": loss.item(),
+            "world_size": dist.get_world_size(),
+        }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
