@@ -1,0 +1,29 @@
+"""GPU paths (marked `gpu`, skipped without CUDA): the same CLI on NCCL ranks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import read_summary, run_cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+
+def test_fsdp2_bf16_on_cuda_reports_mfu_and_device_memory(tmp_path: Path):
+    n = min(torch.cuda.device_count(), 2)
+    proc = run_cli(["backend=cuda", "model=small", f"dist.nproc={n}", "data.seq_len=512", "train.steps=6", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = read_summary(tmp_path)
+    assert s["settings"]["world_size"] == n and s["device_name"].startswith("NVIDIA")
+    assert s["final_loss"] < s["initial_loss"]
+    if any(k in s["device_name"] for k in ("H100", "H200")):
+        assert 0 < s["mfu"] < 100
+    assert 0 < s["peak_mem_gb"] <= s["peak_mem_reserved_gb"]
+
+
+def test_more_ranks_than_gpus_is_refused(tmp_path: Path):
+    proc = run_cli(["backend=cuda", f"dist.nproc={torch.cuda.device_count() + 1}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "GPU(s) are present" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
