@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_fsdp2_bf16_on_cuda_reports_mfu_and_device_memory(tmp_path: Path):
     n = min(torch.cuda.device_count(), 2)
-    proc = run_cli(["backend=cuda", "model=small", f"dist.nproc={n}", "data.seq_len=512", "train.steps=6", "tracking=none"], cwd=tmp_path)
+    proc = run_cli(["backend=cuda", "model=small", "data=text", f"dist.nproc={n}", "data.seq_len=512", "train.steps=6", "tracking=none"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = read_summary(tmp_path)
     assert s["settings"]["world_size"] == n and s["device_name"].startswith("NVIDIA")

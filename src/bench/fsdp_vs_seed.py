@@ -65,7 +65,7 @@ def main() -> None:
                     "final_loss": s["final_loss"], "overhead_frac": s["overhead_frac"],
                 })
                 print(f"ours/{tracking} nproc={n} round={r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU", flush=True)
-    (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
+            (args.out / "rows.json").write_text(json.dumps(rows, indent=2))  # after every pair: a cut-off call keeps what ran
 
     print(f"\n{'impl':<12} {'GPUs':>4} {'tok/s/GPU':>11} {'MFU %':>6} {'peak GB':>8} {'step ms':>8} {'overhead':>9} {'vs seed':>8}")
     for n in args.nproc:
