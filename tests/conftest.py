@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, module: str = "src.run", launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="0")
-    env.pop("HYDRA_FULL_ERROR")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("HYDRA_FULL_ERROR", None)
     cmd = [sys.executable, *(launcher or []), "-m", module, *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

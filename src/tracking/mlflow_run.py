@@ -1,8 +1,8 @@
 """One MLflow run per training run, driven from rank 0 only.
 
-Uses MlflowClient with an explicit run id (no fluent global state), logs step metrics
-asynchronously so a slow store never stalls a step, and always ends the run: FINISHED, FAILED
-(with the error as a tag) or KILLED on Ctrl-C.
+Uses MlflowClient with an explicit run id (no fluent global state), hands step metrics to a
+writer process (src/tracking/writer.py) so a slow store never stalls a step, and always ends the
+run: FINISHED, FAILED (with the error as a tag) or KILLED on Ctrl-C.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any, Mapping
+
+from src.tracking.writer import MetricWriter
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class MlflowTracker(NullTracker):
         self.params, self.tags, self.run_dir = dict(params), dict(tags), run_dir
         self.client = None
         self.run_id = None
+        self.writer = None
 
     def start(self) -> None:
         from mlflow import MlflowClient
@@ -90,23 +93,19 @@ class MlflowTracker(NullTracker):
         params = [Param(k, str(v)[:6000]) for k, v in self.params.items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
+        self.writer = MetricWriter(self.uri, self.run_id)
         log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-        self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
+        self.writer.log(step, metrics)
 
     def log_artifact(self, path: str | os.PathLike) -> None:
         self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
-        import mlflow
-
         try:
-            mlflow.flush_async_logging()
+            if self.writer is not None:
+                self.writer.close()
             if summary:
                 from mlflow.entities import Metric
 
