@@ -1,0 +1,59 @@
+"""Bound verdicts per kernel from Speed-of-Light percentages (SEED.md section 2).
+
+SEED.md's table gives typical readings: memory-bound kernels run SM < 25% with HBM > 75%,
+compute-bound ones SM > 75% with HBM < 50%. Real kernels sit between: silu on an H200 reads SM 74%
+and HBM 77% (shared/fixtures/ncu), which the literal pair misses although HBM is the unit at its
+limit and fusing the op away is exactly the remedy. So the verdict goes to the unit nearest its
+peak once that unit is past its threshold; the seed's pairs mark a verdict as "textbook". A
+kernel with neither unit past its threshold is limited by latency (or, when few warps are
+resident, occupancy): fewer, larger launches help it, not fusion for bandwidth.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MEMORY_BOUND, COMPUTE_BOUND, NEITHER = "memory-bound", "compute-bound", "neither"
+
+REMEDIES = {
+    MEMORY_BOUND: "kernel fusion (Triton / torch.compile), quantization (FP8/INT4), or a larger batch",
+    COMPUTE_BOUND: "lower precision (FP8/NVFP4), Tensor Core tile alignment (multiples of 64/128), or bigger GPUs",
+    "latency": "fewer, larger launches: fuse with neighbouring ops, CUDA graphs, more work per launch",
+    "occupancy": "raise occupancy: smaller blocks or fewer registers/shared memory per block, more blocks per launch",
+}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    hbm_bound_pct: float = 75.0
+    """HBM throughput at or above this, with HBM the busiest unit: memory-bound"""
+    sm_bound_pct: float = 75.0
+    """SM throughput at or above this, with SM the busiest unit: compute-bound"""
+    sm_idle_pct: float = 25.0
+    """SEED.md's 'Tensor Cores sit idle' mark: a memory-bound kernel below it is textbook"""
+    hbm_low_pct: float = 50.0
+    """SEED.md's 'low to moderate HBM' mark: a compute-bound kernel below it is textbook"""
+    occupancy_low_pct: float = 40.0
+    """achieved occupancy below this names occupancy, not latency, as the limiter"""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    bound: str
+    """memory-bound, compute-bound or neither"""
+    limiter: str
+    """hbm, sm, latency or occupancy"""
+    textbook: bool
+    """both of SEED.md's readings hold, not just the dominant unit's"""
+    remedy: str
+
+
+def classify(sm_pct: float, hbm_pct: float, occupancy_pct: float | None = None, t: Thresholds = Thresholds()) -> Verdict:
+    if math.isnan(sm_pct) or math.isnan(hbm_pct):
+        return Verdict(NEITHER, "unknown", False, "profile with --section SpeedOfLight to get SM and DRAM throughput")
+    if hbm_pct >= t.hbm_bound_pct and hbm_pct >= sm_pct:
+        return Verdict(MEMORY_BOUND, "hbm", sm_pct < t.sm_idle_pct, REMEDIES[MEMORY_BOUND])
+    if sm_pct >= t.sm_bound_pct and sm_pct > hbm_pct:
+        return Verdict(COMPUTE_BOUND, "sm", hbm_pct < t.hbm_low_pct, REMEDIES[COMPUTE_BOUND])
+    limiter = "occupancy" if occupancy_pct is not None and occupancy_pct < t.occupancy_low_pct else "latency"
+    return Verdict(NEITHER, limiter, False, REMEDIES[limiter])
