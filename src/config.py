@@ -141,6 +141,56 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """task=profile: torch.profiler over the training loop; and NVTX annotation for ncu / nsys."""
+
+    wait: int = 1
+    """steps skipped before the profiler starts"""
+    warmup: int = 1
+    """steps traced but discarded (profiler warm-up)"""
+    active: int = 3
+    """steps recorded"""
+    record_shapes: bool = True
+    profile_memory: bool = True
+    with_stack: bool = False
+    """Python stacks in the trace: much larger traces"""
+    row_limit: int = 25
+    """rows of the key_averages table"""
+    nvtx: bool = False
+    """push an NVTX range per module (fwd/layers.3.ffn) and around loss, backward, optimizer"""
+    nvtx_step: int = -1
+    """the step wrapped in the NVTX range 'profiled_step' (what task=diagnose gives ncu); -1: none"""
+
+
+@dataclass
+class ClassifierConfig:
+    """SEED.md's readings for the bound verdict (src/profiling/classify.py explains the rule)."""
+
+    hbm_bound_pct: float = 75.0
+    sm_bound_pct: float = 75.0
+    sm_idle_pct: float = 25.0
+    hbm_low_pct: float = 50.0
+    occupancy_low_pct: float = 40.0
+
+
+@dataclass
+class DiagnoseConfig:
+    """task=diagnose: one training step under Nsight Compute, then the bound verdict per op."""
+
+    step: int = 2
+    """the step that ncu profiles; earlier ones warm up allocator and autotuning"""
+    sections: list[str] = field(default_factory=lambda: ["SpeedOfLight", "SpeedOfLight_RooflineChart", "Occupancy", "LaunchStats"])
+    ncu: str = ""
+    """path to ncu; empty finds it on PATH or under /opt/nvidia/nsight-compute"""
+    timeout_s: int = 3600
+    launch_count: int = 0
+    """profile at most this many kernels of the step (0: all)"""
+    report: str = ""
+    """diagnose this existing report instead of running ncu"""
+    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
+
+
+@dataclass
 class FaultConfig:
     """Fault injection, to prove that failures are reported and recovered from (tests, drills)."""
 
@@ -166,6 +216,8 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     exp: Optional[str] = None
     """name of the +exp experiment, set by each conf/exp/*.yaml"""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -16,6 +16,7 @@ log = logging.getLogger("src.run")
 
 
 def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    """task=train and task=profile: in this process for one rank, else through the elastic launcher."""
     from src.distributed.launch import RankFailed, launch_ranks
     from src.tracking.mlflow_run import fail_dangling_run, write_json
     from src.train.worker import elastic_entry, save_resolved_config, settings, train
@@ -38,14 +39,22 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         if run_dir is not None:
             if cfg.tracking.enabled:
                 fail_dangling_run(run_dir, ctx.tracking_uri or cfg.tracking.uri, str(err))
-            write_json(run_dir / "summary.json", {"task": "train", "status": "failed", "error": str(err), "settings": settings(cfg, cfg.dist.nproc * cfg.dist.nnodes)})
+            write_json(run_dir / "summary.json", {"task": cfg.task.name, "status": "failed", "error": str(err), "settings": settings(cfg, cfg.dist.nproc * cfg.dist.nnodes)})
         sys.stderr.write(f"error: {err}\n")
         sys.exit(1)
     return results[min(results)]
 
 
+def run_diagnose(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    from src.profiling.ncu_runner import run_diagnose as diagnose
+
+    return diagnose(cfg, ctx)
+
+
 TASKS: dict[str, Callable[[DictConfig, RunContext], Any]] = {
     "train": run_train,
+    "profile": run_train,  # the training loop under torch.profiler (src/profiling/torch_profile.py)
+    "diagnose": run_diagnose,
 }
 
 

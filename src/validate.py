@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from src.compose import ConfigError
 from src.config import GROUPS
 
-TRAINING_TASKS = {"train"}
+TRAINING_TASKS = {"train", "profile"}
 TRAINING_BACKENDS = {"cpu", "cuda", "mps"}
 
 
@@ -40,6 +40,16 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
 
     if task in TRAINING_TASKS and backend not in TRAINING_BACKENDS:
         raise ConfigError(f"backend={backend} cannot train; use it with task=infer (+exp=edge), or train with backend=cpu or backend=cuda")
+    if task == "diagnose" and cfg.diagnose.report:  # diagnosing a report runs nothing on a device
+        if not os.path.isfile(cfg.diagnose.report):
+            raise ConfigError(f"diagnose.report={cfg.diagnose.report}: no such file; give an .ncu-rep or its --csv --page raw export")
+        return
+    if task == "diagnose" and (backend != "cuda" or cuda_device_count == 0):
+        from src.profiling.ncu_runner import NO_GPU
+
+        raise ConfigError(NO_GPU)
+    if cfg.profile.nvtx and backend != "cuda":
+        raise ConfigError(f"profile.nvtx=true marks ranges for Nsight tools on an NVIDIA GPU; with backend={backend} use +exp=profile (torch.profiler)")
     if backend == "cuda" and cuda_device_count == 0:
         raise ConfigError("backend=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False); use backend=cpu, or run on a machine with an NVIDIA GPU")
     if backend == "mps" and not mps_available:
@@ -73,3 +83,9 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps={cfg.train.steps} must be at least 1")
+    p = cfg.profile
+    if task == "profile" and cfg.train.steps < p.wait + p.warmup + p.active:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps} is shorter than the profiler schedule (wait {p.wait} + warmup {p.warmup} + active {p.active}); "
+            f"set train.steps={p.wait + p.warmup + p.active} or more"
+        )

@@ -66,17 +66,18 @@ class NullTracker:
 
     def start(self) -> None: ...
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None: ...
-    def log_artifact(self, path: str | os.PathLike) -> None: ...
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None: ...
 
 
 class MlflowTracker(NullTracker):
-    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str], run_dir: Path | None):
+    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str], run_dir: Path | None, metric_writer: bool = True):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.params, self.tags, self.run_dir = dict(params), dict(tags), run_dir
         self.client = None
         self.run_id = None
         self.writer = None
+        self.use_writer = metric_writer
 
     def start(self) -> None:
         from mlflow import MlflowClient
@@ -93,14 +94,15 @@ class MlflowTracker(NullTracker):
         params = [Param(k, str(v)[:6000]) for k, v in self.params.items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
-        self.writer = MetricWriter(self.uri, self.run_id)
+        if self.use_writer:  # runs that log step metrics; one-shot runs (diagnose) log directly
+            self.writer = MetricWriter(self.uri, self.run_id)
         log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
         self.writer.log(step, metrics)
 
-    def log_artifact(self, path: str | os.PathLike) -> None:
-        self.client.log_artifact(self.run_id, str(path))
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
         try:

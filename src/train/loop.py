@@ -5,7 +5,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,25 +40,30 @@ def train_step(
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
     loss_fp32: bool = True,
+    mark: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced."""
+    """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced.
+    `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked."""
     optimizer.zero_grad(set_to_none=True)
     autocast = (
         torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     )
     with autocast:
         logits = model(inputs)  # (B, T, vocab)
-        if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
-            logits = logits.float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-    loss.backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if hasattr(norm, "full_tensor"):  # DTensor: the local shards' norms reduced over the mesh
-        norm = norm.full_tensor()
-    if grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
-    optimizer.step()
+        with mark("loss"):
+            if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
+                logits = logits.float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    with mark("backward"):
+        loss.backward()
+    with mark("optimizer"):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # DTensor: the local shards' norms reduced over the mesh
+            norm = norm.full_tensor()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
+        optimizer.step()
     return loss.detach(), norm.detach()
 
 
@@ -102,6 +107,10 @@ def train_loop(
     log_every: int = 1,
     on_step: Iterable[Callable[[StepStats], None]] = (),
     fault: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    mark: Callable[[str], ContextManager] | None = None,
+    profiled_step: int = -1,
+    profiled_step_range: Callable[[], ContextManager] = contextlib.nullcontext,
+    after_step: Callable[[], None] | None = None,
 ) -> LoopResult:
     """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
     device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
@@ -114,7 +123,10 @@ def train_loop(
         if interval_start is None:
             interval_start = time.perf_counter()
         inputs, targets = next(batches)
-        loss, norm = train_step(model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32)
+        with profiled_step_range() if step == profiled_step else contextlib.nullcontext():
+            loss, norm = train_step(model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32, **({"mark": mark} if mark else {}))
+        if after_step is not None:
+            after_step()
         interval_steps += 1
         if fault is not None:
             loss = fault(step, loss)

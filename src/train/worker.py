@@ -19,6 +19,8 @@ from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init
 from src.models.mini_llm import MiniLLM
 from src.runtime import RunContext
 from src.tracking.mlflow_run import MlflowTracker, NullTracker, default_run_name, flatten, run_tags, write_json
+from src.profiling.annotate import module_ranges, profiled_step, step_marker
+from src.profiling.torch_profile import TorchProfileSession
 from src.train.faults import inject
 from src.train.loop import summarize, train_loop
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
@@ -31,6 +33,11 @@ def build_model(model_cfg: DictConfig) -> MiniLLM:
     """The config-to-constructor boundary: the model itself only sees plain arguments."""
     kwargs = {k: v for k, v in OmegaConf.to_container(model_cfg, resolve=True).items() if k != "name"}
     return MiniLLM(**kwargs)
+
+
+def profile_session(cfg: DictConfig) -> TorchProfileSession:
+    p = cfg.profile
+    return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit)
 
 
 def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
@@ -104,6 +111,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             model = build_model(cfg.model)
         n_params = model.num_params(non_embedding=False)
         fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads, cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+        if cfg.profile.nvtx:
+            module_ranges(model)  # before compile and sharding: hooks on the plain modules
         if cfg.kernels.compile:
             for block in model.layers:
                 block.compile()
@@ -144,19 +153,30 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         if env.is_main:
             reporter = ProgressReporter(cfg.train.steps, cfg.train.progress, cfg.train.seed_line)
             callbacks = [reporter, lambda s: tracker.log_step(s.step, s.metrics())]
+        session = profile_session(cfg) if cfg.task.name == "profile" else None
+        if session is not None:
+            session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
         reset_peak_memory(env.device)
-        result = train_loop(
-            model, optimizer, batches, cfg.train.steps, env.device,
-            tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
-            world_size=env.world_size, flops_per_token=fpt, peak_flops=peak,
-            grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32,
-            log_every=cfg.train.log_every, on_step=callbacks,
-            fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
-        )
+        try:
+            result = train_loop(
+                model, optimizer, batches, cfg.train.steps, env.device,
+                tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
+                world_size=env.world_size, flops_per_token=fpt, peak_flops=peak,
+                grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32,
+                log_every=cfg.train.log_every, on_step=callbacks,
+                fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
+                mark=step_marker(cfg.profile.nvtx) if cfg.profile.nvtx else None,
+                profiled_step=cfg.profile.nvtx_step,
+                profiled_step_range=profiled_step,
+                after_step=session.step if session is not None else None,
+            )
+        finally:
+            if session is not None:
+                session.stop()
         if reporter:
             reporter.close()
         summary = {
-            "task": "train",
+            "task": cfg.task.name,
             "status": "finished",
             "settings": settings(cfg, env.world_size),
             "params": n_params,
@@ -165,6 +185,10 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             **summarize(result, cfg.train.warmup_steps),
             "mlflow_run_id": tracker.run_id,
         }
+        if session is not None and env.is_main:
+            summary["profile"] = session.results
+            for artifact in session.artifacts:
+                tracker.log_artifact(artifact, "profile")
         if run_dir is not None:
             write_json(run_dir / "summary.json", summary)
             tracker.log_artifact(run_dir / "summary.json")

@@ -1,0 +1,124 @@
+"""task=profile: torch.profiler over the real training loop (SEED.md section 2, step A).
+
+A wait / warmup / active schedule skips the first steps (allocator warm-up, compilation), records
+`active` steps once, and then writes, per rank: a Chrome/Perfetto trace (ui.perfetto.dev) and,
+on rank 0, the key_averages table sorted by device time (CPU time on a CPU run), a memory
+timeline, and the step's time broken down by category (GEMM, attention, norm, elementwise, loss,
+optimizer, communication). Everything lands in <run_dir>/profile/ and in MLflow.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from src.profiling.categories import CATEGORIES, classify_op
+
+log = logging.getLogger("src.profile")
+
+
+def time_breakdown(events, on_device: bool) -> dict[str, float]:
+    """Seconds per category. On a GPU: every kernel's device time. On a CPU: each op's self CPU
+    time (self time, so nested ops are not counted twice)."""
+    totals: dict[str, float] = defaultdict(float)
+    for evt in events:
+        if on_device:
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            us = evt.self_device_time_total
+        else:
+            if evt.device_type != DeviceType.CPU or evt.name.startswith(("ProfilerStep", "fwd/", "bwd/")):
+                continue
+            us = evt.self_cpu_time_total
+        if us > 0:
+            totals[classify_op(evt.name)[1]] += us * 1e-6
+    return {c: totals[c] for c in CATEGORIES if totals.get(c)}
+
+
+class TorchProfileSession:
+    def __init__(self, wait: int, warmup: int, active: int, record_shapes: bool, profile_memory: bool, with_stack: bool, row_limit: int):
+        self.wait, self.warmup, self.active = wait, warmup, active
+        self.record_shapes, self.profile_memory, self.with_stack = record_shapes, profile_memory, with_stack
+        self.row_limit = row_limit
+        self.results: dict[str, Any] = {}
+        self.artifacts: list[Path] = []
+        self._prof = None
+
+    def steps_needed(self) -> int:
+        return self.wait + self.warmup + self.active
+
+    def start(self, device: torch.device, rank: int, out_dir: Path | None) -> None:
+        self.device, self.rank, self.out_dir = device, rank, out_dir
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            on_trace_ready=self._on_trace_ready,
+        )
+        if self.profile_memory and device.type == "cuda":
+            # The caching allocator's own history: what torch.profiler's memory timeline is deprecated for.
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self._prof.__enter__()
+
+    def step(self) -> None:
+        self._prof.step()
+
+    def stop(self) -> None:
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None
+
+    def _on_trace_ready(self, prof) -> None:
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        trace = self.out_dir / f"trace_rank{self.rank}.json"
+        prof.export_chrome_trace(str(trace))
+        self.artifacts.append(trace)
+        if self.rank != 0:
+            return
+        on_device = self.device.type == "cuda"
+        averages = prof.key_averages()
+        sort = "self_device_time_total" if on_device else "self_cpu_time_total"
+        table = averages.table(sort_by=sort, row_limit=self.row_limit)
+        (self.out_dir / "key_averages.txt").write_text(table + "\n")
+        breakdown = time_breakdown(prof.events(), on_device)
+        total = sum(breakdown.values()) or 1.0
+        self.results = {
+            "profiled_steps": self.active,
+            "time_source": "device kernels" if on_device else "cpu ops (self time)",
+            "time_per_step_s": total / self.active,
+            "breakdown_s": breakdown,
+            "breakdown_share": {k: v / total for k, v in breakdown.items()},
+            "top_ops": [
+                {"name": e.key, "calls": e.count, "self_time_s": (e.self_device_time_total if on_device else e.self_cpu_time_total) * 1e-6}
+                for e in sorted(averages, key=lambda e: -(e.self_device_time_total if on_device else e.self_cpu_time_total))[: self.row_limit]
+            ],
+        }
+        (self.out_dir / "breakdown.json").write_text(json.dumps(self.results, indent=2))
+        self.artifacts += [self.out_dir / "key_averages.txt", self.out_dir / "breakdown.json"]
+        if self.profile_memory and on_device:
+            snapshot = self.out_dir / "memory_snapshot_rank0.pickle"  # drag into pytorch.org/memory_viz
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.artifacts.append(snapshot)
+        elif self.profile_memory and self.with_stack:
+            memory = self.out_dir / "memory_timeline.json"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                prof.export_memory_timeline(str(memory), device="cpu")
+            self.artifacts.append(memory)
+        elif self.profile_memory:
+            log.info("a CPU memory timeline needs the allocation stacks: add profile.with_stack=true (traces grow ~10x)")
+        log.info("profile: %d steps recorded; %s", self.active, ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.results["breakdown_share"].items()))
+        log.info("key averages (by %s):\n%s", sort, table)
