@@ -18,11 +18,11 @@ from src.profiling.ncu_reader import read_report
 from src.profiling.roofline import plot_roofline
 
 
-def diagnose_report(report: str | Path, out_dir: str | Path, thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
+def diagnose_report(report: str | Path, out_dir: str | Path, thresholds: Thresholds = Thresholds(), unranged: str = "") -> dict[str, Any]:
     records = read_report(report)
     if not records:
         raise ValueError(f"{report}: the report holds no kernels")
-    result = diagnose(records, thresholds, source=str(report))
+    result = diagnose(records, thresholds, source=str(report), unranged=unranged)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnosis.json").write_text(json.dumps(result, indent=2, default=str))
@@ -35,12 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m src.diagnose", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("report", help=".ncu-rep, .ncu-rep.gz, or a --csv --page raw export")
     ap.add_argument("--out", default=".", help="where diagnosis.json, roofline.png and top_ops.md go (default: here)")
+    ap.add_argument("--unranged", default="", help="module name for kernels launched outside any NVTX range (e.g. backward)")
     for f in fields(Thresholds):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default)
     args = ap.parse_args(argv)
     thresholds = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     try:
-        result = diagnose_report(args.report, args.out, thresholds)
+        result = diagnose_report(args.report, args.out, thresholds, args.unranged)
     except (FileNotFoundError, ValueError, ImportError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

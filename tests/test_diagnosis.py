@@ -66,6 +66,9 @@ def test_the_l1_l2_memory_row_is_not_used_for_the_verdict(rep_records):
 
 def test_thresholds_come_from_config():
     assert classify(74, 77).bound == "memory-bound"
+    # idle SMs with HBM doing most of the work: AdamW's multi_tensor_apply on mini_llm reads 19 / 70
+    assert classify(19, 70).bound == "memory-bound" and not classify(19, 70).textbook
+    assert classify(38, 57).bound == "neither" and classify(24, 44).bound == "neither"
     assert classify(74, 77, t=Thresholds(hbm_bound_pct=80)).bound == "neither"
     assert classify(10, 30, occupancy_pct=20).limiter == "occupancy"
     assert math.isnan(to_base_unit(math.nan, "ms")) and to_base_unit(2, "Tbyte/s") == 2e12 and to_base_unit(3, "ms") == 3e-3
@@ -104,3 +107,17 @@ def test_cli_writes_diagnosis_roofline_and_table(tmp_path, capsys, report):
 def test_cli_names_a_missing_report(tmp_path, capsys):
     assert diagnose_cli([str(tmp_path / "nope.ncu-rep")]) == 2
     assert "no such report" in capsys.readouterr().err
+
+
+def test_a_diagnosis_json_can_be_diagnosed_again(tmp_path):
+    """mini_llm's step on one H200 (task=diagnose, 2026-11-30): 701 kernels kept in diagnosis.json."""
+    source = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
+    d = diagnose(read_report(source), unranged="backward")
+    assert d["kernel_count"] == 701
+    by_key = {o["key"]: o for o in d["ops"]}
+    assert by_key["backward/gemm"]["bound"] == "compute-bound" and by_key["layers.*.ffn/gemm"]["bound"] == "compute-bound"
+    assert by_key["optimizer/adamw"]["bound"] == "memory-bound"
+    assert by_key["loss/cross_entropy"]["fusion"] == "cross_entropy"
+    assert by_key["layers.*.ffn/silu"]["fusion"] == "swiglu"
+    assert 0.15 < d["share_memory_bound"] < 0.25
+    assert "backward/other" not in by_key  # every backward kernel is named (GammaBeta -> norm, dot_do_o -> attention)

@@ -8,20 +8,21 @@ import re
 # the buckets of a step's time breakdown.
 _RULES: list[tuple[str, str, str]] = [
     ("nccl", "communication", r"nccl|all_?gather|reduce_?scatter|all_?reduce|c10d::"),
-    ("flash_attention", "attention", r"flash|fmha|efficient_attention|scaled_dot_product|_attention_(forward|backward)|cudnn.*sdpa"),
+    ("flash_attention", "attention", r"flash|fmha|efficient_attention|scaled_dot_product|_attention_(forward|backward)|cudnn.*sdpa|dot_do_o|convert_dq"),
     ("adamw", "optimizer", r"adam|multi_tensor_apply|_foreach_|fused_sgd|optimizer"),
     ("cross_entropy", "loss", r"cross_entropy|nll_loss|log_softmax"),
     ("softmax", "softmax", r"softmax"),
-    ("rms_norm", "norm", r"rms_?norm|layer_?norm|group_?norm|batch_?norm"),
+    ("rms_norm", "norm", r"rms_?norm|layer_?norm|group_?norm|batch_?norm|GammaBeta"),
     ("gemm", "gemm", r"nvjet|gemm|cutlass|xmma|sm\d+_.*(hmma|gmma)|ampere_|hopper_|cublas|matmul|\baddmm\b|\bmm\b|\bbmm\b|linear"),
     ("silu", "elementwise", r"silu|swish"),
     ("gelu", "elementwise", r"gelu"),
     ("mul", "elementwise", r"MulFunctor|\bmul\b"),
     ("add", "elementwise", r"AddFunctor|CUDAFunctor_add|\badd\b"),
     ("copy", "elementwise", r"direct_copy|copy_kernel|\bcopy_?\b|\bto\b|_to_copy|cat_|CatArray"),
-    ("reduce", "reduction", r"reduce_kernel|\bsum\b|\bmean\b|norm_kernel|linalg_vector_norm"),
+    ("reduce", "reduction", r"reduce_kernel|\bsum\b|\bmean\b|norm_kernel|linalg_vector_norm|lpnorm"),
     ("fill", "elementwise", r"fill|zero_|distribution|random|normal_kernel|uniform"),
-    ("embedding", "gather", r"embedding|index_select|indexSelect|gather|scatter"),
+    # embedding backward sorts and segments the token ids before it accumulates rows
+    ("embedding", "gather", r"embedding|index_select|indexSelect|gather|scatter|RadixSort|DeviceScan|DeviceCompact|unique_by_key|grad_weight|partial_?segment|partials_per_segment"),
     ("elementwise", "elementwise", r"elementwise|vectorized|unrolled"),
 ]
 _COMPILED = [(op, cat, re.compile(pat, re.I)) for op, cat, pat in _RULES]

@@ -5,6 +5,8 @@ compute-bound ones SM > 75% with HBM < 50%. Real kernels sit between: silu on an
 and HBM 77% (shared/fixtures/ncu), which the literal pair misses although HBM is the unit at its
 limit and fusing the op away is exactly the remedy. So the verdict goes to the unit nearest its
 peak once that unit is past its threshold; the seed's pairs mark a verdict as "textbook". A
+kernel whose SM sits idle (< 25%) while HBM does most of the work (>= 50%) is memory-bound too:
+AdamW's multi_tensor_apply reads SM 19% / HBM 70% on mini_llm, moving bytes and nothing else. A
 kernel with neither unit past its threshold is limited by latency (or, when few warps are
 resident, occupancy): fewer, larger launches help it, not fusion for bandwidth.
 """
@@ -30,7 +32,8 @@ class Thresholds:
     sm_bound_pct: float = 75.0
     """SM throughput at or above this, with SM the busiest unit: compute-bound"""
     sm_idle_pct: float = 25.0
-    """SEED.md's 'Tensor Cores sit idle' mark: a memory-bound kernel below it is textbook"""
+    """SEED.md's 'Tensor Cores sit idle' mark: a memory-bound kernel below it is textbook, and
+    below it any kernel with HBM >= hbm_low_pct is memory-bound"""
     hbm_low_pct: float = 50.0
     """SEED.md's 'low to moderate HBM' mark: a compute-bound kernel below it is textbook"""
     occupancy_low_pct: float = 40.0
@@ -53,6 +56,8 @@ def classify(sm_pct: float, hbm_pct: float, occupancy_pct: float | None = None, 
         return Verdict(NEITHER, "unknown", False, "profile with --section SpeedOfLight to get SM and DRAM throughput")
     if hbm_pct >= t.hbm_bound_pct and hbm_pct >= sm_pct:
         return Verdict(MEMORY_BOUND, "hbm", sm_pct < t.sm_idle_pct, REMEDIES[MEMORY_BOUND])
+    if sm_pct < t.sm_idle_pct and hbm_pct >= t.hbm_low_pct:  # idle SMs, busy HBM: bytes are the work
+        return Verdict(MEMORY_BOUND, "hbm", False, REMEDIES[MEMORY_BOUND])
     if sm_pct >= t.sm_bound_pct and sm_pct > hbm_pct:
         return Verdict(COMPUTE_BOUND, "sm", hbm_pct < t.hbm_low_pct, REMEDIES[COMPUTE_BOUND])
     limiter = "occupancy" if occupancy_pct is not None and occupancy_pct < t.occupancy_low_pct else "latency"

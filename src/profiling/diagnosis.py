@@ -50,10 +50,13 @@ FUSIONS = {
 
 
 def module_of(nvtx: list[str]) -> str:
-    """Innermost NVTX range, with layer indices folded: ['step', 'fwd/layers.3.ffn'] -> 'layers.*.ffn'."""
+    """Innermost NVTX range, with layer indices folded: ['profiled_step', 'fwd/layers.3.ffn'] -> 'layers.*.ffn'.
+    Directly inside `profiled_step` (FSDP2's all-gather copy-in, casts) is 'step'."""
     if not nvtx:
         return ""
     inner = nvtx[-1]
+    if inner == "profiled_step":
+        return "step"
     inner = inner.split("/", 1)[1] if inner.startswith(("fwd/", "bwd/")) else inner
     return re.sub(r"\.\d+(\.|$)", r".*\1", inner)
 
@@ -64,12 +67,16 @@ def _weighted(values: Iterable[tuple[float, float]]) -> float:
     return sum(v * w for v, w in pairs) / total if total else math.nan
 
 
-def diagnose(records: list[KernelRecord], thresholds: Thresholds = Thresholds(), source: str = "") -> dict[str, Any]:
+def diagnose(records: list[KernelRecord], thresholds: Thresholds = Thresholds(), source: str = "", unranged: str = "") -> dict[str, Any]:
+    """`unranged` names the module of kernels launched with no NVTX range open (for a training step
+    profiled by task=diagnose: backward, which the autograd engine runs on its own thread)."""
     kernels = []
     for r in records:
         op, category = classify_op(r.name)
+        if op == "softmax" and r.nvtx and r.nvtx[-1] == "loss":
+            op, category = "cross_entropy", "loss"  # F.cross_entropy launches log_softmax + nll
         v = classify(r.sm_pct, r.dram_pct, r.occupancy_pct, thresholds)
-        kernels.append((r, op, category, module_of(r.nvtx), v))
+        kernels.append((r, op, category, module_of(r.nvtx) or unranged, v))
     total = sum(r.duration_s for r, *_ in kernels if not math.isnan(r.duration_s)) or math.nan
 
     groups: dict[tuple[str, str], list] = defaultdict(list)

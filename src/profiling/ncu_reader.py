@@ -228,13 +228,26 @@ def read_ncu_rep(path: str | os.PathLike) -> list[KernelRecord]:
     return records
 
 
+def read_diagnosis_kernels(path: Path) -> list[KernelRecord]:
+    """The kernels kept in a diagnosis.json, to diagnose them again (other thresholds) without the report."""
+    import json
+
+    data = json.loads(path.read_text())
+    if "kernels" not in data:
+        raise ValueError(f"{path}: a JSON report must be a diagnosis.json with a 'kernels' list")
+    keep = {f for f in KernelRecord.__dataclass_fields__}
+    return [KernelRecord(**{k: v for k, v in kernel.items() if k in keep}) for kernel in data["kernels"]]
+
+
 def read_report(path: str | os.PathLike) -> list[KernelRecord]:
-    """Kernels of an `.ncu-rep` (optionally .gz) or of a `--csv --page raw` export."""
+    """Kernels of an `.ncu-rep` (optionally .gz), of a `--csv --page raw` export, or of a diagnosis.json."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such report")
     if path.name.endswith((".ncu-rep", ".ncu-rep.gz")):
         return read_ncu_rep(path)
+    if path.suffix == ".json":
+        return read_diagnosis_kernels(path)
     return read_csv(path.read_text(errors="replace"))
 
 

@@ -25,12 +25,14 @@ log = logging.getLogger("src.profile")
 
 
 def time_breakdown(events, on_device: bool) -> dict[str, float]:
-    """Seconds per category. On a GPU: every kernel's device time. On a CPU: each op's self CPU
-    time (self time, so nested ops are not counted twice)."""
+    """Seconds per category. On a GPU: every kernel's device time (kernels on other streams, NCCL's
+    among them, overlap compute, so the sum exceeds the step's wall time). On a CPU: each op's self
+    CPU time (self time, so nested ops are not counted twice)."""
     totals: dict[str, float] = defaultdict(float)
     for evt in events:
         if on_device:
-            if evt.device_type != DeviceType.CUDA:
+            # GPU-side user annotations (ProfilerStep#N, nccl:_all_gather_base) span kernels: skip them
+            if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
                 continue
             us = evt.self_device_time_total
         else:
@@ -103,6 +105,7 @@ class TorchProfileSession:
             "top_ops": [
                 {"name": e.key, "calls": e.count, "self_time_s": (e.self_device_time_total if on_device else e.self_cpu_time_total) * 1e-6}
                 for e in sorted(averages, key=lambda e: -(e.self_device_time_total if on_device else e.self_cpu_time_total))[: self.row_limit]
+                if not e.key.startswith("ProfilerStep")
             ],
         }
         (self.out_dir / "breakdown.json").write_text(json.dumps(self.results, indent=2))
