@@ -92,6 +92,11 @@ class TrackingConfig:
     """MLflow experiment; empty means the +exp name, or 'default'"""
     run_name: Optional[str] = None
     """empty means one built from the command-line overrides"""
+    system_metrics: bool = True
+    """MLflow's own system metrics (CPU, memory, GPU through pynvml), sampled beside the run"""
+    system_metrics_interval_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    """how long to wait for a tracking server before the run goes on without it"""
 
 
 @dataclass

@@ -46,8 +46,17 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def preflight(overrides: list[str], multirun: bool) -> None:
-    for job in _job_overrides(overrides, multirun):
-        validate(compose_config(job))
+    jobs = _job_overrides(overrides, multirun)
+    for job in jobs:
+        cfg = compose_config(job)
+        validate(cfg)
+        parallel = any(o.replace(" ", "") in ("hydra/launcher=joblib", "+hydra/launcher=joblib") for o in overrides)
+        if multirun and parallel and cfg.tracking.enabled and cfg.tracking.uri.startswith("sqlite"):
+            raise ConfigError(
+                f"hydra/launcher=joblib runs jobs in parallel, but tracking.uri={cfg.tracking.uri} takes one writer at a time "
+                "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "
+                "tracking.uri=http://127.0.0.1:5000, or drop hydra/launcher=joblib"
+            )
 
 
 def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
@@ -55,8 +64,48 @@ def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
     sys.exit(code)
 
 
+def _parent_run_id(hc) -> str | None:
+    """Inside a multirun, the sweep callback left the parent run's id in the sweep directory."""
+    from hydra.types import RunMode
+
+    from src.tracking.mlflow_run import PARENT_RUN_ID_FILE
+
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    marker = Path(hc.sweep.dir) / PARENT_RUN_ID_FILE
+    return marker.read_text().strip() if marker.exists() else None
+
+
+def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
+    """Run one job. A failure is recorded (summary.json, MLflow FAILED) and, in a sweep, returned
+    so the sweep goes on; a single run exits 1 with the error on one line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from src.tasks import record_job_failure
+
+    try:
+        return run_task(cfg, ctx)
+    except (KeyboardInterrupt, SignalException) as err:
+        record_job_failure(cfg, ctx, f"interrupted ({type(err).__name__})", status="killed")
+        raise
+    except ConfigError as err:
+        _fail(str(err))
+    except Exception as err:
+        from src.distributed.launch import RankFailed
+
+        message = str(err) if isinstance(err, RankFailed) else f"{type(err).__name__}: {err}"
+        log.error("job failed: %s", message, exc_info=not isinstance(err, RankFailed))
+        record_job_failure(cfg, ctx, message)
+        if multirun:
+            return {"task": cfg.task.name, "status": "failed", "error": message}
+        _fail(message, code=1)
+    return None
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> dict | None:
+    from hydra.types import RunMode
+
     hc = HydraConfig.get()
     cwd = hc.runtime.cwd
     ctx = RunContext(
@@ -64,12 +113,13 @@ def hydra_main(cfg: DictConfig) -> dict | None:
         cwd=cwd,
         overrides=list(hc.overrides.task),
         tracking_uri=resolve_tracking_uri(cfg.tracking.uri, cwd),
+        parent_run_id=_parent_run_id(hc),
     )
     try:
         validate(cfg)
     except ConfigError as err:
         _fail(str(err))
-    return run_task(cfg, ctx)
+    return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
 
 
 def run_as_worker(overrides: list[str]) -> None:
@@ -89,7 +139,7 @@ def run_as_worker(overrides: list[str]) -> None:
         overrides=overrides,
         tracking_uri=resolve_tracking_uri(cfg.tracking.uri, cwd),
     )
-    run_task(cfg, ctx)
+    run_job(cfg, ctx, multirun=False)
 
 
 def main() -> None:

@@ -14,3 +14,5 @@ class RunContext:
     """the command-line overrides, for run names and tags"""
     tracking_uri: str = ""
     """the MLflow URI with relative sqlite paths made absolute"""
+    parent_run_id: str | None = None
+    """inside a Hydra multirun: the sweep's MLflow parent run"""

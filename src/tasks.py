@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -17,31 +16,22 @@ log = logging.getLogger("src.run")
 
 def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """task=train and task=profile: in this process for one rank, else through the elastic launcher."""
-    from src.distributed.launch import RankFailed, launch_ranks
-    from src.tracking.mlflow_run import fail_dangling_run, write_json
-    from src.train.worker import elastic_entry, save_resolved_config, settings, train
+    from src.distributed.launch import launch_ranks
+    from src.train.worker import elastic_entry, save_resolved_config, train
 
     run_dir = Path(ctx.run_dir) if ctx.run_dir else None
     if run_dir is not None:
         save_resolved_config(cfg, run_dir)
     if launched_as_worker() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
         return train(cfg, ctx)
-    try:
-        results = launch_ranks(
-            elastic_entry,
-            (OmegaConf.to_container(cfg, resolve=True), asdict(ctx)),
-            nproc=cfg.dist.nproc,
-            nnodes=cfg.dist.nnodes,
-            max_restarts=cfg.dist.max_restarts,
-            rdzv_endpoint=cfg.dist.rdzv_endpoint,
-        )
-    except RankFailed as err:
-        if run_dir is not None:
-            if cfg.tracking.enabled:
-                fail_dangling_run(run_dir, ctx.tracking_uri or cfg.tracking.uri, str(err))
-            write_json(run_dir / "summary.json", {"task": cfg.task.name, "status": "failed", "error": str(err), "settings": settings(cfg, cfg.dist.nproc * cfg.dist.nnodes)})
-        sys.stderr.write(f"error: {err}\n")
-        sys.exit(1)
+    results = launch_ranks(
+        elastic_entry,
+        (OmegaConf.to_container(cfg, resolve=True), asdict(ctx)),
+        nproc=cfg.dist.nproc,
+        nnodes=cfg.dist.nnodes,
+        max_restarts=cfg.dist.max_restarts,
+        rdzv_endpoint=cfg.dist.rdzv_endpoint,
+    )
     return results[min(results)]
 
 
@@ -60,3 +50,26 @@ TASKS: dict[str, Callable[[DictConfig, RunContext], Any]] = {
 
 def run_task(cfg: DictConfig, ctx: RunContext) -> Any:
     return TASKS[cfg.task.name](cfg, ctx)
+
+
+def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: str = "failed") -> None:
+    """summary.json with the error, and the MLflow run FAILED (or KILLED): made if rank 0 never
+    opened one, ended if rank 0 died with it open."""
+    from src.tracking.mlflow_run import default_run_name, experiment_name, record_failed_run, run_tags, write_json
+    from src.train.worker import settings
+
+    if ctx.run_dir is None:
+        return
+    run_dir = Path(ctx.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "summary.json", {"task": cfg.task.name, "status": status, "error": message, "settings": settings(cfg, cfg.dist.nproc * cfg.dist.nnodes)})
+    if not cfg.tracking.enabled:
+        return
+    tags = run_tags(ctx.overrides, cfg.dist.nproc * cfg.dist.nnodes, cfg.backend.name, ctx.cwd)
+    if ctx.parent_run_id:
+        tags["mlflow.parentRunId"] = ctx.parent_run_id
+    try:
+        record_failed_run(ctx.tracking_uri or cfg.tracking.uri, experiment_name(cfg), cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
+                          message, tags, run_dir, status="KILLED" if status == "killed" else "FAILED")
+    except Exception as err:  # the store itself is down: the summary above still holds the error
+        log.warning("could not record the failure in MLflow: %s", err)

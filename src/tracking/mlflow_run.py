@@ -1,8 +1,9 @@
-"""One MLflow run per training run, driven from rank 0 only.
+"""One MLflow run per run (a child of the sweep's parent run inside a Hydra multirun), from rank 0 only.
 
 Uses MlflowClient with an explicit run id (no fluent global state), hands step metrics to a
 writer process (src/tracking/writer.py) so a slow store never stalls a step, and always ends the
-run: FINISHED, FAILED (with the error as a tag) or KILLED on Ctrl-C.
+run: FINISHED, FAILED (with the error as a tag) or KILLED on Ctrl-C. A tracking server that cannot
+be reached is reported once; the run goes on and its metrics stay in the run directory.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ from src.tracking.writer import MetricWriter
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = ".mlflow_run_id"
+PARENT_RUN_ID_FILE = ".mlflow_parent_run_id"
+
+
+class TrackingUnavailable(RuntimeError):
+    pass
 
 
 def resolve_tracking_uri(uri: str, cwd: str | os.PathLike) -> str:
@@ -29,6 +35,19 @@ def resolve_tracking_uri(uri: str, cwd: str | os.PathLike) -> str:
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         return prefix + str((Path(cwd) / uri[len(prefix):]).resolve())
     return uri
+
+
+def check_reachable(uri: str, timeout_s: float) -> None:
+    """A tracking server must answer /health within the timeout; MLflow's own client would retry
+    for minutes before failing."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout_s).raise_for_status()
+    except requests.RequestException as err:
+        raise TrackingUnavailable(f"MLflow server at {uri} did not answer ({type(err).__name__})") from None
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -61,6 +80,33 @@ def default_run_name(cfg: Any, overrides: list[str]) -> str:
     return f"{cfg.task.name}-{cfg.model.name}-{cfg.sharding.name}-{cfg.precision.name}"
 
 
+def experiment_name(cfg: Any) -> str:
+    return cfg.tracking.experiment or cfg.exp or "default"
+
+
+def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str | os.PathLike) -> dict[str, str]:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    tags = {
+        "overrides": " ".join(overrides) or "(defaults)",
+        "world_size": str(world_size),
+        "device": device_name,
+        "device_count": str(torch.cuda.device_count() if torch.cuda.is_available() else 0),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": str(torch.version.cuda),
+    }
+    tags.update(git_state(cwd))
+    return tags
+
+
 class NullTracker:
     run_id: str | None = None
 
@@ -71,22 +117,39 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str], run_dir: Path | None, metric_writer: bool = True):
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        params: Mapping[str, Any],
+        tags: Mapping[str, str],
+        run_dir: Path | None,
+        metric_writer: bool = True,
+        parent_run_id: str | None = None,
+        system_metrics_interval_s: float = 0.0,
+        connect_timeout_s: float = 5.0,
+    ):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.params, self.tags, self.run_dir = dict(params), dict(tags), run_dir
+        self.use_writer, self.parent_run_id = metric_writer, parent_run_id
+        self.system_metrics_interval_s, self.connect_timeout_s = system_metrics_interval_s, connect_timeout_s
         self.client = None
         self.run_id = None
         self.writer = None
-        self.use_writer = metric_writer
 
     def start(self) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
+        check_reachable(self.uri, self.connect_timeout_s)
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
-        run = self.client.create_run(exp_id, run_name=self.run_name, tags=self.tags)
+        tags = dict(self.tags)
+        if self.parent_run_id:
+            tags["mlflow.parentRunId"] = self.parent_run_id
+        run = self.client.create_run(exp_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         if self.run_dir is not None:
             (self.run_dir / RUN_ID_FILE).write_text(self.run_id)
@@ -95,19 +158,21 @@ class MlflowTracker(NullTracker):
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         if self.use_writer:  # runs that log step metrics; one-shot runs (diagnose) log directly
-            self.writer = MetricWriter(self.uri, self.run_id)
+            self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
         log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
         self.writer.log(step, metrics)
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        if Path(path).exists():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
         try:
             if self.writer is not None:
                 self.writer.close()
+                self.writer = None
             if summary:
                 from mlflow.entities import Metric
 
@@ -120,33 +185,32 @@ class MlflowTracker(NullTracker):
             self.client.set_terminated(self.run_id, status=status)
 
 
-def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str | os.PathLike) -> dict[str, str]:
-    import torch
-
-    tags = {
-        "overrides": " ".join(overrides) or "(defaults)",
-        "world_size": str(world_size),
-        "device": device_name,
-        "host": platform.node(),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-    }
-    tags.update(git_state(cwd))
-    return tags
+def start_tracker(tracker: NullTracker) -> NullTracker:
+    """Start `tracker`; if its store cannot be reached, say so once and go on without it."""
+    try:
+        tracker.start()
+        return tracker
+    except TrackingUnavailable as err:
+        log.warning("%s; the run goes on untracked, its metrics stay in the run directory (metrics.jsonl, summary.json)", err)
+        return NullTracker()
 
 
-def fail_dangling_run(run_dir: Path, uri: str, error: str) -> None:
-    """Mark rank 0's run FAILED when rank 0 died without ending it (SIGKILL, OOM killer)."""
-    id_file = run_dir / RUN_ID_FILE
-    if not id_file.exists():
-        return
+def record_failed_run(uri: str, experiment: str, run_name: str, error: str, tags: Mapping[str, str], run_dir: Path, status: str = "FAILED") -> None:
+    """A job that failed before rank 0 opened its run (or whose rank 0 died) still shows as FAILED."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    run_id = id_file.read_text().strip()
-    if client.get_run(run_id).info.status == "RUNNING":
-        client.set_tag(run_id, "error", error[:5000])
-        client.set_terminated(run_id, status="FAILED")
+    id_file = run_dir / RUN_ID_FILE
+    if id_file.exists():
+        run_id = id_file.read_text().strip()
+        if client.get_run(run_id).info.status != "RUNNING":
+            return
+    else:
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        run_id = client.create_run(exp_id, run_name=run_name, tags=dict(tags)).info.run_id
+    client.set_tag(run_id, "error", error[:5000])
+    client.set_terminated(run_id, status=status)
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:

@@ -30,11 +30,11 @@ FLUSH_INTERVAL_S = 1.0
 class MetricWriter:
     """Hand step metrics to a writer process; `close()` waits until all of them are stored."""
 
-    def __init__(self, uri: str, run_id: str):
+    def __init__(self, uri: str, run_id: str, system_metrics_interval_s: float = 0.0):
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the `src` package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "src.tracking.writer", uri, run_id],
+            [sys.executable, "-m", "src.tracking.writer", uri, run_id, str(system_metrics_interval_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
         )
         # Wait until it has imported MLflow (1-3 s of CPU): paid before the first step, not
@@ -70,11 +70,25 @@ def _read_lines(stream, q: queue.Queue) -> None:
     q.put(None)
 
 
-def writer_main(uri: str, run_id: str) -> None:
+def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0) -> None:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # the monitor's start/stop notes would reach the run's console
+
     client = MlflowClient(tracking_uri=uri)
+    monitor = None
+    if system_metrics_interval_s > 0:
+        # MLflow's own sampler (CPU, memory, disk, network; GPUs through pynvml) lives here too,
+        # so its thread never competes with the training loop's.
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=system_metrics_interval_s, tracking_uri=uri)
+            monitor.start()
+        except Exception as err:  # psutil missing, no permission to read counters, ...
+            print(f"system metrics off: {err}", file=sys.stderr)
+            monitor = None
     print("ready", flush=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(sys.stdin, lines), daemon=True).start()
@@ -98,7 +112,9 @@ def writer_main(uri: str, run_id: str) -> None:
             metrics.extend(Metric(k, v, ts, step) for k, v in values.items())
         for i in range(0, len(metrics), _MAX_BATCH):
             client.log_batch(run_id, metrics=metrics[i : i + _MAX_BATCH])
+    if monitor is not None:
+        monitor.finish()
 
 
 if __name__ == "__main__":
-    writer_main(sys.argv[1], sys.argv[2])
+    writer_main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)

@@ -2,6 +2,7 @@
 (rank 0 only) log to MLflow and write summary.json."""
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import traceback
@@ -18,7 +19,10 @@ from src.distributed.env import DistEnv, build_mesh, init_distributed, shutdown
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
 from src.models.mini_llm import MiniLLM
 from src.runtime import RunContext
-from src.tracking.mlflow_run import MlflowTracker, NullTracker, default_run_name, flatten, run_tags, write_json
+from src.tracking.curves import plot_curves
+from src.tracking.mlflow_run import (
+    MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
+)
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.torch_profile import TorchProfileSession
 from src.train.faults import inject
@@ -87,12 +91,29 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
     return MlflowTracker(
         uri=ctx.tracking_uri or cfg.tracking.uri,
-        experiment=cfg.tracking.experiment or cfg.exp or "default",
+        experiment=experiment_name(cfg),
         run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
         params=flatten(OmegaConf.to_container(cfg, resolve=True)),
         tags=run_tags(ctx.overrides, env.world_size, device_name, ctx.cwd),
         run_dir=run_dir,
+        parent_run_id=ctx.parent_run_id,
+        system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else 0.0,
+        connect_timeout_s=cfg.tracking.connect_timeout_s,
     )
+
+
+class MetricsFile:
+    """Every logged step as a JSON line in <run_dir>/metrics.jsonl: the run's own record, kept
+    whether or not a tracking store was reachable (src.compare reads it)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", buffering=1)
+
+    def __call__(self, s) -> None:
+        self.file.write(json.dumps({"step": s.step, **s.metrics()}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -101,7 +122,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
     setup_logging(run_dir, env.rank)
     tracker = _make_tracker(cfg, ctx, env, run_dir)
-    reporter = None
+    reporter = metrics_file = None
     try:
         torch.manual_seed(cfg.train.seed)
         strategy = cfg.sharding.strategy
@@ -142,7 +163,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             dp_rank, dp_world, env.device, cfg.data.text_path, cfg.data.corpus_mb,
         )
         peak = peak_flops(env.device, cfg.precision.param_dtype)
-        tracker.start()
+        tracker = start_tracker(tracker)
         if env.is_main:
             log.info(
                 "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",
@@ -153,6 +174,9 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         if env.is_main:
             reporter = ProgressReporter(cfg.train.steps, cfg.train.progress, cfg.train.seed_line)
             callbacks = [reporter, lambda s: tracker.log_step(s.step, s.metrics())]
+            if run_dir is not None:
+                metrics_file = MetricsFile(run_dir / "metrics.jsonl")
+                callbacks.append(metrics_file)
         session = profile_session(cfg) if cfg.task.name == "profile" else None
         if session is not None:
             session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
@@ -175,6 +199,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 session.stop()
         if reporter:
             reporter.close()
+        if metrics_file:
+            metrics_file.close()
         summary = {
             "task": cfg.task.name,
             "status": "finished",
@@ -191,8 +217,9 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 tracker.log_artifact(artifact, "profile")
         if run_dir is not None:
             write_json(run_dir / "summary.json", summary)
-            tracker.log_artifact(run_dir / "summary.json")
-            tracker.log_artifact(run_dir / "config.yaml")
+            plot_curves(result.steps, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides))
+            for name in ("summary.json", "config.yaml", "curves.png", "metrics.jsonl", "run.log", ".hydra/overrides.yaml"):
+                tracker.log_artifact(run_dir / name)
         tracker.finish("FINISHED", summary)
         if env.is_main:
             log.info(

@@ -1,0 +1,27 @@
+"""The run's loss and throughput per step as one PNG (an MLflow artifact beside summary.json)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_curves(steps, path: str | Path, title: str = "") -> Path:
+    xs = [s.step for s in steps]
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(xs, [s.loss for s in steps], marker=".")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(alpha=0.3)
+    ax_tps.plot(xs, [s.tokens_per_s_per_device for s in steps], marker=".", color="tab:green")
+    ax_tps.set_xlabel("step")
+    ax_tps.set_ylabel("tokens/s per device")
+    ax_tps.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
