@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -110,3 +109,41 @@ def test_under_torchrun_the_entry_is_a_worker_and_rank_0_owns_the_run_dir(workdi
     assert len(summaries) == 1
     summary = json.loads(summaries[0].read_text())
     assert summary["settings"]["world_size"] == 2 and summary["steps"] == 3
+
+
+def test_ctrl_c_ends_the_run_killed(workdir: Path):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import REPO
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "src.run", "train.steps=100000", "tracking.system_metrics=false"],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(workdir.glob("outputs/*/*/metrics.jsonl")):
+        time.sleep(0.5)  # until the run has started stepping
+    assert list(workdir.glob("outputs/*/*/metrics.jsonl")), "the run never started"
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    (run,) = _runs(workdir)
+    assert run.info.status == "KILLED"
+    assert read_summary(workdir)["status"] == "killed"
+
+
+def test_system_metrics_are_sampled_beside_the_run(workdir: Path):
+    proc = run_cli(["dist.nproc=1", "sharding=none", "train.steps=150", "tracking.system_metrics_interval_s=0.5"], cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = _runs(workdir)
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    assert "system/system_memory_usage_megabytes" in run.data.metrics

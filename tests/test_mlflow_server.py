@@ -1,0 +1,78 @@
+"""A real `mlflow server` on a free loopback port: a run logs to it and is read back through the REST
+API; with the server gone, the run still completes and keeps its metrics on disk."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import read_summary, run_cli
+
+RUN = ["dist.nproc=1", "sharding=none", "train.steps=4", "tracking.system_metrics=false", "tracking.connect_timeout_s=2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path):
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "artifacts"),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # bounded wait for /health
+        try:
+            if requests.get(f"{url}/health", timeout=1).ok:
+                break
+        except requests.RequestException:
+            time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+        pytest.fail("mlflow server did not come up in 90 s")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def test_a_run_logs_to_a_tracking_server(tmp_path: Path, mlflow_server: str):
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run_cli([*RUN, f"tracking.uri={mlflow_server}"], cwd=work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_id = read_summary(work)["mlflow_run_id"]
+    run = requests.get(f"{mlflow_server}/api/2.0/mlflow/runs/get", params={"run_id": run_id}, timeout=10).json()["run"]
+    assert run["info"]["status"] == "FINISHED"
+    params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    assert params["model.name"] == "tiny" and params["sharding.name"] == "none"
+    history = requests.get(f"{mlflow_server}/api/2.0/mlflow/metrics/get-history", params={"run_id": run_id, "metric_key": "loss"}, timeout=10).json()
+    assert sorted(m["step"] for m in history["metrics"]) == [0, 1, 2, 3]
+    files = requests.get(f"{mlflow_server}/api/2.0/mlflow/artifacts/list", params={"run_id": run_id}, timeout=10).json()["files"]
+    assert {"summary.json", "config.yaml", "curves.png", "metrics.jsonl"} <= {f["path"] for f in files}
+
+
+def test_with_the_server_down_the_run_completes_and_keeps_its_metrics(workdir: Path):
+    down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    proc = run_cli([*RUN, f"tracking.uri={down}"], cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert out.count(f"MLflow server at {down} did not answer") == 1
+    summary = read_summary(workdir)
+    assert summary["status"] == "finished" and summary["mlflow_run_id"] is None
+    (metrics,) = list(workdir.glob("outputs/*/*/metrics.jsonl"))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3] and all(m["loss"] > 0 for m in lines)
