@@ -141,6 +141,9 @@ class TrainConfig:
     """also print SEED.md's own line: 'Step N | Loss: ... | Peak VRAM/GPU: ... GB'"""
     progress: bool = True
     """live progress line on rank 0"""
+    nonfinite: str = "fail"
+    """a NaN/inf loss or gradient norm: fail (stop the run as FAILED, checked where the loop syncs
+    anyway, before any checkpoint) or skip (drop that optimizer step; one more device sync a step)"""
     loss_fp32: bool = True
     """cross-entropy on fp32 logits (torchtitan's choice); the seed's script uses the bf16 logits as they come"""
 
@@ -208,6 +211,26 @@ class FaultConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (torch.distributed.checkpoint) and resuming from them."""
+
+    enabled: bool = False
+    interval: int = 0
+    """save every this many steps (0: only at the end)"""
+    folder: str = ""
+    """where checkpoints go; empty means <run_dir>/checkpoints"""
+    keep_last: int = 2
+    """complete checkpoints kept; older ones are deleted once a newer one is complete"""
+    async_mode: bool = False
+    """stage to host memory and write in the background, overlapping training"""
+    resume: str = "auto"
+    """auto: the latest complete checkpoint in `folder`, if any (elastic restarts resume so);
+    none: start fresh; or a step_NNNNNNNN folder to resume from (any world size)"""
+    export_safetensors: bool = False
+    """at the end, write the full weights to <run_dir>/model.safetensors (plain state_dict)"""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     sharding: ShardingConfig = MISSING
@@ -221,6 +244,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     exp: Optional[str] = None

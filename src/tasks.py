@@ -31,6 +31,7 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         nnodes=cfg.dist.nnodes,
         max_restarts=cfg.dist.max_restarts,
         rdzv_endpoint=cfg.dist.rdzv_endpoint,
+        notes_dir=ctx.run_dir,
     )
     return results[min(results)]
 

@@ -68,6 +68,20 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive")
     if cfg.data.source == "text" and cfg.data.text_path and not os.path.isfile(cfg.data.text_path):
         raise ConfigError(f"data.text_path={cfg.data.text_path}: no such file; give a UTF-8 text file, or leave it empty for the built-in corpus")
+    if cfg.train.nonfinite not in ("fail", "skip"):
+        raise ConfigError(f"train.nonfinite={cfg.train.nonfinite}: use fail or skip")
+    ck = cfg.checkpoint
+    if ck.resume not in ("auto", "none"):
+        from pathlib import Path
+
+        from src.train.checkpoint import CheckpointError, checkpoint_step
+
+        try:
+            checkpoint_step(Path(ck.resume))
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+    if ck.interval < 0 or ck.keep_last < 1:
+        raise ConfigError(f"checkpoint.interval={ck.interval} checkpoint.keep_last={ck.keep_last}: interval >= 0, keep_last >= 1")
     if cfg.fault.kind not in ("none", "raise", "kill", "nan"):
         raise ConfigError(f"fault.kind={cfg.fault.kind}: use one of none, raise, kill, nan")
     if cfg.data.source == "text" and m.vocab_size < 256:

@@ -61,6 +61,18 @@ def init_distributed(device_type: str, dist_backend: str | None, timeout_s: int 
             dist.init_process_group(dist_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             kwargs = {"device_id": device} if device_type == "cuda" else {}
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            if restart != "0":
+                # After an elastic restart the agent's TCPStore still holds the previous attempt's
+                # keys under the same names (gloo's peer addresses among them), so a new rank can
+                # dial a dead one ("connectFullMesh ... Connection refused"): give every attempt
+                # a prefix of its own.
+                agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                store = dist.TCPStore(
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                    is_master=not agent_store and rank == 0, timeout=timeout,
+                )
+                kwargs.update(store=dist.PrefixStore(f"perflab/restart_{restart}", store), rank=rank, world_size=world)
             dist.init_process_group(dist_backend, timeout=timeout, **kwargs)
     return DistEnv(rank, world, local_rank, device)
 

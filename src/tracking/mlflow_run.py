@@ -113,6 +113,7 @@ class NullTracker:
     def start(self) -> None: ...
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None: ...
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None: ...
 
 
@@ -129,6 +130,7 @@ class MlflowTracker(NullTracker):
         parent_run_id: str | None = None,
         system_metrics_interval_s: float = 0.0,
         connect_timeout_s: float = 5.0,
+        continue_run_id: str | None = None,
     ):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.params, self.tags, self.run_dir = dict(params), dict(tags), run_dir
@@ -137,6 +139,7 @@ class MlflowTracker(NullTracker):
         self.client = None
         self.run_id = None
         self.writer = None
+        self.continue_run_id = continue_run_id
 
     def start(self) -> None:
         from mlflow import MlflowClient
@@ -144,6 +147,14 @@ class MlflowTracker(NullTracker):
 
         check_reachable(self.uri, self.connect_timeout_s)
         self.client = MlflowClient(tracking_uri=self.uri)
+        if self.continue_run_id:  # an elastic restart: the same run goes on, its curves continue
+            self.run_id = self.continue_run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            self.client.set_tag(self.run_id, "restarts", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if self.use_writer:
+                self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
+            log.info("MLflow run %s continues after restart %s", self.run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+            return
         exp = self.client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
         tags = dict(self.tags)
@@ -163,6 +174,10 @@ class MlflowTracker(NullTracker):
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
         self.writer.log(step, metrics)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, v)
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if Path(path).exists():

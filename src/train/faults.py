@@ -13,7 +13,8 @@ class InjectedFault(RuntimeError):
 
 
 def inject(kind: str, fault_rank: int, fault_step: int, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
-    if kind == "none" or rank != fault_rank or step != fault_step:
+    """Called with the loss before backward. Fires once: not again after an elastic restart."""
+    if kind == "none" or rank != fault_rank or step != fault_step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return loss
     if kind == "raise":
         raise InjectedFault(f"injected fault at step {step}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -13,6 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from src.train.metrics import mfu_percent, peak_memory_gb
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
 
 
 @dataclass
@@ -41,9 +46,12 @@ def train_step(
     autocast_dtype: torch.dtype | None = None,
     loss_fp32: bool = True,
     mark: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
+    loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    skip_nonfinite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced.
-    `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked."""
+    `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked.
+    `skip_nonfinite` drops the optimizer step when the gradient norm is NaN/inf (a device sync)."""
     optimizer.zero_grad(set_to_none=True)
     autocast = (
         torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
@@ -54,6 +62,8 @@ def train_step(
             if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
                 logits = logits.float()
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            if loss_hook is not None:
+                loss = loss_hook(loss)
     with mark("backward"):
         loss.backward()
     with mark("optimizer"):
@@ -61,6 +71,9 @@ def train_step(
         norm = torch.nn.utils.get_total_norm(grads)
         if hasattr(norm, "full_tensor"):  # DTensor: the local shards' norms reduced over the mesh
             norm = norm.full_tensor()
+        if skip_nonfinite and not bool(torch.isfinite(norm)):
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach(), norm.detach()
         if grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
         optimizer.step()
@@ -111,6 +124,10 @@ def train_loop(
     profiled_step: int = -1,
     profiled_step_range: Callable[[], ContextManager] = contextlib.nullcontext,
     after_step: Callable[[], None] | None = None,
+    start_step: int = 0,
+    checkpoint_due: Callable[[int], bool] = lambda steps_done: False,
+    save_checkpoint: Callable[[int], None] | None = None,
+    nonfinite: str = "fail",
 ) -> LoopResult:
     """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
     device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
@@ -119,24 +136,30 @@ def train_loop(
     overhead = 0.0
     start = time.perf_counter()
     interval_start, interval_steps = None, 0
-    for step in range(steps):
+    for step in range(start_step, steps):
         if interval_start is None:
             interval_start = time.perf_counter()
         inputs, targets = next(batches)
+        hook = (lambda loss, step=step: fault(step, loss)) if fault is not None else None
         with profiled_step_range() if step == profiled_step else contextlib.nullcontext():
-            loss, norm = train_step(model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32, **({"mark": mark} if mark else {}))
+            loss, norm = train_step(
+                model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32,
+                **({"mark": mark} if mark else {}), loss_hook=hook, skip_nonfinite=nonfinite == "skip",
+            )
         if after_step is not None:
             after_step()
         interval_steps += 1
-        if fault is not None:
-            loss = fault(step, loss)
-        if (step + 1) % log_every and step != steps - 1:
+        ckpt = checkpoint_due(step + 1)
+        if (step + 1) % log_every and step != steps - 1 and not ckpt:
             continue  # no sync: the device runs ahead until the next logged step
         mem = peak_memory_gb(device)
         loss_v, norm_v, mem_alloc, mem_reserved = _reduce_across_ranks(loss, norm, mem)
         t1 = time.perf_counter()
         dt = (t1 - interval_start) / interval_steps  # mean step time over the unsynced interval
         interval_start, interval_steps = None, 0
+        if nonfinite == "fail" and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
+            # Checked before any checkpoint of this step is written: NaN weights are never saved.
+            raise NonFiniteLoss(f"non-finite loss {loss_v} (grad norm {norm_v}) at step {step}")
         tps_dev = tokens_per_step_per_device / dt
         stats = StepStats(
             step=step,
@@ -154,12 +177,18 @@ def train_loop(
         for callback in on_step:
             callback(stats)
         overhead += time.perf_counter() - t1
+        if ckpt and save_checkpoint is not None:
+            save_checkpoint(step + 1)
     return LoopResult(results, overhead, time.perf_counter() - start)
 
 
 def summarize(result: LoopResult, warmup_steps: int) -> dict[str, float | None]:
     """Headline figures: medians over the steps after warm-up (all steps when the run is shorter)."""
-    steady = [s for s in result.steps if s.step >= warmup_steps] or result.steps[-1:]
+    if not result.steps:  # resumed from a checkpoint that already covers train.steps
+        return {"steps": 0, "final_loss": None, "initial_loss": None, "final_grad_norm": None, "tokens_per_s": None,
+                "tokens_per_s_per_device": None, "mfu": None, "step_time_s": None, "peak_mem_gb": None,
+                "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s}
+    steady = result.steps[warmup_steps:] or result.steps[-1:]  # by position: a resumed run warms up again
     tps_dev = statistics.median(s.tokens_per_s_per_device for s in steady)
     mfus = [s.mfu for s in steady if s.mfu is not None]
     return {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import traceback
 from functools import partial
@@ -16,15 +17,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.data.batches import TokenBatches
 from src.distributed.env import DistEnv, build_mesh, init_distributed, shutdown
+from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
 from src.models.mini_llm import MiniLLM
 from src.runtime import RunContext
 from src.tracking.curves import plot_curves
 from src.tracking.mlflow_run import (
-    MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
+    RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
 )
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.torch_profile import TorchProfileSession
+from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
 from src.train.loop import summarize, train_loop
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
@@ -89,6 +92,8 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
     if not (env.is_main and cfg.tracking.enabled):
         return NullTracker()
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
+    id_file = run_dir / RUN_ID_FILE if run_dir is not None else None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     return MlflowTracker(
         uri=ctx.tracking_uri or cfg.tracking.uri,
         experiment=experiment_name(cfg),
@@ -99,6 +104,7 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
         parent_run_id=ctx.parent_run_id,
         system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else 0.0,
         connect_timeout_s=cfg.tracking.connect_timeout_s,
+        continue_run_id=id_file.read_text().strip() if (restarted and id_file is not None and id_file.exists()) else None,
     )
 
 
@@ -158,12 +164,25 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
             weight_decay=cfg.optim.weight_decay, fused=fused,
         )
+        checkpointer, start_step, resumed_from = None, 0, None
+        ck = cfg.checkpoint
+        folder = Path(ck.folder) if ck.folder else (Path(ctx.run_dir) / "checkpoints" if ctx.run_dir else None)
+        if ck.enabled or ck.resume not in ("auto", "none"):
+            if folder is None and ck.enabled:
+                raise ValueError("checkpoint.enabled needs a run directory or checkpoint.folder")
+            checkpointer = Checkpointer(folder, model, optimizer, ck.keep_last, ck.async_mode, OmegaConf.to_yaml(cfg.model))
+            resumed_from = Path(ck.resume) if ck.resume not in ("auto", "none") else (latest_checkpoint(folder) if ck.resume == "auto" and folder else None)
+            if resumed_from is not None:
+                start_step = checkpointer.load(resumed_from)
         batches = TokenBatches(
             cfg.data.source, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed,
             dp_rank, dp_world, env.device, cfg.data.text_path, cfg.data.corpus_mb,
         )
+        batches.step = start_step  # the data position is the step: the batch of step s depends on (seed, s) only
         peak = peak_flops(env.device, cfg.precision.param_dtype)
         tracker = start_tracker(tracker)
+        if resumed_from is not None:
+            tracker.set_tags({"resumed_from": str(resumed_from), "resumed_at_step": str(start_step)})
         if env.is_main:
             log.info(
                 "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",
@@ -193,7 +212,15 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 profiled_step=cfg.profile.nvtx_step,
                 profiled_step_range=profiled_step,
                 after_step=session.step if session is not None else None,
+                start_step=start_step,
+                checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
+                save_checkpoint=checkpointer.save if checkpointer is not None and ck.enabled else None,
+                nonfinite=cfg.train.nonfinite,
             )
+            if checkpointer is not None:
+                checkpointer.wait()
+            if ck.export_safetensors and ctx.run_dir:
+                export_safetensors(model.module if isinstance(model, DistributedDataParallel) else model, Path(ctx.run_dir) / "model.safetensors")
         finally:
             if session is not None:
                 session.stop()
@@ -209,6 +236,9 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             "flops_per_token": fpt,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
             **summarize(result, cfg.train.warmup_steps),
+            "start_step": start_step,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "checkpoints": checkpointer.saves if checkpointer is not None else [],
             "mlflow_run_id": tracker.run_id,
         }
         if session is not None and env.is_main:
@@ -222,17 +252,23 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 tracker.log_artifact(run_dir / name)
         tracker.finish("FINISHED", summary)
         if env.is_main:
-            log.info(
-                "done: final loss %.4f, %s tok/s/device, MFU %s, peak %.2f GB, overhead %.2f%% of wall time",
-                summary["final_loss"], f"{summary['tokens_per_s_per_device']:,.0f}",
-                "n/a" if summary["mfu"] is None else f"{summary['mfu']:.1f}%", summary["peak_mem_gb"],
-                100 * summary["overhead_frac"],
-            )
+            if summary["steps"] == 0:
+                log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
+            else:
+                log.info(
+                    "done: final loss %.4f, %s tok/s/device, MFU %s, peak %.2f GB, overhead %.2f%% of wall time",
+                    summary["final_loss"], f"{summary['tokens_per_s_per_device']:,.0f}",
+                    "n/a" if summary["mfu"] is None else f"{summary['mfu']:.1f}%", summary["peak_mem_gb"],
+                    100 * summary["overhead_frac"],
+                )
         return summary
     except BaseException as exc:
         if reporter:
             reporter.close()
         status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        if ctx.run_dir and not isinstance(exc, (KeyboardInterrupt, SystemExit)):  # the launcher's line if the elastic error file is missing
+            first = (str(exc).strip().splitlines() or [""])[0]
+            (Path(ctx.run_dir) / ERROR_NOTE.format(rank=env.rank)).write_text(f"{type(exc).__name__}: {first}"[:2000])
         if tracker.run_id:
             tracker.finish(status, error=f"rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         raise

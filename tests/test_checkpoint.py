@@ -1,0 +1,140 @@
+"""Checkpoints on 2 gloo ranks: resume equals an uninterrupted run, a killed rank restarts and
+resumes by itself, partial and corrupt checkpoints, resharding 2 -> 1, export, non-finite guards."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from src.export import main as export_main
+from src.models.mini_llm import MiniLLM
+from tests.conftest import read_summary, run_cli
+
+# fp32 so that "equal" means equal: same ranks, same reduction order, same bits.
+BASE = ["precision=fp32", "train.steps=10", "checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.export_safetensors=true", "tracking.system_metrics=false"]
+
+
+def _run_dir(cwd: Path) -> Path:
+    (run_dir,) = [p.parent for p in cwd.glob("outputs/*/*/summary.json")]
+    return run_dir
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """10 steps, undisturbed, checkpoints every 5."""
+    cwd = tmp_path_factory.mktemp("straight")
+    proc = run_cli([*BASE, f"checkpoint.folder={cwd / 'ck'}", "tracking=none"], cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return cwd
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_keep_last_and_only_complete_checkpoints(straight: Path):
+    assert sorted(p.name for p in (straight / "ck").iterdir()) == ["step_00000005", "step_00000010"]
+    assert (straight / "ck" / "step_00000010" / ".metadata").exists()
+    saves = read_summary(straight)["checkpoints"]
+    assert [s["step"] for s in saves] == [5, 10] and all(s["total_s"] > 0 for s in saves)
+
+
+def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path: Path, straight: Path):
+    ck = tmp_path / "ck"
+    first = tmp_path / "first"
+    first.mkdir()
+    assert run_cli([*BASE, "train.steps=5", f"checkpoint.folder={ck}", "tracking=none"], cwd=first).returncode == 0
+    second = tmp_path / "second"
+    second.mkdir()
+    proc = run_cli([*BASE, f"checkpoint.folder={ck}"], cwd=second)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = read_summary(second)
+    assert summary["start_step"] == 5 and summary["resumed_from"].endswith("step_00000005")
+    resumed, whole = _losses(_run_dir(second)), _losses(_run_dir(straight))
+    assert sorted(resumed) == [5, 6, 7, 8, 9]
+    assert all(resumed[s] == whole[s] for s in resumed)  # the loss curve carries on exactly
+    _assert_same_weights(_run_dir(second) / "model.safetensors", _run_dir(straight) / "model.safetensors")
+    run = MlflowClient(f"sqlite:///{second / 'mlflow.db'}").get_run(summary["mlflow_run_id"])
+    assert run.data.tags["resumed_at_step"] == "5"
+
+
+def test_a_killed_rank_restarts_and_resumes_to_the_same_weights(workdir: Path, straight: Path):
+    proc = run_cli([*BASE, "dist.max_restarts=1", "fault.kind=kill", "fault.rank=1", "fault.step=7", f"checkpoint.folder={workdir / 'ck'}"], cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = read_summary(workdir)
+    assert summary["status"] == "finished" and summary["start_step"] == 5  # the restart resumed from step 5
+    _assert_same_weights(_run_dir(workdir) / "model.safetensors", _run_dir(straight) / "model.safetensors")
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"  # one run, continued
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")][-3:] == [7, 8, 9]
+
+
+def test_a_partial_save_is_skipped_and_a_corrupt_one_named_explicitly_fails(tmp_path: Path, straight: Path):
+    ck = tmp_path / "ck"
+    shutil.copytree(straight / "ck", ck)
+    partial = ck / "step_00000012.partial"  # a save cut off half-way
+    shutil.copytree(ck / "step_00000010", partial)
+    (partial / ".metadata").unlink()
+    proc = run_cli([*BASE, "train.steps=12", f"checkpoint.folder={ck}", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "skipping" in proc.stdout + proc.stderr and "step_00000012.partial: a save that did not finish" in proc.stdout + proc.stderr
+    assert read_summary(tmp_path)["start_step"] == 10
+
+    corrupt = tmp_path / "bad" / "step_00000010"
+    shutil.copytree(straight / "ck" / "step_00000010", corrupt)
+    (corrupt / "__1_0.distcp").unlink()
+    bad = tmp_path / "badrun"
+    bad.mkdir()
+    proc = run_cli([*BASE, "train.steps=12", f"checkpoint.resume={corrupt}", "tracking=none"], cwd=bad)
+    assert proc.returncode == 1
+    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    assert f"checkpoint {corrupt} could not be loaded" in line
+
+    proc = run_cli([*BASE, f"checkpoint.resume={tmp_path / 'nope'}"], cwd=bad)
+    assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr
+
+
+def test_two_rank_checkpoint_loads_in_one_process_and_exports_for_inference(tmp_path: Path, straight: Path, capsys):
+    ckpt = straight / "ck" / "step_00000010"
+    out = tmp_path / "exported.safetensors"
+    assert export_main([str(ckpt), "--out", str(out)]) == 0
+    # resharded 2 -> 1 by DCP, the same weights the 2 ranks gathered themselves at the end
+    _assert_same_weights(out, _run_dir(straight) / "model.safetensors")
+    cfg = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(ckpt / "config.yaml")).items() if k != "name"}
+    model = MiniLLM(**cfg)
+    model.load_state_dict(load_file(str(out)))
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 17))
+    reference = MiniLLM(**cfg)
+    reference.load_state_dict(load_file(str(_run_dir(straight) / "model.safetensors")))
+    torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
+
+
+def test_a_nan_loss_fails_the_run_with_its_step_and_saves_no_nan_checkpoint(workdir: Path):
+    proc = run_cli([*BASE, "checkpoint.interval=2", "fault.kind=nan", "fault.rank=0", "fault.step=3", f"checkpoint.folder={workdir / 'ck'}"], cwd=workdir)
+    assert proc.returncode == 1
+    assert "non-finite loss nan" in proc.stderr and "at step 3" in proc.stderr
+    assert sorted(p.name for p in (workdir / "ck").iterdir()) == ["step_00000002"]  # step 4's was never written
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and "at step 3" in run.data.tags["error"]
+
+
+def test_nonfinite_skip_drops_the_step_and_finishes(workdir: Path):
+    proc = run_cli([*BASE, "train.nonfinite=skip", "fault.kind=nan", "fault.rank=0", "fault.step=3", "tracking=none"], cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    weights = load_file(str(_run_dir(workdir) / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
