@@ -138,3 +138,15 @@ def test_nonfinite_skip_drops_the_step_and_finishes(workdir: Path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     weights = load_file(str(_run_dir(workdir) / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_async_saves_overlap_training_and_resume_the_same(tmp_path: Path, straight: Path):
+    proc = run_cli([*BASE, "checkpoint.async_mode=true", f"checkpoint.folder={tmp_path / 'ck'}", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saves = read_summary(tmp_path)["checkpoints"]
+    assert [s["step"] for s in saves] == [5, 10] and all(s["size_mb"] > 0 and s["total_s"] >= s["blocking_s"] for s in saves)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_00000005", "step_00000010"]
+    _assert_same_weights(_run_dir(tmp_path) / "model.safetensors", _run_dir(straight) / "model.safetensors")
+    out = tmp_path / "from_async.safetensors"  # what the background thread wrote is a whole checkpoint
+    assert export_main([str(tmp_path / "ck" / "step_00000010"), "--out", str(out)]) == 0
+    _assert_same_weights(out, _run_dir(straight) / "model.safetensors")

@@ -68,6 +68,7 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: tuple[Any, Path, Path, float] | None = None
         self.saves: list[dict[str, float]] = []
+        self.load_s: float | None = None
         # DCP's async writer reduces plans in a background thread: give it a gloo group of its
         # own, so it never interleaves with the training loop's NCCL collectives.
         self.group = dist.new_group(backend="gloo") if (async_mode and dist.is_initialized()) else None
@@ -94,8 +95,9 @@ class Checkpointer:
             self.saves.append({"step": step, "blocking_s": time.perf_counter() - t0})
         else:
             dcp.save(state, checkpoint_id=str(partial))
+            self.saves.append({"step": step})
             self._finalize(partial, final)
-            self.saves.append({"step": step, "blocking_s": time.perf_counter() - t0, "total_s": time.perf_counter() - t0})
+            self.saves[-1].update(blocking_s=time.perf_counter() - t0, total_s=time.perf_counter() - t0)
 
     def wait(self) -> None:
         """Finish an async save in flight: wait for the write, then rename and prune."""
@@ -114,7 +116,10 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)
-            log.info("checkpoint %s (%.1f MB)", final, sum(f.stat().st_size for f in final.iterdir()) / 1e6)
+            size_mb = sum(f.stat().st_size for f in final.iterdir()) / 1e6
+            if self.saves:
+                self.saves[-1]["size_mb"] = size_mb
+            log.info("checkpoint %s (%.1f MB)", final, size_mb)
             done = sorted((p for p in self.folder.iterdir() if _STEP_DIR.match(p.name)), key=lambda p: p.name)
             for old in done[: max(0, len(done) - self.keep_last)]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -124,6 +129,7 @@ class Checkpointer:
     def load(self, path: Path) -> int:
         """Restore model, optimizer and RNG from `path`; returns the step to continue from."""
         checkpoint_step(path)
+        t0 = time.perf_counter()
         state = self._state(0)
         rng = {"rng": state.pop("rng")}
         try:
@@ -141,7 +147,8 @@ class Checkpointer:
         if f"cuda_rank{self.rank}" in rng["rng"]:
             torch.cuda.set_rng_state(rng["rng"][f"cuda_rank{self.rank}"])
         step = int(state["step"])
-        log.info("resumed from %s at step %d", path, step)
+        self.load_s = time.perf_counter() - t0
+        log.info("resumed from %s at step %d (%.2f s)", path, step, self.load_s)
         return step
 
 

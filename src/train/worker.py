@@ -239,6 +239,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             "start_step": start_step,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "checkpoints": checkpointer.saves if checkpointer is not None else [],
+            "checkpoint_load_s": checkpointer.load_s if checkpointer is not None else None,
             "mlflow_run_id": tracker.run_id,
         }
         if session is not None and env.is_main:
