@@ -82,7 +82,8 @@ def train_step(
 
 def _reduce_across_ranks(loss: torch.Tensor, norm: torch.Tensor, mem: tuple[float, float]) -> tuple[float, float, float, float]:
     """One all_gather carries every rank's loss and memory: mean loss, max memory, in one sync."""
-    local = torch.stack([loss.float(), norm.float(), torch.tensor(mem[0], device=loss.device), torch.tensor(mem[1], device=loss.device)])
+    # norm lives where the gradients do: host memory under CPU offload, beside a device loss
+    local = torch.stack([loss.float(), norm.float().to(loss.device), torch.tensor(mem[0], device=loss.device), torch.tensor(mem[1], device=loss.device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)

@@ -124,7 +124,10 @@ class MetricsFile:
 
 def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """Train on this rank. Returns the summary (the same dict on every rank; rank 0 also writes it)."""
-    env = init_distributed(cfg.backend.device_type, cfg.backend.dist_backend, cfg.dist.timeout_s)
+    backend = cfg.backend.dist_backend
+    if cfg.sharding.cpu_offload and backend == "nccl":
+        backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are reduced (their norm) on host memory
+    env = init_distributed(cfg.backend.device_type, backend, cfg.dist.timeout_s)
     run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
     setup_logging(run_dir, env.rank)
     tracker = _make_tracker(cfg, ctx, env, run_dir)
