@@ -12,6 +12,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from src.profiling.classify import Thresholds
+
 
 @dataclass
 class ModelConfig:
@@ -171,17 +173,6 @@ class ProfileConfig:
 
 
 @dataclass
-class ClassifierConfig:
-    """SEED.md's readings for the bound verdict (src/profiling/classify.py explains the rule)."""
-
-    hbm_bound_pct: float = 75.0
-    sm_bound_pct: float = 75.0
-    sm_idle_pct: float = 25.0
-    hbm_low_pct: float = 50.0
-    occupancy_low_pct: float = 40.0
-
-
-@dataclass
 class DiagnoseConfig:
     """task=diagnose: one training step under Nsight Compute, then the bound verdict per op."""
 
@@ -195,7 +186,8 @@ class DiagnoseConfig:
     """profile at most this many kernels of the step (0: all)"""
     report: str = ""
     """diagnose this existing report instead of running ncu"""
-    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
+    classifier: Thresholds = field(default_factory=Thresholds)
+    """SEED.md's readings for the bound verdict (src/profiling/classify.py explains the rule)"""
 
 
 @dataclass

@@ -46,12 +46,11 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def preflight(overrides: list[str], multirun: bool) -> None:
-    jobs = _job_overrides(overrides, multirun)
-    for job in jobs:
+    parallel = multirun and any(o.replace(" ", "") in ("hydra/launcher=joblib", "+hydra/launcher=joblib") for o in overrides)
+    for job in _job_overrides(overrides, multirun):
         cfg = compose_config(job)
         validate(cfg)
-        parallel = any(o.replace(" ", "") in ("hydra/launcher=joblib", "+hydra/launcher=joblib") for o in overrides)
-        if multirun and parallel and cfg.tracking.enabled and cfg.tracking.uri.startswith("sqlite"):
+        if parallel and cfg.tracking.enabled and cfg.tracking.uri.startswith("sqlite"):
             raise ConfigError(
                 f"hydra/launcher=joblib runs jobs in parallel, but tracking.uri={cfg.tracking.uri} takes one writer at a time "
                 "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "

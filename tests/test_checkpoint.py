@@ -150,3 +150,21 @@ def test_async_saves_overlap_training_and_resume_the_same(tmp_path: Path, straig
     out = tmp_path / "from_async.safetensors"  # what the background thread wrote is a whole checkpoint
     assert export_main([str(tmp_path / "ck" / "step_00000010"), "--out", str(out)]) == 0
     _assert_same_weights(out, _run_dir(straight) / "model.safetensors")
+
+
+@pytest.mark.parametrize("nproc,batch", [(1, 16), (4, 4)])
+def test_a_two_rank_checkpoint_resumes_on_one_or_four_ranks(tmp_path: Path, straight: Path, nproc: int, batch: int):
+    """The same global batch (2 x 8 = 1 x 16 = 4 x 4 sequences), so step 10 sees the same data and,
+    from the same weights, gives the same loss: DCP resharded weights and AdamW state."""
+    resume = [*BASE, "train.steps=11", "tracking=none", "checkpoint.enabled=false", "checkpoint.export_safetensors=false",
+              f"checkpoint.resume={straight / 'ck' / 'step_00000010'}"]
+    runs = {}
+    for name, args in (("resharded", [f"dist.nproc={nproc}", f"data.batch_size={batch}"]), ("same", [])):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = run_cli([*resume, *args], cwd=cwd)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[name] = read_summary(cwd)
+    assert runs["resharded"]["start_step"] == 10 and runs["resharded"]["settings"]["world_size"] == nproc
+    # only the order of the loss reduction over ranks differs
+    assert runs["resharded"]["final_loss"] == pytest.approx(runs["same"]["final_loss"], rel=1e-6)

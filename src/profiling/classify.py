@@ -25,7 +25,7 @@ REMEDIES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class Thresholds:
     hbm_bound_pct: float = 75.0
     """HBM throughput at or above this, with HBM the busiest unit: memory-bound"""
