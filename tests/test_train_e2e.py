@@ -101,7 +101,7 @@ def test_a_killed_rank_0_leaves_no_mlflow_run_running(workdir: Path):
 
 def test_under_torchrun_the_entry_is_a_worker_and_rank_0_owns_the_run_dir(workdir: Path):
     proc = run_cli(
-        ["train.steps=3", "tracking=none"], cwd=workdir,
+        ["train.steps=3", "tracking=none", "checkpoint.enabled=true"], cwd=workdir,
         launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -109,6 +109,9 @@ def test_under_torchrun_the_entry_is_a_worker_and_rank_0_owns_the_run_dir(workdi
     assert len(summaries) == 1
     summary = json.loads(summaries[0].read_text())
     assert summary["settings"]["world_size"] == 2 and summary["steps"] == 3
+    # every rank wrote its shard into rank 0's run directory
+    ckpt = summaries[0].parent / "checkpoints" / "step_00000003"
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def test_ctrl_c_ends_the_run_killed(workdir: Path):

@@ -7,16 +7,18 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from src.data.batches import TokenBatches
-from src.distributed.env import DistEnv, build_mesh, init_distributed, shutdown
+from src.distributed.env import DistEnv, build_mesh, init_distributed, launched_as_worker, shutdown
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
 from src.models.mini_llm import MiniLLM
@@ -128,6 +130,12 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     if cfg.sharding.cpu_offload and backend == "nccl":
         backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are reduced (their norm) on host memory
     env = init_distributed(cfg.backend.device_type, backend, cfg.dist.timeout_s)
+    if env.world_size > 1 and launched_as_worker():
+        # Under torchrun each rank composed its own config; rank 0's run directory is the run's
+        # (the checkpoint folder, per-rank traces and error notes live there for every rank).
+        shared = [ctx.run_dir]
+        dist.broadcast_object_list(shared, src=0)
+        ctx = replace(ctx, run_dir=shared[0])
     run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
     setup_logging(run_dir, env.rank)
     tracker = _make_tracker(cfg, ctx, env, run_dir)
