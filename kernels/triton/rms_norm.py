@@ -1,0 +1,141 @@
+"""Fused RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, forward and backward in one pass each.
+
+Forward reads x and w once and writes y and one fp32 rstd per row (kept for backward, so backward
+never recomputes the reduction). Backward reads dy, x, w, rstd once and writes dx, plus one fp32
+partial dw per program: each program walks `rows_per_program` rows, so the partials are
+(programs x N) instead of (rows x N), and a single torch sum finishes dw.
+
+Three layers, as Liger-Kernel does: the @triton.jit kernels and their launchers, an
+autograd.Function, and `FusedRMSNorm`, a drop-in for nn.RMSNorm (same `weight` parameter, so
+state dicts and FSDP2 sharding see the same tensors).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    # fp32 statistics whatever the input dtype: bf16 has 8 mantissa bits, too few for a mean of squares
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, rows_per_program, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    start = pid * rows_per_program
+    for i in range(0, rows_per_program):
+        row = (start + i).to(tl.int64)
+        if row < M:
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            x_hat = x * rstd
+            wdy = w * dy
+            # d/dx of x * rstd(x): rstd * (wdy - x_hat * mean(wdy * x_hat))
+            dx = rstd * (wdy - x_hat * (tl.sum(wdy * x_hat, axis=0) / N))
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+    tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
+
+
+def _block(n: int) -> int:
+    block = triton.next_power_of_2(n)
+    if block > 65536:
+        raise ValueError(f"fused RMSNorm holds a row in registers; rows of {n} > 65536 elements are not supported")
+    return block
+
+
+def _warps(block: int) -> int:
+    # 8 warps from 2048 columns up, 16 from 8192: enough loads in flight per row (Liger's choice).
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    block = _block(N)
+    _rms_norm_fwd[(M,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block, num_warps=_warps(block))
+    return y.reshape(shape), rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    dy2 = dy.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    M, N = x2.shape
+    dx = torch.empty_like(x2)
+    # One program per SM's worth of rows keeps the dw partials small (programs x N fp32).
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    programs = min(M, sms * 4)
+    rows_per_program = math.ceil(M / programs)
+    dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    block = _block(N)
+    _rms_norm_bwd[(programs,)](
+        dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
+        BLOCK=block, num_warps=_warps(block),
+    )
+    return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x, weight, rstd)
+        return dx, dw, None
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+class FusedRMSNorm(nn.Module):
+    """Drop-in for nn.RMSNorm(dim, eps) with the fused Triton kernels."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_module(cls, norm: nn.RMSNorm) -> "FusedRMSNorm":
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+        fused.weight = norm.weight  # the same Parameter: swapping keeps state dicts and sharding intact
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,57 @@
+"""Fused Triton RMSNorm against torch's, forward and backward, on odd shapes (interpreter on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels.triton.rms_norm import FusedRMSNorm, fused_rms_norm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (atol, rtol) per dtype. fp32: the kernel and torch sum in a different order; bf16: outputs are
+# rounded to 8 mantissa bits either way (Liger-Kernel's bf16 bounds for the same op).
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+SHAPES = [(5, 123), (3, 7, 257), (1, 1024), (17, 64)]
+
+
+def _reference(x, w, eps):
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_and_backward_match_torch(shape, dtype):
+    torch.manual_seed(0)
+    atol, rtol = TOLERANCE[dtype]
+    n = shape[-1]
+    x = torch.randn(shape, device=DEVICE, dtype=dtype) * 3 + 0.5
+    w = (torch.randn(n, device=DEVICE) * 0.5 + 1).to(dtype)
+    dy = torch.randn(shape, device=DEVICE, dtype=dtype)
+
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fused_rms_norm(x1, w1, 1e-6)
+    y.backward(dy)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = _reference(x2, w2, 1e-6)
+    ref.backward(dy)
+
+    torch.testing.assert_close(y, ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(x1.grad, x2.grad, atol=atol, rtol=rtol)
+    # dw sums over every row: its error grows with the row count, hence the wider bound in bf16
+    torch.testing.assert_close(w1.grad.float(), w2.grad.float(), atol=atol * 10, rtol=rtol * 5)
+
+
+def test_module_is_a_drop_in_for_nn_rmsnorm():
+    norm = torch.nn.RMSNorm(96, eps=1e-6, device=DEVICE)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    fused = FusedRMSNorm.from_module(norm)
+    assert fused.weight is norm.weight and list(dict(fused.named_parameters())) == ["weight"]
+    x = torch.randn(4, 9, 96, device=DEVICE)
+    torch.testing.assert_close(fused(x), norm(x), atol=1e-5, rtol=1e-5)
+
+
+def test_too_wide_rows_are_refused():
+    with pytest.raises(ValueError, match="rows of 70000 > 65536"):
+        fused_rms_norm(torch.randn(2, 70000, device=DEVICE), torch.ones(70000, device=DEVICE))
