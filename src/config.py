@@ -68,6 +68,8 @@ class KernelsConfig:
     name: str = MISSING
     compile: bool = False
     """torch.compile each transformer block before sharding"""
+    fused: Optional[list[str]] = field(default_factory=list)
+    """fused Triton variants to swap in (kernels/triton/registry.py); null means every one"""
 
 
 @dataclass

@@ -55,3 +55,38 @@ def test_module_is_a_drop_in_for_nn_rmsnorm():
 def test_too_wide_rows_are_refused():
     with pytest.raises(ValueError, match="rows of 70000 > 65536"):
         fused_rms_norm(torch.randn(2, 70000, device=DEVICE), torch.ones(70000, device=DEVICE))
+
+
+def _losses(cwd):
+    import json
+
+    (metrics,) = list(cwd.glob("outputs/*/*/metrics.jsonl"))
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path):
+    """Under FSDP2 on 2 ranks the fused norms run on the gathered weights, forward and backward."""
+    from tests.conftest import run_cli
+
+    common = ["precision=fp32", "train.steps=5", "data.batch_size=2", "data.seq_len=16", "tracking=none"]
+    runs = {}
+    for kernels in ("eager", "triton"):
+        cwd = tmp_path / kernels
+        cwd.mkdir()
+        proc = run_cli([*common, f"kernels={kernels}"], cwd=cwd)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[kernels] = _losses(cwd)
+    assert "fused Triton kernels: rms_norm x4" in proc.stdout + proc.stderr
+    torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["eager"]), rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypatch):
+    from src.compose import ConfigError, compose_config
+    from src.validate import validate
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="kernels=triton: Triton kernels need an NVIDIA GPU"):
+        validate(compose_config(["kernels=triton"]), cuda_device_count=0, mps_available=False)
+    with pytest.raises(ConfigError, match=r"kernels.fused=\['softmax'\]: no fused Triton variant"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        validate(compose_config(["kernels=triton", "kernels.fused=[softmax]"]), cuda_device_count=0, mps_available=False)

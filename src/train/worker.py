@@ -149,6 +149,12 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             model = build_model(cfg.model)
         n_params = model.num_params(non_embedding=False)
         fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads, cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+        if cfg.kernels.fused is None or len(cfg.kernels.fused) > 0:
+            from kernels.triton.registry import apply_fused
+
+            swapped = apply_fused(model, None if cfg.kernels.fused is None else list(cfg.kernels.fused))
+            if env.is_main:
+                log.info("fused Triton kernels: %s", ", ".join(f"{op} x{n}" for op, n in swapped.items()))
         if cfg.profile.nvtx:
             module_ranges(model)  # before compile and sharding: hooks on the plain modules
         if cfg.kernels.compile:
