@@ -70,7 +70,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         unknown = [op for op in (cfg.kernels.fused or []) if op not in REGISTRY]
         if unknown:
             raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
-        if cfg.model.dim > REGISTRY["rms_norm"].max_dim:
+        if (cfg.kernels.fused is None or "rms_norm" in cfg.kernels.fused) and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
             raise ConfigError(f"model.dim={cfg.model.dim}: the fused RMSNorm holds a row in registers, at most {REGISTRY['rms_norm'].max_dim}")
     m = cfg.model
     if m.dim % m.n_heads:

@@ -76,7 +76,7 @@ def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path):
         proc = run_cli([*common, f"kernels={kernels}"], cwd=cwd)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs[kernels] = _losses(cwd)
-    assert "fused Triton kernels: rms_norm x4" in proc.stdout + proc.stderr
+    assert "fused Triton kernels: rms_norm x4, cross_entropy" in proc.stdout + proc.stderr
     torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["eager"]), rtol=1e-5, atol=1e-5)
 
 

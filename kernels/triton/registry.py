@@ -17,10 +17,12 @@ import torch.nn as nn
 class FusedVariant:
     op: str
     """the op name a diagnosis uses (src/profiling/diagnosis.py FUSIONS)"""
-    swap: Callable[[nn.Module], int]
+    swap: Callable[[nn.Module], int] | None = None
     """replace the eager modules of `model` in place; returns how many were swapped"""
-    max_dim: int
-    """widest row one program holds in registers"""
+    loss: Callable | None = None
+    """or: the loss function the training step calls instead of F.cross_entropy"""
+    max_dim: int = 0
+    """widest row one program holds in registers (0: rows are walked in blocks, no limit)"""
 
 
 def _swap_rms_norm(model: nn.Module) -> int:
@@ -35,8 +37,15 @@ def _swap_rms_norm(model: nn.Module) -> int:
     return swapped
 
 
+def _fused_cross_entropy(logits, targets):
+    from kernels.triton.cross_entropy import fused_cross_entropy
+
+    return fused_cross_entropy(logits, targets)
+
+
 REGISTRY: dict[str, FusedVariant] = {
-    "rms_norm": FusedVariant("rms_norm", _swap_rms_norm, max_dim=65536),
+    "rms_norm": FusedVariant("rms_norm", swap=_swap_rms_norm, max_dim=65536),
+    "cross_entropy": FusedVariant("cross_entropy", loss=_fused_cross_entropy),
 }
 
 
@@ -51,10 +60,13 @@ def triton_usable(device_type: str) -> str | None:
     return "Triton kernels need an NVIDIA GPU (backend=cuda); on a CPU they run only in Triton's interpreter (TRITON_INTERPRET=1, slow)"
 
 
-def apply_fused(model: nn.Module, ops: list[str] | None = None) -> dict[str, int]:
-    """Swap in the fused variants of `ops` (all registered ones when None); returns op -> modules swapped."""
+def apply_fused(model: nn.Module, ops: list[str] | None = None) -> tuple[dict[str, int], Callable | None]:
+    """Swap in the fused variants of `ops` (all registered ones when None). Returns op -> modules
+    swapped, and the fused loss function if one was chosen (else None: F.cross_entropy)."""
     chosen = list(REGISTRY) if ops is None else ops
     unknown = [op for op in chosen if op not in REGISTRY]
     if unknown:
         raise ValueError(f"no fused Triton variant for {', '.join(unknown)}; there are: {', '.join(REGISTRY)}")
-    return {op: REGISTRY[op].swap(model) for op in chosen}
+    swapped = {op: REGISTRY[op].swap(model) for op in chosen if REGISTRY[op].swap is not None}
+    losses = [REGISTRY[op].loss for op in chosen if REGISTRY[op].loss is not None]
+    return swapped, (losses[0] if losses else None)

@@ -48,6 +48,7 @@ def train_step(
     mark: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
     skip_nonfinite: bool = False,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced.
     `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked.
@@ -61,7 +62,7 @@ def train_step(
         with mark("loss"):
             if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
                 logits = logits.float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            loss = (loss_fn or F.cross_entropy)(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
             if loss_hook is not None:
                 loss = loss_hook(loss)
     with mark("backward"):
@@ -118,6 +119,7 @@ def train_loop(
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
     loss_fp32: bool = True,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     log_every: int = 1,
     on_step: Iterable[Callable[[StepStats], None]] = (),
     fault: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
@@ -145,7 +147,7 @@ def train_loop(
         with profiled_step_range() if step == profiled_step else contextlib.nullcontext():
             loss, norm = train_step(
                 model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32,
-                **({"mark": mark} if mark else {}), loss_hook=hook, skip_nonfinite=nonfinite == "skip",
+                **({"mark": mark} if mark else {}), loss_hook=hook, skip_nonfinite=nonfinite == "skip", loss_fn=loss_fn,
             )
         if after_step is not None:
             after_step()

@@ -149,12 +149,13 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             model = build_model(cfg.model)
         n_params = model.num_params(non_embedding=False)
         fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads, cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+        loss_fn = None
         if cfg.kernels.fused is None or len(cfg.kernels.fused) > 0:
             from kernels.triton.registry import apply_fused
 
-            swapped = apply_fused(model, None if cfg.kernels.fused is None else list(cfg.kernels.fused))
+            swapped, loss_fn = apply_fused(model, None if cfg.kernels.fused is None else list(cfg.kernels.fused))
             if env.is_main:
-                log.info("fused Triton kernels: %s", ", ".join(f"{op} x{n}" for op, n in swapped.items()))
+                log.info("fused Triton kernels: %s", ", ".join([f"{op} x{n}" for op, n in swapped.items()] + (["cross_entropy"] if loss_fn else [])))
         if cfg.profile.nvtx:
             module_ranges(model)  # before compile and sharding: hooks on the plain modules
         if cfg.kernels.compile:
@@ -222,7 +223,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 model, optimizer, batches, cfg.train.steps, env.device,
                 tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
                 world_size=env.world_size, flops_per_token=fpt, peak_flops=peak,
-                grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32,
+                grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32, loss_fn=loss_fn,
                 log_every=cfg.train.log_every, on_step=callbacks,
                 fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
                 mark=step_marker(cfg.profile.nvtx) if cfg.profile.nvtx else None,
