@@ -10,6 +10,7 @@ from dataclasses import fields
 import torch
 from omegaconf import DictConfig
 
+from kernels.triton.registry import REGISTRY, selected_ops, triton_usable
 from src.compose import ConfigError
 from src.config import GROUPS
 
@@ -61,16 +62,15 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
     if backend == "cuda" and not as_worker and nproc > cuda_device_count:
         raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less")
 
-    if cfg.kernels.fused is None or len(cfg.kernels.fused) > 0:
-        from kernels.triton.registry import REGISTRY, triton_usable
-
+    fused = selected_ops(cfg.kernels.fused)
+    if fused:
         why_not = triton_usable(backend)
         if why_not:
             raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or use kernels=eager")
-        unknown = [op for op in (cfg.kernels.fused or []) if op not in REGISTRY]
+        unknown = [op for op in fused if op not in REGISTRY]
         if unknown:
             raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
-        if (cfg.kernels.fused is None or "rms_norm" in cfg.kernels.fused) and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
+        if "rms_norm" in fused and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
             raise ConfigError(f"model.dim={cfg.model.dim}: the fused RMSNorm holds a row in registers, at most {REGISTRY['rms_norm'].max_dim}")
     m = cfg.model
     if m.dim % m.n_heads:

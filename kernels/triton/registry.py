@@ -60,6 +60,11 @@ def triton_usable(device_type: str) -> str | None:
     return "Triton kernels need an NVIDIA GPU (backend=cuda); on a CPU they run only in Triton's interpreter (TRITON_INTERPRET=1, slow)"
 
 
+def selected_ops(fused: list[str] | None) -> list[str]:
+    """`kernels.fused`: null means every registered variant, a list names some, [] none."""
+    return list(REGISTRY) if fused is None else list(fused)
+
+
 def apply_fused(model: nn.Module, ops: list[str] | None = None) -> tuple[dict[str, int], Callable | None]:
     """Swap in the fused variants of `ops` (all registered ones when None). Returns op -> modules
     swapped, and the fused loss function if one was chosen (else None: F.cross_entropy)."""

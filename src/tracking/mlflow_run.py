@@ -84,6 +84,12 @@ def experiment_name(cfg: Any) -> str:
     return cfg.tracking.experiment or cfg.exp or "default"
 
 
+def experiment_id(client, name: str) -> str:
+    """The id of experiment `name`, created on first use."""
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp else client.create_experiment(name)
+
+
 def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str | os.PathLike) -> dict[str, str]:
     import torch
 
@@ -155,8 +161,7 @@ class MlflowTracker(NullTracker):
                 self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
             log.info("MLflow run %s continues after restart %s", self.run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
             return
-        exp = self.client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
+        exp_id = experiment_id(self.client, self.experiment)
         tags = dict(self.tags)
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
@@ -221,8 +226,7 @@ def record_failed_run(uri: str, experiment: str, run_name: str, error: str, tags
         if client.get_run(run_id).info.status != "RUNNING":
             return
     else:
-        exp = client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        exp_id = experiment_id(client, experiment)
         run_id = client.create_run(exp_id, run_name=run_name, tags=dict(tags)).info.run_id
     client.set_tag(run_id, "error", error[:5000])
     client.set_terminated(run_id, status=status)

@@ -79,7 +79,9 @@ class MlflowSweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # HydraConfig is not set yet at this point: read the hydra node of `config` itself.
-        from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, TrackingUnavailable, check_reachable, experiment_name, resolve_tracking_uri, run_tags
+        from src.tracking.mlflow_run import (
+            PARENT_RUN_ID_FILE, TrackingUnavailable, check_reachable, experiment_id, experiment_name, resolve_tracking_uri, run_tags,
+        )
 
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -96,8 +98,7 @@ class MlflowSweepCallback(Callback):
 
         self.client = MlflowClient(tracking_uri=uri)
         name = experiment_name(config)
-        exp = self.client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+        exp_id = experiment_id(self.client, name)
         overrides = list(config.hydra.overrides.task)
         tags = run_tags(overrides, config.dist.nproc * config.dist.nnodes, config.backend.name, cwd)
         tags.update({"sweep": "true", "sweep_dir": str(sweep_dir)})

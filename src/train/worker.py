@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from src.data.batches import TokenBatches
+from kernels.triton.registry import apply_fused, selected_ops
 from src.distributed.env import DistEnv, build_mesh, init_distributed, launched_as_worker, shutdown
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
@@ -150,10 +151,9 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         n_params = model.num_params(non_embedding=False)
         fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads, cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         loss_fn = None
-        if cfg.kernels.fused is None or len(cfg.kernels.fused) > 0:
-            from kernels.triton.registry import apply_fused
-
-            swapped, loss_fn = apply_fused(model, None if cfg.kernels.fused is None else list(cfg.kernels.fused))
+        fused_ops = selected_ops(cfg.kernels.fused)
+        if fused_ops:
+            swapped, loss_fn = apply_fused(model, fused_ops)
             if env.is_main:
                 log.info("fused Triton kernels: %s", ", ".join([f"{op} x{n}" for op, n in swapped.items()] + (["cross_entropy"] if loss_fn else [])))
         if cfg.profile.nvtx:
