@@ -25,22 +25,34 @@ GENERIC = "To enable traceback see"
 ERROR_NOTE = ".rank{rank}.error"
 
 
-def _first_failure(err: ChildFailedError, notes_dir: str | None = None) -> str:
-    rank, failure = err.get_first_failure()
+def _describe(rank: int, failure: Any, notes_dir: str | None) -> tuple[str, bool]:
+    """One rank's failure as (line, is_cause): a raised exception is a cause, a signal is not."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
     message = str(message).strip().splitlines()
-    last = message[-1] if message else f"exit code {failure.exitcode}"
-    if last.startswith(GENERIC) and notes_dir:
+    last = message[-1] if message else ""
+    note = Path(notes_dir) / ERROR_NOTE.format(rank=rank) if notes_dir else None
+    if (not last or last.startswith(GENERIC)) and note is not None and note.exists():
         # No error file from the elastic wrapper: the rank's own one-line note (src/train/worker.py).
-        for r in sorted(err.failures, key=lambda r: (r != rank, r)):
-            note = Path(notes_dir) / ERROR_NOTE.format(rank=r)
-            if note.exists():
-                return f"rank {r} failed: {note.read_text().strip()}"
+        return note.read_text().strip(), True
     if failure.exitcode < 0 or last.startswith("Signal"):
-        last = f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else last
-    return f"rank {rank} failed: {last}"
+        return (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else last), False
+    return last or f"exit code {failure.exitcode}", True
+
+
+def _first_failure(err: ChildFailedError, notes_dir: str | None = None) -> str:
+    """The failure that explains the others.
+
+    When one rank raises (a missing checkpoint shard, say) and exits, its peers still waiting in a
+    gloo/NCCL collective abort with SIGABRT, sometimes before the raising rank is reaped, so the
+    launcher's "first" failure can be a consequence. A rank that raised wins over one killed by a
+    signal; among equals the launcher's first, then the lowest rank.
+    """
+    first, _ = err.get_first_failure()
+    described = {rank: _describe(rank, failure, notes_dir) for rank, failure in err.failures.items()}
+    rank = min(described, key=lambda r: (not described[r][1], r != first, r))
+    return f"rank {rank} failed: {described[rank][0]}"
 
 
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "", log_dir: str | None = None, notes_dir: str | None = None) -> dict[int, Any]:
