@@ -25,7 +25,11 @@ class ModelConfig:
     n_layers: int = 12
     n_heads: int = 16
     ffn_mult: int = 4
-    """hidden width of the SiLU MLP as a multiple of dim (the seed's 4)"""
+    """hidden width of the MLP as a multiple of dim (the seed's 4)"""
+    mlp: str = "silu"
+    """silu: the seed's Linear -> SiLU -> Linear; swiglu: LLaMA's down(silu(gate(x)) * up(x))"""
+    ffn_hidden: int = 0
+    """hidden width of the MLP when set (LLaMA-7B: 11008 for dim 4096); 0: dim * ffn_mult"""
     causal: bool = True
     """causal attention mask; the seed's script has none, so +exp=fsdp4 turns it off to match it"""
     norm_eps: float = 1e-6

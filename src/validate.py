@@ -75,8 +75,10 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
     m = cfg.model
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of {m.n_heads}, or another n_heads")
-    if min(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.ffn_mult) < 1:
-        raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive")
+    if m.mlp not in ("silu", "swiglu"):
+        raise ConfigError(f"model.mlp={m.mlp}: use silu (the seed's MLP) or swiglu (LLaMA's gated MLP)")
+    if min(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.ffn_mult) < 1 or m.ffn_hidden < 0:
+        raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive (ffn_hidden 0 or more)")
     if cfg.data.source == "text" and cfg.data.text_path and not os.path.isfile(cfg.data.text_path):
         raise ConfigError(f"data.text_path={cfg.data.text_path}: no such file; give a UTF-8 text file, or leave it empty for the built-in corpus")
     if cfg.train.nonfinite not in ("fail", "skip"):

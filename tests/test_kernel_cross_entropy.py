@@ -1,4 +1,4 @@
-"""Fused Triton cross-entropy against torch's, loss and gradient, odd shapes, ignore_index."""
+"""Fused Triton cross-entropy against torch's, loss and gradient, odd shapes, ignore_index, label smoothing."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +13,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2)}
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "smoothed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows,vocab", [(5, 123), (21, 257), (3, 5000), (8, 32000)])
-def test_loss_and_gradient_match_torch(rows, vocab, dtype):
+def test_loss_and_gradient_match_torch(rows, vocab, dtype, smoothing):
     torch.manual_seed(0)
     atol, rtol = TOLERANCE[dtype]
     logits = (torch.randn(rows, vocab, device=DEVICE) * 4).to(dtype)
@@ -23,10 +24,10 @@ def test_loss_and_gradient_match_torch(rows, vocab, dtype):
     targets[1] = -100  # ignored: no loss, no gradient, not counted in the mean
 
     ours_in = logits.clone().requires_grad_()
-    loss = fused_cross_entropy(ours_in * 1, targets)  # *1: the kernel overwrites its input buffer
+    loss = fused_cross_entropy(ours_in * 1, targets, label_smoothing=smoothing)  # *1: the kernel overwrites its input buffer
     (loss * 3).backward()
     ref_in = logits.clone().float().requires_grad_()
-    ref = F.cross_entropy(ref_in, targets, ignore_index=-100)
+    ref = F.cross_entropy(ref_in, targets, ignore_index=-100, label_smoothing=smoothing)
     (ref * 3).backward()
 
     torch.testing.assert_close(loss, ref, atol=atol, rtol=rtol)

@@ -6,7 +6,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.rms_norm import FusedRMSNorm, fused_rms_norm  # noqa: E402
+from kernels.triton.rms_norm import FusedRMSNorm, fused_add_rms_norm, fused_rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (atol, rtol) per dtype. fp32: the kernel and torch sum in a different order; bf16: outputs are
@@ -42,6 +42,34 @@ def test_forward_and_backward_match_torch(shape, dtype):
     torch.testing.assert_close(w1.grad.float(), w2.grad.float(), atol=atol * 10, rtol=rtol * 5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(5, 123), (3, 7, 257)], ids=lambda s: "x".join(map(str, s)))
+def test_residual_add_and_norm_match_torch(shape, dtype):
+    """(x + r, rmsnorm(x + r)): both outputs used downstream, as in the pre-norm block."""
+    torch.manual_seed(1)
+    atol, rtol = TOLERANCE[dtype]
+    n = shape[-1]
+    x, r = (torch.randn(shape, device=DEVICE, dtype=dtype) for _ in range(2))
+    w = (torch.rand(n, device=DEVICE) + 0.5).to(dtype)
+    ds, dy = (torch.randn(shape, device=DEVICE, dtype=dtype) for _ in range(2))
+
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    s, y = fused_add_rms_norm(*leaves, 1e-6)
+    torch.autograd.backward([s, y], [ds, dy])
+    ref_leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    ref_s = ref_leaves[0] + ref_leaves[1]
+    ref_y = _reference(ref_s, ref_leaves[2], 1e-6)
+    torch.autograd.backward([ref_s, ref_y], [ds, dy])
+
+    # The sum is rounded to the input dtype, as eager's is; Triton's interpreter may round a bf16
+    # differently from the GPU's round-to-nearest, so one bf16 ulp (2^-7 relative) is allowed.
+    torch.testing.assert_close(s, ref_s, atol=0, rtol=0 if dtype == torch.float32 else 2**-7)
+    torch.testing.assert_close(y, ref_y, atol=atol, rtol=rtol)
+    for name, got, want in zip("xrw", leaves, ref_leaves):
+        scale = 10 if name == "w" else 1
+        torch.testing.assert_close(got.grad.float(), want.grad.float(), atol=atol * scale, rtol=rtol * scale, msg=f"d{name}")
+
+
 def test_module_is_a_drop_in_for_nn_rmsnorm():
     norm = torch.nn.RMSNorm(96, eps=1e-6, device=DEVICE)
     with torch.no_grad():
@@ -65,10 +93,11 @@ def _losses(cwd):
 
 
 def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path):
-    """Under FSDP2 on 2 ranks the fused norms run on the gathered weights, forward and backward."""
+    """Every fused variant at once (RMSNorm with the residual add, SwiGLU, linear + cross-entropy)
+    under FSDP2 on 2 ranks: the kernels run on the gathered weights, forward and backward."""
     from tests.conftest import run_cli
 
-    common = ["precision=fp32", "train.steps=5", "data.batch_size=2", "data.seq_len=16", "tracking=none"]
+    common = ["precision=fp32", "model.mlp=swiglu", "train.steps=5", "data.batch_size=2", "data.seq_len=16", "tracking=none"]
     runs = {}
     for kernels in ("eager", "triton"):
         cwd = tmp_path / kernels
@@ -76,7 +105,7 @@ def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path):
         proc = run_cli([*common, f"kernels={kernels}"], cwd=cwd)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs[kernels] = _losses(cwd)
-    assert "fused Triton kernels: rms_norm x4, cross_entropy" in proc.stdout + proc.stderr
+    assert "fused Triton kernels: rms_norm x4, swiglu x2, softmax x0, linear_cross_entropy x1" in proc.stdout + proc.stderr
     torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["eager"]), rtol=1e-5, atol=1e-5)
 
 
@@ -87,6 +116,6 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="kernels=triton: Triton kernels need an NVIDIA GPU"):
         validate(compose_config(["kernels=triton"]), cuda_device_count=0, mps_available=False)
-    with pytest.raises(ConfigError, match=r"kernels.fused=\['softmax'\]: no fused Triton variant"):
+    with pytest.raises(ConfigError, match=r"kernels.fused=\['layer_norm'\]: no fused Triton variant"):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        validate(compose_config(["kernels=triton", "kernels.fused=[softmax]"]), cuda_device_count=0, mps_available=False)
+        validate(compose_config(["kernels=triton", "kernels.fused=[layer_norm]"]), cuda_device_count=0, mps_available=False)

@@ -1,5 +1,10 @@
 """Which ops have fused Triton variants, what each needs, and how a model gets them.
 
+Each op has three variants: eager (the model as written), compile (`kernels=compile`:
+torch.compile per block) and triton (the entries below, swapped in by `kernels=triton`, or by
+`kernels=auto` for the ops a diagnosis marks memory-bound). The Triton variants need CUDA, or
+Triton's interpreter (TRITON_INTERPRET=1) on a CPU, and some hold a row in registers (max_dim).
+
 `apply_fused(model, ops)` swaps modules in place before sharding, keeping every Parameter object,
 so FSDP2 shards the same tensors and state dicts keep their keys; the fused kernels then run on
 the unsharded tensors FSDP2 gathers for each block's forward and backward.
@@ -23,18 +28,50 @@ class FusedVariant:
     """or: the loss function the training step calls instead of F.cross_entropy"""
     max_dim: int = 0
     """widest row one program holds in registers (0: rows are walked in blocks, no limit)"""
+    loss_in_model: bool = False
+    """the swap moves the loss into the model's forward (model(inputs, targets) returns it)"""
+    replaces: tuple[str, ...] = ()
+    """ops this one subsumes when both are chosen"""
+
+
+def _swap_modules(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> int:
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if match(child):
+                setattr(parent, name, make(child))
+                swapped += 1
+    return swapped
 
 
 def _swap_rms_norm(model: nn.Module) -> int:
     from kernels.triton.rms_norm import FusedRMSNorm
 
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.RMSNorm):
-                setattr(parent, name, FusedRMSNorm.from_module(child))
-                swapped += 1
-    return swapped
+    # FusedRMSNorm also has add_forward: the block's residual add joins its second norm.
+    return _swap_modules(model, lambda m: isinstance(m, nn.RMSNorm), FusedRMSNorm.from_module)
+
+
+def _swap_swiglu(model: nn.Module) -> int:
+    from kernels.triton.swiglu import FusedSiLUMul
+    from src.models.mini_llm import SiLUMul
+
+    return _swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: FusedSiLUMul())
+
+
+def _swap_softmax(model: nn.Module) -> int:
+    from kernels.triton.softmax import FusedSoftmax
+
+    return _swap_modules(model, lambda m: isinstance(m, nn.Softmax) and m.dim in (-1, None), lambda m: FusedSoftmax())
+
+
+def _swap_head(model: nn.Module) -> int:
+    from kernels.triton.linear_cross_entropy import LinearCrossEntropyHead
+
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return 0
+    model.head = LinearCrossEntropyHead.from_module(head)
+    return 1
 
 
 def _fused_cross_entropy(logits, targets):
@@ -45,8 +82,24 @@ def _fused_cross_entropy(logits, targets):
 
 REGISTRY: dict[str, FusedVariant] = {
     "rms_norm": FusedVariant("rms_norm", swap=_swap_rms_norm, max_dim=65536),
+    "swiglu": FusedVariant("swiglu", swap=_swap_swiglu),
+    "softmax": FusedVariant("softmax", swap=_swap_softmax, max_dim=65536),
     "cross_entropy": FusedVariant("cross_entropy", loss=_fused_cross_entropy),
+    "linear_cross_entropy": FusedVariant("linear_cross_entropy", swap=_swap_head, loss_in_model=True, replaces=("cross_entropy",)),
 }
+
+
+@dataclass
+class FusedModel:
+    swapped: dict[str, int]
+    """op -> modules swapped (0: the model has none of that op)"""
+    loss_fn: Callable | None = None
+    """the fused loss for the training step, None for F.cross_entropy"""
+    loss_in_model: bool = False
+    """model(inputs, targets) returns the loss (the head and loss are fused)"""
+
+    def describe(self) -> str:
+        return ", ".join([f"{op} x{n}" for op, n in self.swapped.items()] + (["cross_entropy"] if self.loss_fn else []))
 
 
 def triton_usable(device_type: str) -> str | None:
@@ -65,13 +118,15 @@ def selected_ops(fused: list[str] | None) -> list[str]:
     return list(REGISTRY) if fused is None else list(fused)
 
 
-def apply_fused(model: nn.Module, ops: list[str] | None = None) -> tuple[dict[str, int], Callable | None]:
-    """Swap in the fused variants of `ops` (all registered ones when None). Returns op -> modules
-    swapped, and the fused loss function if one was chosen (else None: F.cross_entropy)."""
-    chosen = list(REGISTRY) if ops is None else ops
+def apply_fused(model: nn.Module, ops: list[str] | None = None) -> FusedModel:
+    """Swap in the fused variants of `ops` (all registered ones when None), in place."""
+    chosen = list(REGISTRY) if ops is None else list(ops)
     unknown = [op for op in chosen if op not in REGISTRY]
     if unknown:
         raise ValueError(f"no fused Triton variant for {', '.join(unknown)}; there are: {', '.join(REGISTRY)}")
+    subsumed = {r for op in chosen for r in REGISTRY[op].replaces}
+    chosen = [op for op in chosen if op not in subsumed]
     swapped = {op: REGISTRY[op].swap(model) for op in chosen if REGISTRY[op].swap is not None}
     losses = [REGISTRY[op].loss for op in chosen if REGISTRY[op].loss is not None]
-    return swapped, (losses[0] if losses else None)
+    in_model = any(REGISTRY[op].loss_in_model and swapped.get(op) for op in chosen)
+    return FusedModel(swapped, None if in_model or not losses else losses[0], in_model)

@@ -5,6 +5,11 @@ never recomputes the reduction). Backward reads dy, x, w, rstd once and writes d
 partial dw per program: each program walks `rows_per_program` rows, so the partials are
 (programs x N) instead of (rows x N), and a single torch sum finishes dw.
 
+With a residual (`fused_add_rms_norm`), forward also reads r and writes s = x + r, the residual
+stream, and normalises s: the pre-norm block's `h = x + attn(...)` then `norm2(h)` become one
+kernel that reads x and r once, where eager writes h and reads it straight back. Backward adds the
+gradient reaching s from the residual path to the norm's own.
+
 Three layers, as Liger-Kernel does: the @triton.jit kernels and their launchers, an
 autograd.Function, and `FusedRMSNorm`, a drop-in for nn.RMSNorm (same `weight` parameter, so
 state dicts and FSDP2 sharding see the same tensors).
@@ -20,11 +25,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # s = x + r is the residual stream the next block adds to; y normalises it
+        x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(S.dtype.element_ty)  # normalise the sum as stored, as the unfused add then norm does
+        tl.store(S + row * stride_s + cols, x, mask=mask)
+        x = x.to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     # fp32 statistics whatever the input dtype: bf16 has 8 mantissa bits, too few for a mean of squares
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
@@ -33,7 +43,7 @@ def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, rows_per_program, BLOCK: tl.constexpr):
+def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -50,6 +60,8 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx
             wdy = w * dy
             # d/dx of x * rstd(x): rstd * (wdy - x_hat * mean(wdy * x_hat))
             dx = rstd * (wdy - x_hat * (tl.sum(wdy * x_hat, axis=0) / N))
+            if HAS_DS:  # the residual sum's own gradient joins the norm's: d(x + r) = ds + dnorm
+                dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
             dw += dy * x_hat
     tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
@@ -67,27 +79,34 @@ def _warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """y = rmsnorm(x [+ residual]) * w; returns (y, rstd, the sum or None)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     M, N = x2.shape
     y = torch.empty_like(x2)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    r2 = _rows(residual) if residual is not None else x2
+    s = torch.empty_like(x2) if residual is not None else x2
     block = _block(N)
-    _rms_norm_fwd[(M,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block, num_warps=_warps(block))
-    return y.reshape(shape), rstd
+    _rms_norm_fwd[(M,)](
+        x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), N, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+    )
+    return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, ds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = rmsnorm(x) * w, plus `ds` (the gradient reaching x from elsewhere, the
+    residual stream's) when given; returns (dx, dw)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    dy2 = dy.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if dy2.stride(-1) != 1:
-        dy2 = dy2.contiguous()
+    x2, dy2 = _rows(x), _rows(dy)
+    ds2 = _rows(ds) if ds is not None else dy2
     M, N = x2.shape
     dx = torch.empty_like(x2)
     # One program per SM's worth of rows keeps the dw partials small (programs x N fp32).
@@ -97,8 +116,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     block = _block(N)
     _rms_norm_bwd[(programs,)](
-        dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        BLOCK=block, num_warps=_warps(block),
+        dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
+        HAS_DS=ds is not None, BLOCK=block, num_warps=_warps(block),
     )
     return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype)
 
@@ -106,7 +125,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rstd = rms_norm_forward(x, weight, eps)
+        y, rstd, _ = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -117,8 +136,32 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+class AddRMSNormFunction(torch.autograd.Function):
+    """(s, y) = (x + r, rmsnorm(x + r) * w) in one pass: the pre-norm block's residual add and the
+    next norm read x and r once and write s and y, where eager reads s back for the norm."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        y, rstd, s = rms_norm_forward(x, weight, eps, residual)
+        ctx.save_for_backward(s, weight, rstd)
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds: torch.Tensor | None, dy: torch.Tensor | None):
+        s, weight, rstd = ctx.saved_tensors
+        if dy is None:  # only the sum was used
+            return ds, ds, None, None
+        dx, dw = rms_norm_backward(dy, s, weight, rstd, ds)
+        return dx, dx, dw, None
+
+
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return RMSNormFunction.apply(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rmsnorm(x + residual) * weight)."""
+    return AddRMSNormFunction.apply(x, residual, weight, eps)
 
 
 class FusedRMSNorm(nn.Module):
@@ -139,3 +182,7 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, self(x + residual)) in one kernel: see src/models/mini_llm.py add_norm."""
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

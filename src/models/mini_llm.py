@@ -1,7 +1,7 @@
 """SEED.md's MiniLLM as a plain nn.Module: no config objects, no sharding, no kernels inside.
 
-Pre-norm blocks: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)) with a SiLU MLP of 4x width, an
-untied output head. Attention keeps nn.MultiheadAttention's parameters (one qkv projection with
+Pre-norm blocks: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)) with a SiLU MLP of 4x width (or
+LLaMA's SwiGLU MLP with `mlp="swiglu"`), an untied output head. Attention keeps nn.MultiheadAttention's parameters (one qkv projection with
 bias, an output projection with bias) so parameter counts match the seed's, but calls
 scaled_dot_product_attention on (B, nh, T, hs) directly: that skips MHA's batch-first transposes
 and lets the causal mask (which the seed lacks) be a flag.
@@ -47,17 +47,51 @@ class FeedForward(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
+class SiLUMul(nn.Module):
+    """silu(g) * u: SwiGLU's activation as a module of its own, so a fused kernel can replace it."""
+
+    def forward(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return F.silu(g) * u
+
+
+class SwiGLUFeedForward(nn.Module):
+    """LLaMA's MLP: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.act = SiLUMul()
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x), self.up(x)))
+
+
+MLPS = {"silu": FeedForward, "swiglu": SwiGLUFeedForward}
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)); a norm with `add_forward` (kernels/triton/rms_norm.py)
+    does both in one kernel instead of writing the sum and reading it straight back."""
+    fused = getattr(norm, "add_forward", None)
+    if fused is not None:
+        return fused(x, residual)
+    h = x + residual
+    return h, norm(h)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, ffn_mult: int = 4, causal: bool = True, norm_eps: float = 1e-6):
+    def __init__(self, dim: int, n_heads: int, ffn_hidden: int, causal: bool = True, norm_eps: float = 1e-6, mlp: str = "silu"):
         super().__init__()
         self.norm1 = nn.RMSNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, n_heads, causal)
         self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
-        self.ffn = FeedForward(dim, dim * ffn_mult)
+        self.ffn = MLPS[mlp](dim, ffn_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.ffn(self.norm2(x))
+        h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x)))
+        return h + self.ffn(normed)
 
 
 class MiniLLM(nn.Module):
@@ -71,20 +105,35 @@ class MiniLLM(nn.Module):
         causal: bool = True,
         norm_eps: float = 1e-6,
         init_std: float = 0.02,
+        mlp: str = "silu",
+        ffn_hidden: int = 0,
     ):
         super().__init__()
+        if mlp not in MLPS:
+            raise ValueError(f"mlp={mlp!r}: one of {', '.join(MLPS)}")
+        # 0: dim * ffn_mult, the seed's 4 x dim (a SwiGLU MLP of that width has 1.5x the parameters;
+        # LLaMA keeps the count by using 8/3 x dim: set ffn_hidden for that)
+        ffn_hidden = ffn_hidden or dim * ffn_mult
         self.n_layers, self.n_heads, self.dim = n_layers, n_heads, dim
         self.init_std = init_std
         self.embed = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(dim, n_heads, ffn_mult, causal, norm_eps) for _ in range(n_layers)
+            TransformerBlock(dim, n_heads, ffn_hidden, causal, norm_eps, mlp) for _ in range(n_layers)
         )
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab); or, given targets and a head with a fused `loss` (the fused linear
+        + cross-entropy of kernels/triton), the mean loss without ever forming the logits. The
+        loss stays inside forward so FSDP2's root hooks cover the head weight it reads."""
         x = self.embed(idx)  # (B, T, C)
         for layer in self.layers:
             x = layer(x)
+        if targets is not None:
+            fused_loss = getattr(self.head, "loss", None)
+            if fused_loss is None:
+                raise ValueError("model(idx, targets) needs the fused linear + cross-entropy head (kernels.fused: linear_cross_entropy)")
+            return fused_loss(x, targets)
         return self.head(x)  # (B, T, vocab)
 
     def param_init(self, name: str) -> tuple[str, float]:

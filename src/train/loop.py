@@ -49,6 +49,7 @@ def train_step(
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
     skip_nonfinite: bool = False,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_in_model: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced.
     `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked.
@@ -58,13 +59,19 @@ def train_step(
         torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     )
     with autocast:
-        logits = model(inputs)  # (B, T, vocab)
-        with mark("loss"):
-            if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
-                logits = logits.float()
-            loss = (loss_fn or F.cross_entropy)(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-            if loss_hook is not None:
-                loss = loss_hook(loss)
+        if loss_in_model:  # fused head + loss: the logits never exist (kernels/triton/linear_cross_entropy.py)
+            with mark("loss"):
+                loss = model(inputs, targets)
+                if loss_hook is not None:
+                    loss = loss_hook(loss)
+        else:
+            logits = model(inputs)  # (B, T, vocab)
+            with mark("loss"):
+                if loss_fp32:  # a bf16 loss is rounded to 8 mantissa bits (5.53 +- 0.02): upcast as torchtitan does
+                    logits = logits.float()
+                loss = (loss_fn or F.cross_entropy)(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+                if loss_hook is not None:
+                    loss = loss_hook(loss)
     with mark("backward"):
         loss.backward()
     with mark("optimizer"):
@@ -120,6 +127,7 @@ def train_loop(
     autocast_dtype: torch.dtype | None = None,
     loss_fp32: bool = True,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_in_model: bool = False,
     log_every: int = 1,
     on_step: Iterable[Callable[[StepStats], None]] = (),
     fault: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
@@ -147,7 +155,7 @@ def train_loop(
         with profiled_step_range() if step == profiled_step else contextlib.nullcontext():
             loss, norm = train_step(
                 model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32,
-                **({"mark": mark} if mark else {}), loss_hook=hook, skip_nonfinite=nonfinite == "skip", loss_fn=loss_fn,
+                **({"mark": mark} if mark else {}), loss_hook=hook, skip_nonfinite=nonfinite == "skip", loss_fn=loss_fn, loss_in_model=loss_in_model,
             )
         if after_step is not None:
             after_step()

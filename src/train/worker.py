@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from src.data.batches import TokenBatches
-from kernels.triton.registry import apply_fused, selected_ops
+from kernels.triton.registry import FusedModel, apply_fused, selected_ops
 from src.distributed.env import DistEnv, build_mesh, init_distributed, launched_as_worker, shutdown
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
@@ -150,12 +150,12 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             model = build_model(cfg.model)
         n_params = model.num_params(non_embedding=False)
         fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads, cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
-        loss_fn = None
+        kernels = FusedModel({})
         fused_ops = selected_ops(cfg.kernels.fused)
         if fused_ops:
-            swapped, loss_fn = apply_fused(model, fused_ops)
+            kernels = apply_fused(model, fused_ops)
             if env.is_main:
-                log.info("fused Triton kernels: %s", ", ".join([f"{op} x{n}" for op, n in swapped.items()] + (["cross_entropy"] if loss_fn else [])))
+                log.info("fused Triton kernels: %s", kernels.describe())
         if cfg.profile.nvtx:
             module_ranges(model)  # before compile and sharding: hooks on the plain modules
         if cfg.kernels.compile:
@@ -223,7 +223,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 model, optimizer, batches, cfg.train.steps, env.device,
                 tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
                 world_size=env.world_size, flops_per_token=fpt, peak_flops=peak,
-                grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32, loss_fn=loss_fn,
+                grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32, loss_fn=kernels.loss_fn, loss_in_model=kernels.loss_in_model,
                 log_every=cfg.train.log_every, on_step=callbacks,
                 fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
                 mark=step_marker(cfg.profile.nvtx) if cfg.profile.nvtx else None,

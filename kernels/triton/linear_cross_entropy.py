@@ -1,0 +1,91 @@
+"""Fused linear + cross-entropy: the output head and the loss without the (tokens x vocab) logits.
+
+For the seed's step (8 x 2048 tokens, 32000-token head) the logits alone are 16384 x 32000: 1.05 GB
+in bf16, 2.1 GB once upcast for the loss, plus their gradient. Here the tokens are walked in
+chunks; per chunk the logits are computed (one GEMM), turned into their gradient in place by the
+fused cross-entropy kernel (kernels/triton/cross_entropy.py), and consumed at once by the two
+GEMMs of the head's backward: grad_hidden = dlogits @ W and grad_W += dlogits^T @ hidden. So the
+whole backward happens inside forward, and only one chunk of logits ever exists; backward only
+scales the two saved gradients by the incoming one.
+
+Chunk size follows Liger-Kernel's rule: a chunk's logits are about the size of the hidden input
+(chunk = next_pow2(tokens / ceil(V / D))): 1024 tokens x 32000 = 65 MB in bf16 for the seed.
+grad_W accumulates in fp32 across chunks (a bf16 accumulator would round 16 partial sums).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+
+from kernels.triton.cross_entropy import cross_entropy_grad_
+
+
+def chunk_rows(tokens: int, vocab: int, dim: int) -> int:
+    return max(1, min(tokens, triton.next_power_of_2(math.ceil(tokens / math.ceil(vocab / dim)))))
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, chunk: int) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        tokens, dim = hidden.shape
+        vocab = weight.shape[0]
+        # Under autocast the GEMMs run in its dtype; the cross-entropy kernel works in fp32 anyway.
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+        h, w = hidden.to(dtype), weight.to(dtype)
+        n_valid = (targets != ignore_index).sum().clamp_min(1)
+        chunk = chunk or chunk_rows(tokens, vocab, dim)
+        grad_hidden = torch.empty_like(h)
+        grad_weight = torch.zeros(vocab, dim, dtype=torch.float32, device=h.device) if weight.requires_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for start in range(0, tokens, chunk):
+                h_c = h[start : start + chunk]
+                logits = h_c @ w.t()  # (chunk, V): the only logits there ever are
+                loss += cross_entropy_grad_(logits, targets[start : start + chunk], n_valid, ignore_index, label_smoothing).sum()
+                torch.mm(logits, w, out=grad_hidden[start : start + chunk])
+                if grad_weight is not None:
+                    grad_weight += (logits.t() @ h_c).float()
+        ctx.save_for_backward(grad_hidden, grad_weight if grad_weight is not None else torch.empty(0))
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        dh = (grad_hidden * grad_output.to(grad_hidden.dtype)).to(hidden_dtype)
+        dw = (grad_weight * grad_output).to(weight_dtype) if ctx.needs_input_grad[1] and grad_weight.numel() else None
+        return dh, dw, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, chunk: int = 0) -> torch.Tensor:
+    """F.cross_entropy(hidden @ weight.T, targets) for (N, D) hidden, (V, D) weight, (N,) targets,
+    never holding more than `chunk` rows of logits (0: the size rule above)."""
+    return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, label_smoothing, chunk)
+
+
+class LinearCrossEntropyHead(nn.Module):
+    """Drop-in for the model's bias-free nn.Linear head: forward still gives logits (inference,
+    evaluation); `loss(hidden, targets)` gives the training loss without them."""
+
+    def __init__(self, weight: nn.Parameter, ignore_index: int = -100, label_smoothing: float = 0.0):
+        super().__init__()
+        self.weight = weight  # the same Parameter: swapping keeps state dicts and sharding intact
+        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+
+    @classmethod
+    def from_module(cls, head: nn.Linear) -> "LinearCrossEntropyHead":
+        if head.bias is not None:
+            raise ValueError("the fused linear + cross-entropy head takes a bias-free nn.Linear")
+        return cls(head.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight, targets.reshape(-1), self.ignore_index, self.label_smoothing)

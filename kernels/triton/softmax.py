@@ -1,0 +1,94 @@
+"""Fused softmax over the last dimension, forward and backward in one pass each.
+
+Forward reads each row once and writes it once: the whole row sits in registers (max, exp, sum,
+divide), where eager softmax on a wide row may read it up to three times. Backward reads y and dy
+once and writes dx = y * (dy - sum(y * dy)), saving y (not x) from forward as eager does.
+
+One program per row, the row in one block: up to 65536 columns (256 KB of fp32 registers per
+program is the most a 64K-register SM gives one block); attention scores and classifier outputs
+fit. Wider rows are refused with the limit named.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+MAX_COLS = 65536
+
+
+@triton.jit
+def _softmax_fwd(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(Y + row * stride_y + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    dx = y * (dy - tl.sum(y * dy, axis=0))
+    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def _launch(n: int) -> tuple[int, int]:
+    if n > MAX_COLS:
+        raise ValueError(f"fused softmax holds a row in registers; rows of {n} > {MAX_COLS} elements are not supported")
+    block = triton.next_power_of_2(n)
+    return block, 16 if block >= 16384 else 8 if block >= 2048 else 4
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def softmax_forward(x: torch.Tensor) -> torch.Tensor:
+    x2 = _rows(x)
+    y = torch.empty_like(x2)
+    block, warps = _launch(x2.shape[1])
+    _softmax_fwd[(x2.shape[0],)](x2, y, x2.stride(0), y.stride(0), x2.shape[1], BLOCK=block, num_warps=warps)
+    return y.reshape(x.shape)
+
+
+def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dy2, y2 = _rows(dy), _rows(y)
+    dx = torch.empty_like(y2)
+    block, warps = _launch(y2.shape[1])
+    _softmax_bwd[(y2.shape[0],)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[1], BLOCK=block, num_warps=warps)
+    return dx.reshape(y.shape)
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        y = softmax_forward(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(dy, y)
+
+
+def fused_softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax(x, dim=-1)."""
+    return SoftmaxFunction.apply(x)
+
+
+class FusedSoftmax(nn.Module):
+    """Drop-in for nn.Softmax(dim=-1)."""
+
+    dim = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_softmax(x)
