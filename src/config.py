@@ -74,6 +74,10 @@ class KernelsConfig:
     """torch.compile each transformer block before sharding"""
     fused: Optional[list[str]] = field(default_factory=list)
     """fused Triton variants to swap in (kernels/triton/registry.py); null means every one"""
+    auto: bool = False
+    """choose `fused` from a diagnosis: the ops it marks memory-bound or latency-limited (src/kernel_choice.py)"""
+    diagnosis: str = ""
+    """with auto: diagnosis.json, or the run directory of a task=diagnose run; empty: the newest for this model"""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.compose import ConfigError, compose_config
+from src.kernel_choice import apply_auto_choice
 from src.distributed.env import launched_as_worker
 from src.runtime import RunContext
 from src.tasks import run_task
@@ -116,6 +117,7 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     )
     try:
         validate(cfg)
+        apply_auto_choice(cfg, cwd)
     except ConfigError as err:
         _fail(str(err))
     return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
@@ -125,6 +127,7 @@ def run_as_worker(overrides: list[str]) -> None:
     """Entry under torchrun / srun: this process is already one rank of the run."""
     cfg = compose_config(overrides, with_hydra=True)
     validate(cfg, as_worker=True)
+    apply_auto_choice(cfg, os.getcwd())
     run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
     with open_dict(cfg):
         del cfg["hydra"]

@@ -63,6 +63,10 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less")
 
     fused = selected_ops(cfg.kernels.fused)
+    if cfg.kernels.auto:
+        from src.kernel_choice import auto_choice
+
+        fused = list(auto_choice(cfg, os.getcwd()).ops)
     if fused:
         why_not = triton_usable(backend)
         if why_not:

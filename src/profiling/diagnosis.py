@@ -49,6 +49,17 @@ FUSIONS = {
 }
 
 
+def fusion_for(module: str, op: str, bound: str, limiter: str) -> str | None:
+    """The registry op that fuses this diagnosed op away, if fusion is the remedy: only for
+    memory-bound ops and latency-limited ones (small kernels whose launches and round trips to
+    HBM dominate); a compute-bound or occupancy-limited kernel is not helped by fusing it."""
+    if not (bound == MEMORY_BOUND or (bound == NEITHER and limiter == "latency")):
+        return None
+    if module.split("/")[0] == "loss" and op == "softmax":  # the log_softmax inside F.cross_entropy
+        op = "cross_entropy"
+    return FUSIONS.get(op, (None, None))[0]
+
+
 def module_of(nvtx: list[str]) -> str:
     """Innermost NVTX range, with layer indices folded: ['profiled_step', 'fwd/layers.3.ffn'] -> 'layers.*.ffn'.
     Directly inside `profiled_step` (FSDP2's all-gather copy-in, casts) is 'step'."""
@@ -91,15 +102,14 @@ def diagnose(records: list[KernelRecord], thresholds: Thresholds = Thresholds(),
         v = classify(sm, hbm, None if math.isnan(occ) else occ, thresholds)
         key = f"{module}/{op}" if module else op
         share = time_s / total
-        fusion, fusion_text = FUSIONS.get(op, (None, None))
-        acts = v.bound == MEMORY_BOUND or (v.bound == NEITHER and v.limiter in ("latency", "occupancy"))
-        fix = fusion_text if (fusion_text and acts) else v.remedy
+        fusion = fusion_for(module, op, v.bound, v.limiter)
+        fix = FUSIONS[op][1] if fusion else v.remedy
         ops.append({
             "key": key, "module": module, "op": op, "category": items[0][2],
             "kernels": sorted({r.short_name for r, *_ in items}), "count": len(items),
             "time_s": time_s, "share": share, "sm_pct": sm, "hbm_pct": hbm,
             "bound": v.bound, "limiter": v.limiter, "textbook": v.textbook, "remedy": v.remedy,
-            "fusion": fusion if acts else None,
+            "fusion": fusion,
             "summary": f"{key}: {v.bound}{'' if v.bound != NEITHER else f' ({v.limiter})'}, {100 * share:.1f}% of step -> {fix}",
         })
     ops.sort(key=lambda o: -o["time_s"])
@@ -135,13 +145,16 @@ def diagnose(records: list[KernelRecord], thresholds: Thresholds = Thresholds(),
 
 
 def fusable_ops(diagnosis: dict[str, Any]) -> dict[str, list[str]]:
-    """registry op -> the diagnosis keys that call for it: what `kernels=auto` swaps in, and why."""
+    """registry op -> the diagnosis lines that call for it: what `kernels=auto` swaps in, and why.
+    Decided again from each op's verdict (fusion_for), so a file written under older rules reads
+    the same as a new one."""
     if diagnosis.get("schema") != SCHEMA:
         raise ValueError(f"not a {SCHEMA} file (schema={diagnosis.get('schema')!r})")
     chosen: dict[str, list[str]] = defaultdict(list)
     for op in diagnosis["ops"]:
-        if op["fusion"]:
-            chosen[op["fusion"]].append(op["summary"])
+        fusion = fusion_for(op["module"], op["op"], op["bound"], op["limiter"])
+        if fusion:
+            chosen[fusion].append(op["summary"])
     return dict(chosen)
 
 

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.data.batches import TokenBatches
 from kernels.triton.registry import FusedModel, apply_fused, selected_ops
+from src.kernel_choice import choose, write_choice
 from src.distributed.env import DistEnv, build_mesh, init_distributed, launched_as_worker, shutdown
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
@@ -89,6 +90,19 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
     for noisy in ("alembic", "mlflow", "urllib3", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     root._perflab_configured = True  # type: ignore[attr-defined]
+
+
+def _log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, tracker) -> None:
+    """kernels=auto: say what the diagnosis chose and why, on the console and in MLflow."""
+    choice = choose(Path(cfg.kernels.diagnosis))
+    log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
+    for op, reasons in choice.ops.items():
+        note = "" if kernels.swapped.get(op, 1) else "  (this model has none to swap)"
+        log.info("  %s%s <- %s", op, note, "; ".join(reasons))
+    tracker.set_tags({"kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis})
+    if run_dir is not None:
+        write_choice(choice, kernels.swapped, run_dir / "kernels_auto.json")
+        tracker.log_artifact(run_dir / "kernels_auto.json")
 
 
 def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path | None):
@@ -199,6 +213,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         batches.step = start_step  # the data position is the step: the batch of step s depends on (seed, s) only
         peak = peak_flops(env.device, cfg.precision.param_dtype)
         tracker = start_tracker(tracker)
+        if cfg.kernels.auto and env.is_main:
+            _log_auto_choice(cfg, kernels, run_dir, tracker)
         if resumed_from is not None:
             tracker.set_tags({"resumed_from": str(resumed_from), "resumed_at_step": str(start_step)})
         if env.is_main:
