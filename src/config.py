@@ -232,6 +232,37 @@ class CheckpointConfig:
     """at the end, write the full weights to <run_dir>/model.safetensors (plain state_dict)"""
 
 
+def _bench_shapes() -> dict[str, list[list[int]]]:
+    # LLM shapes: 8192 tokens at LLaMA-7B/mini_llm widths; the SwiGLU hidden 11008 is LLaMA-7B's,
+    # 32000 the seed's vocabulary; softmax over 4096 keys (attention scores written out).
+    return {
+        "rms_norm": [[8192, 2048], [8192, 4096]],
+        "add_rms_norm": [[8192, 2048]],
+        "swiglu": [[8192, 8192], [8192, 11008]],
+        "softmax": [[8192, 4096]],
+        "cross_entropy": [[8192, 32000]],
+        "linear_cross_entropy": [[8192, 2048, 32000]],
+    }
+
+
+@dataclass
+class KernelBenchConfig:
+    """task=kernel_bench (+exp=kernels): the fused kernels against eager, torch.compile and Liger."""
+
+    ops: list[str] = field(default_factory=lambda: ["rms_norm", "add_rms_norm", "swiglu", "softmax", "cross_entropy", "linear_cross_entropy"])
+    shapes: dict[str, list[list[int]]] = field(default_factory=_bench_shapes)
+    """op -> shapes: [rows, width], or [tokens, dim, vocab] for linear_cross_entropy"""
+    providers: list[str] = field(default_factory=lambda: ["eager", "compile", "triton", "liger"])
+    """liger runs only where Liger-Kernel is installed"""
+    modes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
+    dtype: str = "bfloat16"
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    """do_bench's budget per measurement (its defaults)"""
+    copy_mb: int = 1024
+    """buffer copied to measure the device's copy ceiling"""
+
+
 @dataclass
 class RunConfig:
     model: ModelConfig = MISSING
@@ -249,6 +280,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
+    kernel_bench: KernelBenchConfig = field(default_factory=KernelBenchConfig)
     exp: Optional[str] = None
     """name of the +exp experiment, set by each conf/exp/*.yaml"""
     extra: dict[str, Any] = field(default_factory=dict)

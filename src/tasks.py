@@ -42,10 +42,17 @@ def run_diagnose(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     return diagnose(cfg, ctx)
 
 
+def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    from src.kernel_bench.task import run_kernel_bench as bench
+
+    return bench(cfg, ctx)
+
+
 TASKS: dict[str, Callable[[DictConfig, RunContext], Any]] = {
     "train": run_train,
     "profile": run_train,  # the training loop under torch.profiler (src/profiling/torch_profile.py)
     "diagnose": run_diagnose,
+    "kernel_bench": run_kernel_bench,
 }
 
 

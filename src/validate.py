@@ -28,6 +28,33 @@ def _check_group_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"{group}.{extra[0]}: unknown key in {group}; valid keys: {', '.join(sorted(known - {'name'}))}")
 
 
+def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -> None:
+    from src.kernel_bench.cases import OPS
+    from src.kernel_bench.task import DTYPES
+
+    b = cfg.kernel_bench
+    if backend not in ("cpu", "cuda"):
+        raise ConfigError(f"task=kernel_bench times kernels on backend=cuda (or backend=cpu to check the plumbing), not backend={backend}")
+    if backend == "cuda" and cuda_device_count == 0:
+        raise ConfigError("backend=cuda but no CUDA GPU is visible; +exp=kernels needs an NVIDIA GPU (backend=cpu runs it in Triton's interpreter, for checking only)")
+    for name, given, allowed in (("ops", b.ops, OPS), ("providers", b.providers, ("eager", "compile", "triton", "liger")), ("modes", b.modes, ("fwd", "fwd_bwd"))):
+        unknown = [v for v in given if v not in allowed]
+        if unknown or not given:
+            raise ConfigError(f"kernel_bench.{name}={list(given)}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; choose from {', '.join(allowed)}")
+    if b.dtype not in DTYPES:
+        raise ConfigError(f"kernel_bench.dtype={b.dtype}: one of {', '.join(DTYPES)}")
+    for op in b.ops:
+        want = 3 if op == "linear_cross_entropy" else 2
+        shapes = b.shapes.get(op)
+        if not shapes or any(len(s) != want or min(s) < 1 for s in shapes):
+            form = "[tokens, dim, vocab]" if want == 3 else "[rows, width]"
+            raise ConfigError(f"kernel_bench.shapes.{op}={None if shapes is None else [list(s) for s in shapes]}: give a list of {form} with positive sizes")
+    if "triton" in b.providers:
+        why_not = triton_usable(backend)
+        if why_not:
+            raise ConfigError(f"kernel_bench.providers has triton: {why_not}; or drop it from kernel_bench.providers")
+
+
 def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False) -> None:
     """Raise ConfigError for the first impossible combination. Device facts are probed unless given
     (tests pass them to check the messages for hardware this machine lacks)."""
@@ -41,6 +68,9 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
 
     if task in TRAINING_TASKS and backend not in TRAINING_BACKENDS:
         raise ConfigError(f"backend={backend} cannot train; use it with task=infer (+exp=edge), or train with backend=cpu or backend=cuda")
+    if task == "kernel_bench":  # one process, one device: none of the training checks apply
+        _check_kernel_bench(cfg, backend, cuda_device_count)
+        return
     if task == "diagnose" and cfg.diagnose.report:  # diagnosing a report runs nothing on a device
         if not os.path.isfile(cfg.diagnose.report):
             raise ConfigError(f"diagnose.report={cfg.diagnose.report}: no such file; give an .ncu-rep or its --csv --page raw export")

@@ -91,7 +91,7 @@ def run_ncu(cfg: DictConfig, out: Path) -> Path:
 def run_diagnose(cfg: DictConfig, ctx) -> dict[str, Any]:
     from src.diagnose import diagnose_report
     from src.profiling.classify import Thresholds
-    from src.tracking.mlflow_run import MlflowTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json
+    from src.tracking.mlflow_run import task_tracker, write_json
     from src.train.worker import setup_logging
 
     out = Path(ctx.run_dir) / "diagnose"
@@ -114,18 +114,11 @@ def run_diagnose(cfg: DictConfig, ctx) -> dict[str, Any]:
         "fusable": sorted({o["fusion"] for o in result["ops"] if o["fusion"]}),
         "mlflow_run_id": None,
     }
-    if cfg.tracking.enabled:
-        tracker = start_tracker(MlflowTracker(
-            uri=ctx.tracking_uri or cfg.tracking.uri, experiment=experiment_name(cfg),
-            run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
-            params=flatten(OmegaConf.to_container(cfg, resolve=True)), tags=run_tags(ctx.overrides, 1, result["device"], ctx.cwd),
-            run_dir=Path(ctx.run_dir), metric_writer=False, parent_run_id=ctx.parent_run_id,
-            connect_timeout_s=cfg.tracking.connect_timeout_s,
-        ))
-        summary["mlflow_run_id"] = tracker.run_id
-        for name in ("diagnosis.json", "roofline.png", "top_ops.md"):
-            tracker.log_artifact(out / name, "diagnose")
-        tracker.finish("FINISHED", {"share_memory_bound": result["share_memory_bound"], "kernel_time_s": result["total_kernel_time_s"],
-                                    **{f"share_{k.replace('-', '_')}": v for k, v in result["share_by_bound"].items()}})
+    tracker = task_tracker(cfg, ctx, result["device"])
+    summary["mlflow_run_id"] = tracker.run_id
+    for name in ("diagnosis.json", "roofline.png", "top_ops.md"):
+        tracker.log_artifact(out / name, "diagnose")
+    tracker.finish("FINISHED", {"share_memory_bound": result["share_memory_bound"], "kernel_time_s": result["total_kernel_time_s"],
+                                **{f"share_{k.replace('-', '_')}": v for k, v in result["share_by_bound"].items()}})
     write_json(Path(ctx.run_dir) / "summary.json", summary)
     return summary

@@ -215,6 +215,22 @@ def start_tracker(tracker: NullTracker) -> NullTracker:
         return NullTracker()
 
 
+def task_tracker(cfg: Any, ctx: Any, device_name: str) -> NullTracker:
+    """The MLflow run of a one-shot task (diagnose, kernel_bench): params, tags, a child of the
+    sweep's parent; metrics logged once at the end. NullTracker when tracking is off."""
+    from omegaconf import OmegaConf
+
+    if not cfg.tracking.enabled:
+        return NullTracker()
+    return start_tracker(MlflowTracker(
+        uri=ctx.tracking_uri or cfg.tracking.uri, experiment=experiment_name(cfg),
+        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
+        params=flatten(OmegaConf.to_container(cfg, resolve=True)), tags=run_tags(ctx.overrides, 1, device_name, ctx.cwd),
+        run_dir=Path(ctx.run_dir) if ctx.run_dir else None, metric_writer=False, parent_run_id=ctx.parent_run_id,
+        connect_timeout_s=cfg.tracking.connect_timeout_s,
+    ))
+
+
 def record_failed_run(uri: str, experiment: str, run_name: str, error: str, tags: Mapping[str, str], run_dir: Path, status: str = "FAILED") -> None:
     """A job that failed before rank 0 opened its run (or whose rank 0 died) still shows as FAILED."""
     from mlflow import MlflowClient

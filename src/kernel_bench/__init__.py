@@ -1,0 +1,1 @@
+"""task=kernel_bench: fused Triton kernels against eager, torch.compile and Liger-Kernel."""

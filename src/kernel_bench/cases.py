@@ -1,0 +1,176 @@
+"""What `task=kernel_bench` times: per op, its inputs, the bytes it must move, and its variants.
+
+Effective bandwidth counts each input read once and each output written once (the least any
+kernel must move), over the measured time: the figure to hold against the device's copy ceiling.
+For forward + backward that is forward's bytes plus backward's (it reads the output gradient and
+what forward saved, writes the input and weight gradients). The fused linear + cross-entropy is
+GEMM-bound, so it is reported in TFLOP/s (2 N D V forward, 4 N D V backward) and peak memory.
+
+Variants: eager (the PyTorch ops the model runs), compile (torch.compile of eager), triton
+(kernels/triton) and liger (Liger-Kernel, when installed: the outside reference).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+EPS = 1e-6
+
+
+@dataclass
+class Case:
+    """One op at one shape: inputs made fresh per variant, and how each variant runs."""
+
+    op: str
+    shape: tuple[int, ...]
+    inputs: Callable[[torch.device, torch.dtype, bool], list[torch.Tensor]]
+    """(device, dtype, requires_grad) -> the op's tensors"""
+    bytes_fwd: Callable[[int], int]
+    """element size -> bytes forward must move"""
+    bytes_bwd: Callable[[int], int]
+    flops_fwd: int = 0
+    """for GEMM-bound ops, reported as TFLOP/s instead of TB/s"""
+    flops_bwd: int = 0
+    overwrites_input: bool = False
+    """the variant writes into its first input (fused cross-entropy): it is re-made per run"""
+
+
+def _eager(op: str) -> Callable:
+    return {
+        "rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
+        "add_rms_norm": lambda x, r, w: _add_rms_norm_eager(x, r, w),
+        "swiglu": lambda g, u: F.silu(g) * u,
+        "softmax": lambda x: torch.softmax(x, dim=-1),
+        "cross_entropy": lambda logits, t: F.cross_entropy(logits, t),
+        "linear_cross_entropy": lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t),
+    }[op]
+
+
+def _add_rms_norm_eager(x, r, w):
+    s = x + r
+    return s, F.rms_norm(s, (s.shape[-1],), w, EPS)
+
+
+def _triton(op: str) -> Callable:
+    if op == "rms_norm":
+        from kernels.triton.rms_norm import fused_rms_norm
+
+        return lambda x, w: fused_rms_norm(x, w, EPS)
+    if op == "add_rms_norm":
+        from kernels.triton.rms_norm import fused_add_rms_norm
+
+        return lambda x, r, w: fused_add_rms_norm(x, r, w, EPS)
+    if op == "swiglu":
+        from kernels.triton.swiglu import fused_swiglu
+
+        return fused_swiglu
+    if op == "softmax":
+        from kernels.triton.softmax import fused_softmax
+
+        return fused_softmax
+    if op == "cross_entropy":
+        from kernels.triton.cross_entropy import fused_cross_entropy
+
+        return fused_cross_entropy
+    from kernels.triton.linear_cross_entropy import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy
+
+
+def _liger(op: str) -> Callable | None:
+    """Liger-Kernel's variant of `op`, or None (not installed, or no such kernel in this version)."""
+    try:
+        if op == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS)
+        if op == "swiglu":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return LigerSiLUMulFunction.apply
+        if op == "cross_entropy":
+            from liger_kernel.transformers import LigerCrossEntropyLoss
+
+            return LigerCrossEntropyLoss()
+        if op == "linear_cross_entropy":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            loss = LigerFusedLinearCrossEntropyLoss()
+            return lambda h, w, t: loss(w, h, t)
+    except ImportError:
+        return None
+    return None
+
+
+def variant(op: str, provider: str) -> Callable | None:
+    if provider == "eager":
+        return _eager(op)
+    if provider == "compile":
+        return torch.compile(_eager(op), dynamic=False)
+    if provider == "triton":
+        return _triton(op)
+    if provider == "liger":
+        return _liger(op)
+    raise ValueError(f"kernel_bench.providers: unknown {provider!r}; use eager, compile, triton, liger")
+
+
+def _randn(shape, device, dtype, grad, scale=1.0):
+    return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype).requires_grad_(grad)
+
+
+def make_case(op: str, shape: list[int]) -> Case:
+    """`shape` is rows x width for the row ops, tokens x dim x vocab for linear_cross_entropy."""
+    shape = tuple(int(s) for s in shape)
+    if op == "linear_cross_entropy":
+        if len(shape) != 3:
+            raise ValueError(f"linear_cross_entropy shapes are [tokens, dim, vocab], got {list(shape)}")
+        n, d, v = shape
+        return Case(
+            op, shape,
+            lambda dev, dt, g: [_randn((n, d), dev, dt, g), _randn((v, d), dev, dt, g, d**-0.5), torch.randint(0, v, (n,), device=dev)],
+            lambda s: (n * d + v * d) * s + 8 * n, lambda s: (n * d + v * d) * 2 * s,
+            flops_fwd=2 * n * d * v, flops_bwd=4 * n * d * v,
+        )
+    if len(shape) != 2:
+        raise ValueError(f"{op} shapes are [rows, width], got {list(shape)}")
+    m, n = shape
+    mn = m * n
+    if op == "rms_norm":
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1) + 1],
+                    lambda s: (2 * mn + n) * s, lambda s: (3 * mn + 2 * n) * s)
+    if op == "add_rms_norm":
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1) + 1],
+                    lambda s: (4 * mn + n) * s, lambda s: (4 * mn + 2 * n) * s)  # bwd: dy, ds, s in; dx out (= dr)
+    if op == "swiglu":
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g)],
+                    lambda s: 3 * mn * s, lambda s: 5 * mn * s)
+    if op == "softmax":
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0)],
+                    lambda s: 2 * mn * s, lambda s: 3 * mn * s)
+    if op == "cross_entropy":
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0), torch.randint(0, n, (m,), device=dev)],
+                    lambda s: mn * s + 8 * m, lambda s: mn * s, overwrites_input=True)
+    raise ValueError(f"kernel_bench.ops: unknown {op!r}; use rms_norm, add_rms_norm, swiglu, softmax, cross_entropy, linear_cross_entropy")
+
+
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "softmax", "cross_entropy", "linear_cross_entropy")
+
+
+def output_of(result) -> torch.Tensor:
+    """The tensor to compare across variants (the normalised output of add + RMSNorm)."""
+    return result[-1] if isinstance(result, tuple) else result
+
+
+def backward_of(result) -> None:
+    outs = list(result) if isinstance(result, tuple) else [result]
+    torch.autograd.backward(outs, [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs])
+
+
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.float()
+    scale = want.abs().max().item() or 1.0
+    return (got.float() - want).abs().max().item() / scale if math.isfinite(scale) else math.nan

@@ -1,0 +1,188 @@
+"""task=kernel_bench (`+exp=kernels`): each op x shape x mode x variant timed side by side in one
+process, checked against eager, and reported as median time, effective TB/s, share of the copy
+ceiling measured in the same run, speedup over eager, and peak memory; printed as a table,
+written to kernel_bench.{csv,md,png} and summary.json, and logged to MLflow."""
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from src.kernel_bench.cases import Case, make_case, max_rel_err, output_of, variant
+from src.kernel_bench.timing import copy_ceiling_tbs, median_ms
+from src.runtime import RunContext
+
+log = logging.getLogger("src.run")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+COLUMNS = ["op", "shape", "mode", "provider", "ms", "tbs", "pct_ceiling", "tflops", "speedup", "peak_mb", "max_rel_err"]
+
+
+def _device(cfg: DictConfig) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.backend.name == "cuda" else torch.device("cpu")
+
+
+def _peak_mb(fn, device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: torch.dtype, bench: DictConfig, reference: Any) -> dict | None:
+    fn = variant(case.op, provider)
+    if fn is None:
+        return None
+    grad = mode == "fwd_bwd"
+    torch.manual_seed(0)
+    inputs = case.inputs(device, dtype, grad)
+    leaves = [t for t in inputs if t.requires_grad]
+    first = fn(*inputs)
+    err = max_rel_err(output_of(first), reference) if reference is not None else 0.0
+    if grad:
+        outs = list(first) if isinstance(first, tuple) else [first]
+        grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
+
+        def run():
+            result = fn(*inputs)
+            torch.autograd.backward(list(result) if isinstance(result, tuple) else [result], grads)
+    else:
+        def run():
+            with torch.no_grad():
+                fn(*inputs)
+    del first
+    ms = median_ms(run, device, bench.warmup_ms, bench.rep_ms, leaves)
+    for t in leaves:
+        t.grad = None
+    peak = _peak_mb(run, device)
+    size = torch.finfo(dtype).bits // 8
+    nbytes = case.bytes_fwd(size) + (case.bytes_bwd(size) if grad else 0)
+    flops = case.flops_fwd + (case.flops_bwd if grad else 0)
+    return {
+        "op": case.op, "shape": "x".join(map(str, case.shape)), "mode": mode, "provider": provider, "ms": ms,
+        "tbs": None if flops else nbytes / (ms * 1e-3) / 1e12,
+        "tflops": flops / (ms * 1e-3) / 1e12 if flops else None,
+        "peak_mb": peak, "max_rel_err": err,
+    }
+
+
+def run_bench(cfg: DictConfig) -> tuple[list[dict], float, str]:
+    bench = cfg.kernel_bench
+    device = _device(cfg)
+    dtype = DTYPES[bench.dtype]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    ceiling = copy_ceiling_tbs(device, int(bench.copy_mb * 2**20), bench.warmup_ms, bench.rep_ms)
+    log.info("copy ceiling on %s: %.2f TB/s (%d MB copied)", device_name, ceiling, bench.copy_mb)
+    rows: list[dict] = []
+    for op in bench.ops:
+        for shape in bench.shapes[op]:
+            case = make_case(op, list(shape))
+            for mode in bench.modes:
+                torch.manual_seed(0)
+                reference = output_of(variant(op, "eager")(*case.inputs(device, dtype, False))).detach()
+                group = []
+                for provider in bench.providers:
+                    row = _measure(case, provider, mode, device, dtype, bench, reference)
+                    if row is None:
+                        log.info("%s %s %s: no %s variant (not installed, or none for this op)", op, list(case.shape), mode, provider)
+                        continue
+                    group.append(row)
+                    log.info("%-21s %-14s %-7s %-8s %9.4f ms", op, row["shape"], mode, provider, row["ms"])
+                eager = next((r["ms"] for r in group if r["provider"] == "eager"), math.nan)
+                for row in group:
+                    row["speedup"] = eager / row["ms"]
+                    row["pct_ceiling"] = 100 * row["tbs"] / ceiling if row["tbs"] is not None else None
+                rows.extend(group)
+    return rows, ceiling, device_name
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(rows: list[dict], ceiling: float, device_name: str, dtype: str) -> str:
+    how = "median of triton.testing.do_bench" if device_name != "cpu" else "wall-clock median on the CPU (Triton in its interpreter: not kernel times)"
+    head = (f"{device_name}, {dtype}, {how}; copy ceiling {ceiling:.2f} TB/s measured in the same run\n\n"
+            "| op | shape | mode | variant | ms | TB/s | % ceiling | TFLOP/s | vs eager | peak MB | max rel err |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['op']} | {r['shape']} | {r['mode']} | {r['provider']} | {_fmt(r['ms'], 4)} | {_fmt(r['tbs'])} | "
+            f"{_fmt(r['pct_ceiling'], 1)} | {_fmt(r['tflops'], 1)} | {_fmt(r['speedup'])}x | {_fmt(r['peak_mb'], 1)} | {_fmt(r['max_rel_err'], 4)} |"
+        )
+    return "\n".join(lines)
+
+
+def bar_chart(rows: list[dict], ceiling: float, device_name: str, path: Path) -> None:
+    """Effective TB/s per op, shape and mode, one bar per variant, the copy ceiling as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["op"], r["shape"], r["mode"]) for r in rows if r["tbs"] is not None))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups) + 2), 4.5))
+    width = 0.8 / max(1, len(providers))
+    for i, provider in enumerate(providers):
+        values = [next((r["tbs"] for r in rows if (r["op"], r["shape"], r["mode"]) == g and r["provider"] == provider), 0.0) or 0.0 for g in groups]
+        ax.bar([k + i * width for k in range(len(groups))], values, width, label=provider)
+    ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"copy ceiling {ceiling:.2f} TB/s")
+    ax.set_xticks([k + width * (len(providers) - 1) / 2 for k in range(len(groups))])
+    ax.set_xticklabels([f"{op}\n{shape}\n{mode}" for op, shape, mode in groups], fontsize=7)
+    ax.set_ylabel("effective TB/s")
+    ax.set_title(f"fused kernels on {device_name}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    from src.tracking.mlflow_run import task_tracker, write_json
+    from src.train.worker import save_resolved_config, setup_logging
+
+    run_dir = Path(ctx.run_dir)
+    save_resolved_config(cfg, run_dir)
+    setup_logging(run_dir, 0)
+    if cfg.backend.name == "cuda":
+        torch.cuda.set_device(0)
+    elif any(p in ("triton", "liger") for p in cfg.kernel_bench.providers):
+        log.info("no GPU: Triton runs in its interpreter here, so these times check the plumbing, not the kernels")
+    rows, ceiling, device_name = run_bench(cfg)
+    table = markdown_table(rows, ceiling, device_name, cfg.kernel_bench.dtype)
+    log.info("kernel bench:\n%s", table)
+    (run_dir / "kernel_bench.md").write_text(table + "\n")
+    with open(run_dir / "kernel_bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
+    bar_chart(rows, ceiling, device_name, run_dir / "kernel_bench.png")
+
+    tracker = task_tracker(cfg, ctx, device_name)
+    summary = {"task": "kernel_bench", "status": "finished", "device": device_name, "dtype": cfg.kernel_bench.dtype,
+               "copy_ceiling_tbs": ceiling, "rows": rows, "mlflow_run_id": tracker.run_id}
+    write_json(run_dir / "summary.json", summary)
+    for name in ("kernel_bench.md", "kernel_bench.csv", "kernel_bench.png", "summary.json", "config.yaml", "run.log"):
+        tracker.log_artifact(run_dir / name)
+    metrics = {"copy_ceiling_tbs": ceiling}
+    for r in rows:
+        key = f"{r['op']}.{r['shape']}.{r['mode']}.{r['provider']}"
+        metrics[f"{key}.ms"] = r["ms"]
+        metrics[f"{key}.speedup"] = r["speedup"]
+        if r["tbs"] is not None:
+            metrics[f"{key}.tbs"] = r["tbs"]
+    tracker.finish("FINISHED", metrics)
+    return summary

@@ -1,0 +1,39 @@
+"""Median kernel time and the device's copy ceiling, the same way on every backend.
+
+On CUDA, triton.testing.do_bench: CUDA events around each call, the L2 flushed between calls
+(a 256 MB write), gradients reset to None so backward never pays an accumulation. On a CPU
+(Triton's interpreter included, where times say nothing about a GPU) wall-clock medians.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100, grad_to_none: Sequence[torch.Tensor] = ()) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none) or None, return_mode="median"))
+    times: list[float] = []
+    deadline = time.perf_counter() + (warmup_ms + rep_ms) / 1e3
+    fn()  # warm-up: compilation, allocator
+    while len(times) < 3 or time.perf_counter() < deadline:
+        for t in grad_to_none:
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Effective bandwidth of dst.copy_(src) over `nbytes` (read once, written once): the most a
+    memory-bound kernel can hope for on this device (4.25 TB/s measured on an H200, 4.8 peak)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup_ms, rep_ms)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
