@@ -91,7 +91,11 @@ def run_bench(cfg: DictConfig) -> tuple[list[dict], float, str]:
                 reference = output_of(variant(op, "eager")(*case.inputs(device, dtype, False))).detach()
                 group = []
                 for provider in bench.providers:
-                    row = _measure(case, provider, mode, device, dtype, bench, reference)
+                    try:
+                        row = _measure(case, provider, mode, device, dtype, bench, reference)
+                    except Exception as err:  # one variant failing (a Liger version, a compile error) does not end the table
+                        log.error("%s %s %s %s failed: %s: %s", op, list(case.shape), mode, provider, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                        continue
                     if row is None:
                         log.info("%s %s %s: no %s variant (not installed, or none for this op)", op, list(case.shape), mode, provider)
                         continue

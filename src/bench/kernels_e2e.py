@@ -1,0 +1,71 @@
+"""The seed's mini_llm training step under each `kernels` setting, run alternately in one call on
+the same GPU(s), so the ratios are measured side by side.
+
+    python -m src.bench.kernels_e2e --settings eager compile triton auto --steps 12 --rounds 1 \\
+        --diagnosis tests/fixtures/mini_llm_h200_diagnosis.json
+
+Prints one row per run and the median per setting: tokens/s per GPU, MFU, peak memory, median step
+time, and the speedup over eager. Each run is `python -m src.run +exp=fsdp4` (the seed's model,
+data and optimizer) with `kernels=SETTING`; `auto` reads --diagnosis (the mini_llm H200 diagnosis
+kept as a test fixture, or a fresh one from `+exp=diagnose`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _num(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def run(setting: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    cmd = [
+        sys.executable, "-m", "src.run", "+exp=fsdp4", f"kernels={setting}", f"dist.nproc={args.nproc}",
+        f"train.steps={args.steps}", f"train.warmup_steps={args.warmup}", "train.progress=false", "tracking=none",
+        f"hydra.run.dir={run_dir}", *args.extra,
+    ]
+    if setting == "auto":
+        cmd.append(f"kernels.diagnosis={Path(args.diagnosis).resolve()}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"kernels={setting} failed:\n{proc.stderr[-3000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", nargs="+", default=["eager", "compile", "triton", "auto"])
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--diagnosis", default="tests/fixtures/mini_llm_h200_diagnosis.json")
+    ap.add_argument("--out", type=Path, default=Path("bench_out/kernels_e2e"))
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    args = ap.parse_args()
+
+    rows = []
+    for r in range(args.rounds):
+        for setting in args.settings:
+            s = run(setting, args, args.out / f"{setting}-r{r}")
+            rows.append({"setting": setting, **s})
+            print(f"kernels={setting:8s} round {r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_num(s['mfu'], '.1f')}%, "
+                  f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}", flush=True)
+    eager = statistics.median([r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"] or [float("nan")])
+    print("\n| kernels | tok/s/GPU | MFU % | peak GB | step ms | vs eager | final loss |\n|---|---:|---:|---:|---:|---:|---:|")
+    for setting in args.settings:
+        mine = [r for r in rows if r["setting"] == setting]
+        tps = statistics.median(r["tokens_per_s_per_device"] for r in mine)
+        mfu = None if mine[0]["mfu"] is None else statistics.median(r["mfu"] for r in mine)
+        peak = None if mine[0]["peak_mem_gb"] is None else max(r["peak_mem_gb"] for r in mine)
+        print(f"| {setting} | {tps:,.0f} | {_num(mfu, '.1f')} | {_num(peak, '.2f')} | {1e3 * statistics.median(r['step_time_s'] for r in mine):.1f} | "
+              f"{tps / eager:.3f}x | {mine[-1]['final_loss']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
