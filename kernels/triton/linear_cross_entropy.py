@@ -9,8 +9,11 @@ whole backward happens inside forward, and only one chunk of logits ever exists;
 scales the two saved gradients by the incoming one.
 
 Chunk size follows Liger-Kernel's rule: a chunk's logits are about the size of the hidden input
-(chunk = next_pow2(tokens / ceil(V / D))): 1024 tokens x 32000 = 65 MB in bf16 for the seed.
-grad_W accumulates in fp32 across chunks (a bf16 accumulator would round 16 partial sums).
+(chunk = next_pow2(tokens / ceil(V / D))): 512 tokens x 32000 = 33 MB in bf16 for 8192 tokens.
+grad_W accumulates in the GEMMs' dtype through addmm_ (cuBLAS adds into it in fp32 and rounds
+once per chunk), as Liger-Kernel does: an fp32 accumulator fed by `(dlogits^T @ h).float()` costs
+three extra passes over the V x D weight per chunk, 21 GB of traffic and 4.3 ms a step at the
+seed's shapes on an H200 (docs/PERFORMANCE.md section 5).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         n_valid = (targets != ignore_index).sum().clamp_min(1)
         chunk = chunk or chunk_rows(tokens, vocab, dim)
         grad_hidden = torch.empty_like(h)
-        grad_weight = torch.zeros(vocab, dim, dtype=torch.float32, device=h.device) if weight.requires_grad else None
+        grad_weight = torch.zeros(vocab, dim, dtype=dtype, device=h.device) if weight.requires_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             for start in range(0, tokens, chunk):
@@ -49,7 +52,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 loss += cross_entropy_grad_(logits, targets[start : start + chunk], n_valid, ignore_index, label_smoothing).sum()
                 torch.mm(logits, w, out=grad_hidden[start : start + chunk])
                 if grad_weight is not None:
-                    grad_weight += (logits.t() @ h_c).float()
+                    grad_weight.addmm_(logits.t(), h_c)
         ctx.save_for_backward(grad_hidden, grad_weight if grad_weight is not None else torch.empty(0))
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
