@@ -264,6 +264,38 @@ class KernelBenchConfig:
 
 
 @dataclass
+class EdgeConfig:
+    """task=infer (+exp=edge): prefill + decode on an edge backend against torch on the CPU."""
+
+    action: str = "bench"
+    """bench: compile (cached) and time here; compile: write artifacts for another device; run: time compiled artifacts"""
+    target: str = ""
+    """backend=vulkan: --iree-vulkan-target (llvmpipe, ampere, rdna3, valhall, adreno, sm_XX, gfxNNNN; empty: llvmpipe);
+    backend=mps with action=compile: the Metal platform (macos, ios; empty: macos)"""
+    target_features: str = ""
+    """backend=vulkan: --iree-vulkan-target-features, replacing the target's defaults (e.g. to drop cooperative matrices)"""
+    artifacts: str = ""
+    """action=run: a directory that action=compile wrote; action=compile: where to write (default: the run directory)"""
+    cache_dir: str = "~/.cache/perflab/edge"
+    """compiled modules, keyed by model config, shapes, dtype, target and flags"""
+    batch: int = 1
+    prompt_len: int = 32
+    """tokens in the prompt (the prefill)"""
+    decode_steps: int = 16
+    """tokens generated after the prompt, one decode call each"""
+    max_seq: int = 0
+    """KV-cache positions; 0: prompt_len + decode_steps"""
+    dtype: str = "fp32"
+    """fp32, fp16, or bf16 (where the device computes in it)"""
+    weights: str = ""
+    """a safetensors export of a trained model (python -m src.export); empty: the seeded initialisation"""
+    warmup: int = 2
+    repeats: int = 10
+    """timed generations (prefill + decode_steps) after the first"""
+    seed: int = 0
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     sharding: ShardingConfig = MISSING
@@ -281,6 +313,7 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     kernel_bench: KernelBenchConfig = field(default_factory=KernelBenchConfig)
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
     exp: Optional[str] = None
     """name of the +exp experiment, set by each conf/exp/*.yaml"""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -48,11 +48,18 @@ def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     return bench(cfg, ctx)
 
 
+def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    from src.edge.task import run_infer as infer
+
+    return infer(cfg, ctx)
+
+
 TASKS: dict[str, Callable[[DictConfig, RunContext], Any]] = {
     "train": run_train,
     "profile": run_train,  # the training loop under torch.profiler (src/profiling/torch_profile.py)
     "diagnose": run_diagnose,
     "kernel_bench": run_kernel_bench,
+    "infer": run_infer,
 }
 
 

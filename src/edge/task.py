@@ -1,0 +1,172 @@
+"""task=infer (`+exp=edge`): one model on one edge backend, prefill + decode, against torch fp32 on
+the CPU; or `edge.action=compile` to write artifacts for another device, `edge.action=run` to time
+artifacts compiled elsewhere. Writes summary.json, edge_latency.png, the artifacts (vulkan), and
+one MLflow run (a child of the sweep's parent in a multirun)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src.edge.bench import measure
+from src.edge.compile import Artifacts, build, cache_root, load_artifacts
+from src.edge.model import EdgeLM
+from src.runtime import RunContext
+
+log = logging.getLogger("src.run")
+
+IREE_DEVICE = {"vulkan": "vulkan", "mps": "metal"}
+
+
+def default_target(backend: str, target: str) -> str:
+    return target or {"vulkan": "llvmpipe", "mps": "macos"}.get(backend, "")
+
+
+def reference_model(model_cfg: dict, weights: dict, max_seq: int) -> EdgeLM:
+    """The model in fp32 on the CPU: seeded initialisation (src/distributed/parallelize.py, as
+    training starts from), or a safetensors export of a trained one."""
+    from src.distributed.parallelize import materialize_and_init
+    from src.models.mini_llm import MiniLLM
+
+    kwargs = {k: v for k, v in model_cfg.items() if k != "name"}
+    with torch.device("meta"):
+        model = MiniLLM(**kwargs)
+    materialize_and_init(model, torch.device("cpu"), weights.get("seed", 0))
+    if weights.get("safetensors"):
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(weights["safetensors"]))
+    return EdgeLM(model.eval(), max_seq).eval()
+
+
+def _weights(cfg: DictConfig) -> dict:
+    return {"safetensors": str(Path(cfg.edge.weights).resolve())} if cfg.edge.weights else {"seed": cfg.edge.seed}
+
+
+def _copy_of(lm: EdgeLM) -> EdgeLM:
+    import copy
+
+    return copy.deepcopy(lm)
+
+
+def latency_chart(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["TTFT p50", "TTFT p90", "decode p50", "decode p90"]
+    values = [summary.get(k) or 0.0 for k in ("ttft_p50_ms", "ttft_p90_ms", "decode_p50_ms", "decode_p90_ms")]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, values, color=["tab:blue", "tab:blue", "tab:orange", "tab:orange"])
+    ax.set_ylabel("ms")
+    ax.set_title(f"{summary['backend']} ({summary['device_name']}), batch {summary['batch']}, {summary['dtype']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(summary: dict[str, Any]) -> str:
+    def f(key: str, digits: int = 2) -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+
+    head = "| backend | device | batch | dtype | compile s | first ms | TTFT p50/p90 ms | decode p50/p90 ms | prefill tok/s | decode tok/s | rel err |"
+    row = (f"| {summary['backend']} | {summary['device_name']} | {summary['batch']} | {summary['dtype']} | {f('compile_s')} | "
+           f"{f('first_run_ms')} | {f('ttft_p50_ms')} / {f('ttft_p90_ms')} | {f('decode_p50_ms', 3)} / {f('decode_p90_ms', 3)} | "
+           f"{f('prefill_tokens_per_s', 0)} | {f('decode_tokens_per_s', 0)} | {summary['rel_err']:.2e} |")
+    return "\n".join([head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|", row])
+
+
+def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    from src.tracking.mlflow_run import task_tracker, write_json
+    from src.train.worker import save_resolved_config, setup_logging
+
+    run_dir = Path(ctx.run_dir)
+    save_resolved_config(cfg, run_dir)
+    setup_logging(run_dir, 0)
+    e, backend = cfg.edge, cfg.backend.name
+    target = default_target(backend, e.target)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    settings = {"batch": e.batch, "prompt_len": e.prompt_len, "decode_steps": e.decode_steps, "dtype": e.dtype,
+                "max_seq": e.max_seq or e.prompt_len + e.decode_steps, "weights": _weights(cfg), "model": model_cfg}
+    artifacts: Artifacts | None = None
+    if e.action == "run":
+        artifacts = load_artifacts(Path(e.artifacts))
+        m = artifacts.manifest
+        settings.update(batch=m["batch"], prompt_len=m["prompt_len"], max_seq=m["max_seq"], dtype=m["dtype"], weights=m["weights"], model=m["model"])
+        target = m["target"]
+    reference = reference_model(settings["model"], settings["weights"], settings["max_seq"])
+    summary: dict[str, Any] = {"task": "infer", "status": "finished", "action": e.action, "backend": backend, "target": target or None,
+                               "device_name": "cpu", "cooperative_matrix": None, "compile_s": None, "module_bytes": None, "params_bytes": None,
+                               **{k: settings[k] for k in ("batch", "prompt_len", "decode_steps", "dtype", "max_seq")}, "model": settings["model"]["name"],
+                               "settings": {"model": settings["model"]["name"], "backend": backend}}
+    if backend in IREE_DEVICE and e.action in ("bench", "compile"):
+        out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
+        artifacts = build(_copy_of(reference).to(_dtype(settings["dtype"])), settings["model"], settings["batch"], settings["prompt_len"],
+                          settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir))
+        artifacts.manifest["weights"] = settings["weights"]
+        (artifacts.dir / "manifest.json").write_text(__import__("json").dumps(artifacts.manifest, indent=2))
+    if artifacts is not None:
+        summary.update(compile_s=artifacts.manifest["compile_s"], module_bytes=artifacts.manifest["module_bytes"],
+                       params_bytes=artifacts.manifest["params_bytes"], artifacts=str(artifacts.dir), cache=artifacts.manifest["cache"],
+                       msl_files=len(artifacts.manifest.get("msl_files", [])))
+    if e.action == "compile":
+        log.info("compiled for %s %s: %s (module %d bytes, parameters %d bytes)", IREE_DEVICE[backend], target, artifacts.dir,
+                 artifacts.manifest["module_bytes"], artifacts.manifest["params_bytes"])
+    else:
+        runner = _runner(backend, artifacts, reference, settings["dtype"])
+        summary["device_name"] = _device_name(backend, runner)
+        if backend == "vulkan":
+            from src.edge.runtime import vulkan_devices
+
+            devices = vulkan_devices()
+            summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
+            cache_bytes = 2 * reference.empty_cache(settings["batch"], _dtype(settings["dtype"]), "meta").numel() * _dtype(settings["dtype"]).itemsize
+            summary.update(runner.transfer_times(cache_bytes))
+        rng = np.random.default_rng(e.seed)
+        tokens = rng.integers(0, settings["model"]["vocab_size"], (settings["batch"], settings["prompt_len"]), dtype=np.int64).astype(np.int32)
+        summary.update(measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats))
+        log.info("edge inference:\n%s", table(summary))
+        latency_chart(summary, run_dir / "edge_latency.png")
+
+    tracker = task_tracker(cfg, ctx, summary["device_name"])
+    summary["mlflow_run_id"] = tracker.run_id
+    write_json(run_dir / "summary.json", summary)
+    for name in ("summary.json", "config.yaml", "run.log", "edge_latency.png"):
+        tracker.log_artifact(run_dir / name)
+    if artifacts is not None:
+        tracker.log_artifact(artifacts.dir / "manifest.json", "edge")
+        if (artifacts.dir / "msl").is_dir():
+            tracker.log_artifact(artifacts.dir / "msl", "edge/msl")
+    tracker.finish("FINISHED", {k: v for k, v in summary.items() if k not in ("batch", "prompt_len", "decode_steps", "max_seq")})
+    return summary
+
+
+def _dtype(name: str) -> torch.dtype:
+    from src.edge.compile import TORCH_DTYPES
+
+    return TORCH_DTYPES[name]
+
+
+def _runner(backend: str, artifacts: Artifacts | None, reference: EdgeLM, dtype: str):
+    from src.edge.runtime import IreeRunner, TorchRunner
+
+    if backend == "vulkan":
+        return IreeRunner(artifacts, "vulkan")
+    return TorchRunner(_copy_of(reference), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype)
+
+
+def _device_name(backend: str, runner: Any) -> str:
+    if backend == "vulkan":
+        from src.edge.runtime import vulkan_devices
+
+        devices = vulkan_devices()
+        return devices[0]["name"] if devices else "vulkan"
+    if backend == "cuda":
+        return torch.cuda.get_device_name(0)
+    return backend
