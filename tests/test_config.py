@@ -61,7 +61,7 @@ BAD_OVERRIDES = [
     (["sharding=hsdp", "dist.nproc=3"], "sharding.replicate=2 must divide the world size 3"),
     (["sharding=fsdp2_offload"], "sharding=fsdp2_offload offloads to host memory from a GPU; with backend=cpu use sharding=fsdp2"),
     (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
-    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, fsdp4, profile"),
+    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, kernels, profile"),
 ]
 
 

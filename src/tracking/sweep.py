@@ -22,9 +22,12 @@ from omegaconf import DictConfig
 log = logging.getLogger("src.sweep")
 
 # The figure a sweep of each task is compared on, and whether higher is better.
-HEADLINE = {"train": ("tokens_per_s_per_device", True), "profile": ("tokens_per_s_per_device", True), "diagnose": ("share_memory_bound", False)}
+HEADLINE = {"train": ("tokens_per_s_per_device", True), "profile": ("tokens_per_s_per_device", True), "diagnose": ("share_memory_bound", False),
+            "infer": ("decode_tokens_per_s", True)}
 SETTING_COLUMNS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size", "batch_size_per_device", "seq_len")
-FIGURE_COLUMNS = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "final_loss", "step_time_s", "share_memory_bound")
+FIGURE_COLUMNS = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "final_loss", "step_time_s", "share_memory_bound",
+                  "device_name", "ttft_p50_ms", "ttft_p90_ms", "decode_p50_ms", "decode_p90_ms", "prefill_tokens_per_s",
+                  "decode_tokens_per_s", "rel_err", "compile_s")
 
 
 def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -66,6 +69,30 @@ def plot_headline(rows: list[dict[str, Any]], metric: str, path: Path) -> Path:
     ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(metric)
     ax.set_title(f"sweep: {metric} per job (red: failed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_latency(rows: list[dict[str, Any]], path: Path) -> Path:
+    """task=infer sweeps: time to first token and decode step latency, p50 with the p90 above it, per job."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["overrides"] or f"job {r['job']}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(rows)), 4.5))
+    for ax, (name, key) in zip(axes, (("time to first token", "ttft"), ("decode step", "decode"))):
+        p50 = [r.get(f"{key}_p50_ms") or 0.0 for r in rows]
+        p90 = [max((r.get(f"{key}_p90_ms") or 0.0) - v, 0.0) for r, v in zip(rows, p50)]
+        ax.bar(range(len(rows)), p50, label="p50", color="tab:blue")
+        ax.bar(range(len(rows)), p90, bottom=p50, label="p90", color="tab:blue", alpha=0.35)
+        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("ms")
+        ax.set_title(name)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -115,6 +142,7 @@ class MlflowSweepCallback(Callback):
             metric, _ = HEADLINE.get(rows[0]["task"] or config.task.name, ("tokens_per_s_per_device", True))
             table = write_table(rows, sweep_dir / "sweep.csv")
             chart = plot_headline(rows, metric, sweep_dir / "sweep.png")
+            extra = [plot_latency(rows, sweep_dir / "latency.png")] if (rows[0]["task"] or config.task.name) == "infer" else []
             log.info("sweep: %d jobs, %d finished, %d failed -> %s", len(rows), len(rows) - len(failed), len(failed), table)
             for r in failed:
                 log.error("job %d (%s) failed: %s", r["job"], r["overrides"], r["error"])
@@ -124,6 +152,8 @@ class MlflowSweepCallback(Callback):
             if rows:
                 self.client.log_artifact(self.parent_run_id, str(table))
                 self.client.log_artifact(self.parent_run_id, str(chart))
+                for path in extra:
+                    self.client.log_artifact(self.parent_run_id, str(path))
             self.client.log_batch(self.parent_run_id, metrics=[Metric("jobs_finished", len(rows) - len(failed), 0, 0), Metric("jobs_failed", len(failed), 0, 0)])
             self.client.set_tag(self.parent_run_id, "jobs", f"{len(rows) - len(failed)} finished, {len(failed)} failed")
             self.client.set_terminated(self.parent_run_id, status="FAILED" if rows and len(failed) == len(rows) else "FINISHED")

@@ -1,0 +1,122 @@
+"""Edge inference on this machine's real parts: IREE to Vulkan on Mesa's lavapipe (the CPU's
+Vulkan driver), Metal compiled to MSL, torch on the CPU; MLflow on SQLite."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("iree.turbine")
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
+from src.edge.compile import build, load_artifacts  # noqa: E402
+from src.edge.runtime import IreeRunner, vulkan_devices  # noqa: E402
+from src.edge.task import reference_model  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+
+needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
+TINY = {"name": "tiny", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_mult": 4, "causal": True,
+        "norm_eps": 1e-6, "init_std": 0.02, "mlp": "silu", "ffn_hidden": 0}
+# fp32: lavapipe's SPIR-V against torch's CPU kernels, summed in another order. fp16: every
+# activation rounded to 11 bits through 2 blocks; measured 1.1e-3 on lavapipe.
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
+PROMPT, STEPS, BATCH = 8, 10, 2
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("edge_cache")
+
+
+def _cli(args: list[str], cwd: Path, cache: Path):
+    return run_cli(["+exp=edge", f"edge.cache_dir={cache}", f"edge.prompt_len={PROMPT}", f"edge.decode_steps={STEPS}", "edge.repeats=2", "edge.warmup=1", *args], cwd=cwd)
+
+
+@needs_vulkan
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_vulkan_prefill_and_ten_decode_steps_match_torch(dtype, tmp_path, cache):
+    import torch
+
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS)
+    lm = copy.deepcopy(ref).to({"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    artifacts = build(lm, TINY, BATCH, PROMPT, dtype, "vulkan", "llvmpipe", "", tmp_path / "art", cache)
+    runner = IreeRunner(artifacts, "vulkan")
+    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
+    gen = generate(runner, tokens, STEPS)
+    errors = relative_errors(gen.logits, reference_logits(ref, tokens, gen.fed))
+    assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE[dtype], errors
+    assert artifacts.manifest["module_bytes"] < 400_000 < artifacts.manifest["params_bytes"] or dtype == "fp16"  # weights live in the IRPA
+
+
+@needs_vulkan
+def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp_path, cache):
+    proc = _cli(["edge.action=compile", f"edge.artifacts={tmp_path / 'art'}", "tracking=none"], tmp_path, cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["target"] == "llvmpipe" and manifest["weights"] == {"seed": 0} and (tmp_path / "art" / "params.irpa").is_file()
+
+    proc = _cli(["edge.action=run", f"edge.artifacts={tmp_path / 'art'}", "tracking=none"], tmp_path, cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _cli(["tracking=none"], tmp_path, cache)  # bench: compiles (from the cache) and runs in one go
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summaries = sorted((json.loads(p.read_text()) for p in tmp_path.glob("outputs/*/*/summary.json")), key=lambda s: s["action"])
+    benched, compiled, ran = summaries
+    assert [s["action"] for s in summaries] == ["bench", "compile", "run"] and benched["cache"] == "hit"
+    assert compiled["status"] == "finished" and compiled["module_bytes"] > 0
+    assert ran["generated"] == benched["generated"] and len(ran["generated"][0]) == STEPS
+    assert ran["rel_err_per_step"] == benched["rel_err_per_step"] and ran["rel_err"] < TOLERANCE["fp32"]
+    for key in ("first_run_ms", "ttft_p50_ms", "ttft_p90_ms", "decode_p50_ms", "decode_p90_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "h2d_copy_ms", "d2h_staging_ms"):
+        assert ran[key] > 0, key
+    assert "llvmpipe" in ran["device_name"] and ran["cooperative_matrix"] in (False, None)
+    assert ran["h2d_import_ms"] is None or ran["h2d_import_ms"] > 0  # lavapipe imports page-aligned host memory
+
+
+@needs_vulkan
+def test_a_two_job_sweep_is_one_parent_with_two_children(tmp_path, cache):
+    proc = run_cli(["-m", "+exp=edge", "backend=vulkan,cpu", f"edge.cache_dir={cache}", "edge.prompt_len=8", "edge.decode_steps=4", "edge.repeats=2"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.params["backend.name"] for r in children) == ["cpu", "vulkan"]
+    assert all(r.info.status == "FINISHED" and r.data.metrics["summary.decode_tokens_per_s"] > 0 for r in children)
+    assert {"sweep.csv", "sweep.png", "latency.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    (sweep_dir,) = list(tmp_path.glob("multirun/*/*"))
+    assert (sweep_dir / "latency.png").stat().st_size > 5_000
+
+
+def test_metal_compile_writes_msl(tmp_path, cache):
+    proc = _cli(["backend=mps", "edge.action=compile", f"edge.artifacts={tmp_path / 'metal'}", "tracking=none"], tmp_path, cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sources = list((tmp_path / "metal" / "msl").glob("*.metal"))
+    assert sources and "kernel void" in sources[0].read_text() and "#include <metal_stdlib>" in sources[0].read_text()
+    manifest = json.loads((tmp_path / "metal" / "manifest.json").read_text())
+    assert manifest["device"] == "metal" and manifest["target"] == "macos" and len(manifest["msl_files"]) == len(sources)
+
+
+@pytest.mark.parametrize("args,env,line", [
+    (["backend=mps"], {}, "error: backend=mps needs Apple Silicon (torch.backends.mps.is_available() is False here)"),
+    (["edge.target=mali"], {}, "error: edge.target=mali: not a Vulkan target IREE knows; use one of llvmpipe"),
+    (["edge.dtype=bf16"], {}, "error: edge.dtype=bf16: Vulkan target llvmpipe computes in fp32 or fp16"),
+    ([], {"VK_DRIVER_FILES": "/nonexistent.json", "VK_ICD_FILENAMES": "/nonexistent.json"}, "error: backend=vulkan: no Vulkan driver found; install one: `apt-get install mesa-vulkan-drivers`"),
+    (["edge.action=run", "edge.artifacts=nowhere"], {}, "error: edge.artifacts=nowhere: no manifest.json there"),
+])
+def test_bad_input_is_one_line_and_starts_nothing(args, env, line, tmp_path, monkeypatch):
+    if "backend=mps" in args and __import__("torch").backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    proc = run_cli(["+exp=edge", *args], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith(line), proc.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_load_artifacts_names_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no manifest.json; make the artifacts with edge.action=compile"):
+        load_artifacts(tmp_path)
