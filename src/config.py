@@ -158,6 +158,8 @@ class TrainConfig:
     anyway, before any checkpoint) or skip (drop that optimizer step; one more device sync a step)"""
     loss_fp32: bool = True
     """cross-entropy on fp32 logits (torchtitan's choice); the seed's script uses the bf16 logits as they come"""
+    label_smoothing: float = 0.0
+    """cross-entropy against (1 - e) on the target + e / vocab everywhere, as F.cross_entropy; the fused losses too"""
 
 
 @dataclass

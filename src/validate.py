@@ -181,6 +181,8 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive (ffn_hidden 0 or more)")
     if cfg.data.source == "text" and cfg.data.text_path and not os.path.isfile(cfg.data.text_path):
         raise ConfigError(f"data.text_path={cfg.data.text_path}: no such file; give a UTF-8 text file, or leave it empty for the built-in corpus")
+    if not 0.0 <= cfg.train.label_smoothing < 1.0:
+        raise ConfigError(f"train.label_smoothing={cfg.train.label_smoothing}: a fraction in [0, 1), e.g. 0.1")
     if cfg.train.nonfinite not in ("fail", "skip"):
         raise ConfigError(f"train.nonfinite={cfg.train.nonfinite}: use fail or skip")
     ck = cfg.checkpoint

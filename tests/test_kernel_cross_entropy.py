@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.cross_entropy import fused_cross_entropy  # noqa: E402
+from kernels.triton.cross_entropy import FusedCrossEntropyLoss, fused_cross_entropy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2)}
@@ -40,3 +40,11 @@ def test_every_target_ignored_gives_zero_loss_and_gradient():
     loss = fused_cross_entropy(logits * 1, torch.full((4,), -100, device=DEVICE))
     loss.backward()
     assert loss.item() == 0 and torch.all(logits.grad == 0)
+
+
+def test_module_is_a_drop_in_for_nn_cross_entropy_loss():
+    logits = torch.randn(6, 40, device=DEVICE)
+    targets = torch.tensor([1, 2, -1, 3, 39, 0], device=DEVICE)
+    ours = FusedCrossEntropyLoss(ignore_index=-1, label_smoothing=0.2)(logits.clone(), targets)
+    ref = torch.nn.CrossEntropyLoss(ignore_index=-1, label_smoothing=0.2)(logits, targets)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)

@@ -93,11 +93,11 @@ def _losses(cwd):
 
 
 def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path):
-    """Every fused variant at once (RMSNorm with the residual add, SwiGLU, linear + cross-entropy)
-    under FSDP2 on 2 ranks: the kernels run on the gathered weights, forward and backward."""
+    """Every fused variant at once (RMSNorm with the residual add, SwiGLU, linear + cross-entropy
+    with label smoothing) under FSDP2 on 2 ranks: the kernels run on the gathered weights."""
     from tests.conftest import run_cli
 
-    common = ["precision=fp32", "model.mlp=swiglu", "train.steps=5", "data.batch_size=2", "data.seq_len=16", "tracking=none"]
+    common = ["precision=fp32", "model.mlp=swiglu", "train.label_smoothing=0.1", "train.steps=5", "data.batch_size=2", "data.seq_len=16", "tracking=none"]
     runs = {}
     for kernels in ("eager", "triton"):
         cwd = tmp_path / kernels

@@ -83,6 +83,17 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad * grad_output.to(grad.dtype), None, None, None
 
 
+class FusedCrossEntropyLoss(torch.nn.Module):
+    """Drop-in for nn.CrossEntropyLoss (mean reduction) on (N, V) logits it may overwrite."""
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0):
+        super().__init__()
+        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return fused_cross_entropy(logits, targets, self.ignore_index, self.label_smoothing)
+
+
 def fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of (N, V) logits against (N,) targets, as F.cross_entropy. The logits
     buffer is overwritten with the gradient: pass logits that nothing else reads afterwards."""

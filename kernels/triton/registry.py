@@ -74,10 +74,10 @@ def _swap_head(model: nn.Module) -> int:
     return 1
 
 
-def _fused_cross_entropy(logits, targets):
+def _fused_cross_entropy(logits, targets, label_smoothing: float = 0.0):
     from kernels.triton.cross_entropy import fused_cross_entropy
 
-    return fused_cross_entropy(logits, targets)
+    return fused_cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
 REGISTRY: dict[str, FusedVariant] = {
@@ -118,8 +118,9 @@ def selected_ops(fused: list[str] | None) -> list[str]:
     return list(REGISTRY) if fused is None else list(fused)
 
 
-def apply_fused(model: nn.Module, ops: list[str] | None = None) -> FusedModel:
-    """Swap in the fused variants of `ops` (all registered ones when None), in place."""
+def apply_fused(model: nn.Module, ops: list[str] | None = None, label_smoothing: float = 0.0) -> FusedModel:
+    """Swap in the fused variants of `ops` (all registered ones when None), in place; a fused
+    head + loss takes `label_smoothing` (the training step passes it to the other losses)."""
     chosen = list(REGISTRY) if ops is None else list(ops)
     unknown = [op for op in chosen if op not in REGISTRY]
     if unknown:
@@ -129,4 +130,6 @@ def apply_fused(model: nn.Module, ops: list[str] | None = None) -> FusedModel:
     swapped = {op: REGISTRY[op].swap(model) for op in chosen if REGISTRY[op].swap is not None}
     losses = [REGISTRY[op].loss for op in chosen if REGISTRY[op].loss is not None]
     in_model = any(REGISTRY[op].loss_in_model and swapped.get(op) for op in chosen)
+    if in_model:
+        model.head.label_smoothing = label_smoothing
     return FusedModel(swapped, None if in_model or not losses else losses[0], in_model)

@@ -167,7 +167,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         kernels = FusedModel({})
         fused_ops = selected_ops(cfg.kernels.fused)
         if fused_ops:
-            kernels = apply_fused(model, fused_ops)
+            kernels = apply_fused(model, fused_ops, cfg.train.label_smoothing)
             if env.is_main:
                 log.info("fused Triton kernels: %s", kernels.describe())
         if cfg.profile.nvtx:
@@ -239,7 +239,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 model, optimizer, batches, cfg.train.steps, env.device,
                 tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
                 world_size=env.world_size, flops_per_token=fpt, peak_flops=peak,
-                grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32, loss_fn=kernels.loss_fn, loss_in_model=kernels.loss_in_model,
+                grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast_dtype, loss_fp32=cfg.train.loss_fp32, loss_fn=kernels.loss_fn, loss_in_model=kernels.loss_in_model, label_smoothing=cfg.train.label_smoothing,
                 log_every=cfg.train.log_every, on_step=callbacks,
                 fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
                 mark=step_marker(cfg.profile.nvtx) if cfg.profile.nvtx else None,
