@@ -64,7 +64,7 @@ def _check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avai
             raise ConfigError(f"edge.dtype={e.dtype}: MPS computes in {', '.join(TORCH_DTYPES['mps'])}")
     if backend == "cuda" and cuda_device_count == 0:
         raise ConfigError("backend=cuda but no CUDA GPU is visible; use backend=cpu or backend=vulkan")
-    if backend in ("vulkan", "mps") and e.action != "bench" or backend == "vulkan":
+    if backend == "vulkan" or (backend == "mps" and e.action == "compile"):
         try:
             import iree.runtime  # noqa: F401
             if e.action != "run":

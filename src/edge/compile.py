@@ -127,9 +127,10 @@ def save_params(lm: EdgeLM, irpa: Path) -> None:
 
 
 def build(lm: EdgeLM, model_cfg: dict, batch: int, prompt_len: int, dtype: str, device: str, target: str, features: str,
-          out_dir: Path, cache_dir: Path) -> Artifacts:
+          out_dir: Path, cache_dir: Path, weights: dict | None = None) -> Artifacts:
     """Compile (or take from the cache) the module for `device`/`target`, write it and the
-    parameters of `lm` to `out_dir`; returns the artifacts with their manifest."""
+    parameters of `lm` to `out_dir`; returns the artifacts with their manifest, which records
+    `weights` (where the parameters came from) so a later `action=run` rebuilds the reference."""
     import iree.compiler as ic
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +165,7 @@ def build(lm: EdgeLM, model_cfg: dict, batch: int, prompt_len: int, dtype: str, 
     compiled = json.loads((cached / "compile.json").read_text())
     manifest = {
         "schema": SCHEMA, "key": key, "cache": "hit" if hit else "miss", "device": device, "target": target, "flags": flags,
-        "model": model_cfg, "batch": batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
+        "model": model_cfg, "weights": weights or {}, "batch": batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
         "functions": ["prefill", "decode"], "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],
         "module_bytes": (out_dir / "module.vmfb").stat().st_size, "params_bytes": (out_dir / "params.irpa").stat().st_size,
         "msl_files": sorted(p.name for p in (out_dir / "msl").glob("*.metal")) if (out_dir / "msl").is_dir() else [],

@@ -94,7 +94,7 @@ class IreeRunner:
             memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=usage, device=self.device, buffer=host, element_type=rt.HalElementType.UINT_8))
         try:
             import_ms = timed(lambda: self.device.allocator.import_host_allocation(host, rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE, usage))
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # the driver has no VK_EXT_external_memory_host
             import_ms = None
         view = self.device.allocator.allocate_buffer_copy(
             memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=usage, device=self.device, buffer=host, element_type=rt.HalElementType.UINT_8)

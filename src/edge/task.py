@@ -4,6 +4,7 @@ artifacts compiled elsewhere. Writes summary.json, edge_latency.png, the artifac
 one MLflow run (a child of the sweep's parent in a multirun)."""
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,6 @@ def reference_model(model_cfg: dict, weights: dict, max_seq: int) -> EdgeLM:
 
 def _weights(cfg: DictConfig) -> dict:
     return {"safetensors": str(Path(cfg.edge.weights).resolve())} if cfg.edge.weights else {"seed": cfg.edge.seed}
-
-
-def _copy_of(lm: EdgeLM) -> EdgeLM:
-    import copy
-
-    return copy.deepcopy(lm)
 
 
 def latency_chart(summary: dict[str, Any], path: Path) -> None:
@@ -107,10 +102,8 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                                "settings": {"model": settings["model"]["name"], "backend": backend}}
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):
         out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
-        artifacts = build(_copy_of(reference).to(_dtype(settings["dtype"])), settings["model"], settings["batch"], settings["prompt_len"],
-                          settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir))
-        artifacts.manifest["weights"] = settings["weights"]
-        (artifacts.dir / "manifest.json").write_text(__import__("json").dumps(artifacts.manifest, indent=2))
+        artifacts = build(copy.deepcopy(reference).to(_dtype(settings["dtype"])), settings["model"], settings["batch"], settings["prompt_len"],
+                          settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir), settings["weights"])
     if artifacts is not None:
         summary.update(compile_s=artifacts.manifest["compile_s"], module_bytes=artifacts.manifest["module_bytes"],
                        params_bytes=artifacts.manifest["params_bytes"], artifacts=str(artifacts.dir), cache=artifacts.manifest["cache"],
@@ -158,7 +151,7 @@ def _runner(backend: str, artifacts: Artifacts | None, reference: EdgeLM, dtype:
 
     if backend == "vulkan":
         return IreeRunner(artifacts, "vulkan")
-    return TorchRunner(_copy_of(reference), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype)
+    return TorchRunner(copy.deepcopy(reference), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype)
 
 
 def _device_name(backend: str, runner: Any) -> str:

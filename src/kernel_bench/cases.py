@@ -165,11 +165,6 @@ def output_of(result) -> torch.Tensor:
     return result[-1] if isinstance(result, tuple) else result
 
 
-def backward_of(result) -> None:
-    outs = list(result) if isinstance(result, tuple) else [result]
-    torch.autograd.backward(outs, [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs])
-
-
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.float()
     scale = want.abs().max().item() or 1.0

@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from src.data.batches import TokenBatches
 from kernels.triton.registry import FusedModel, apply_fused, selected_ops
-from src.kernel_choice import choose, write_choice
 from src.distributed.env import DistEnv, build_mesh, init_distributed, launched_as_worker, shutdown
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
@@ -94,6 +93,8 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
 
 def _log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, tracker) -> None:
     """kernels=auto: say what the diagnosis chose and why, on the console and in MLflow."""
+    from src.kernel_choice import choose, write_choice
+
     choice = choose(Path(cfg.kernels.diagnosis))
     log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
     for op, reasons in choice.ops.items():
