@@ -32,7 +32,7 @@ IREE_INSTALL = "pip install iree-base-compiler iree-base-runtime iree-turbine"
 
 
 def _check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_available: bool) -> None:
-    from src.edge.targets import METAL_PLATFORMS, TORCH_DTYPES, known_targets, vulkan_target
+    from src.edge.targets import BACKEND_DTYPES, METAL_PLATFORMS, known_targets, vulkan_target
     from src.edge.task import default_target
 
     e = cfg.edge
@@ -60,8 +60,8 @@ def _check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avai
         elif not mps_available:
             raise ConfigError("backend=mps needs Apple Silicon (torch.backends.mps.is_available() is False here); "
                               "to prepare Metal code here, use edge.action=compile (MSL source)")
-        elif e.dtype not in TORCH_DTYPES["mps"]:
-            raise ConfigError(f"edge.dtype={e.dtype}: MPS computes in {', '.join(TORCH_DTYPES['mps'])}")
+        elif e.dtype not in BACKEND_DTYPES["mps"]:
+            raise ConfigError(f"edge.dtype={e.dtype}: MPS computes in {', '.join(BACKEND_DTYPES['mps'])}")
     if backend == "cuda" and cuda_device_count == 0:
         raise ConfigError("backend=cuda but no CUDA GPU is visible; use backend=cpu or backend=vulkan")
     if backend == "vulkan" or (backend == "mps" and e.action == "compile"):

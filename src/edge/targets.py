@@ -35,7 +35,8 @@ VULKAN_TARGETS: dict[str, VulkanTarget] = {
 _LLVM_STYLE = re.compile(r"^(sm_\d{2,3}a?|gfx\d{3,4}[a-z]?)$")
 
 METAL_PLATFORMS = ("macos", "ios", "ios-simulator")
-TORCH_DTYPES = {"cpu": ("fp32", "fp16", "bf16"), "cuda": ("fp32", "fp16", "bf16"), "mps": ("fp32", "fp16", "bf16")}
+# what torch computes in on each backend that runs the model directly
+BACKEND_DTYPES = {"cpu": ("fp32", "fp16", "bf16"), "cuda": ("fp32", "fp16", "bf16"), "mps": ("fp32", "fp16", "bf16")}
 
 
 def vulkan_target(name: str) -> VulkanTarget | None:

@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.edge.bench import measure
-from src.edge.compile import Artifacts, build, cache_root, load_artifacts
+from src.edge.compile import TORCH_DTYPES, Artifacts, build, cache_root, load_artifacts
 from src.edge.model import EdgeLM
 from src.runtime import RunContext
 
@@ -102,7 +102,7 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                                "settings": {"model": settings["model"]["name"], "backend": backend}}
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):
         out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
-        artifacts = build(copy.deepcopy(reference).to(_dtype(settings["dtype"])), settings["model"], settings["batch"], settings["prompt_len"],
+        artifacts = build(copy.deepcopy(reference).to(TORCH_DTYPES[settings["dtype"]]), settings["model"], settings["batch"], settings["prompt_len"],
                           settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir), settings["weights"])
     if artifacts is not None:
         summary.update(compile_s=artifacts.manifest["compile_s"], module_bytes=artifacts.manifest["module_bytes"],
@@ -119,7 +119,8 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
 
             devices = vulkan_devices()
             summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
-            cache_bytes = 2 * reference.empty_cache(settings["batch"], _dtype(settings["dtype"]), "meta").numel() * _dtype(settings["dtype"]).itemsize
+            dtype = TORCH_DTYPES[settings["dtype"]]
+            cache_bytes = 2 * reference.empty_cache(settings["batch"], dtype, "meta").numel() * dtype.itemsize  # keys and values
             summary.update(runner.transfer_times(cache_bytes))
         rng = np.random.default_rng(e.seed)
         tokens = rng.integers(0, settings["model"]["vocab_size"], (settings["batch"], settings["prompt_len"]), dtype=np.int64).astype(np.int32)
@@ -138,12 +139,6 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             tracker.log_artifact(artifacts.dir / "msl", "edge/msl")
     tracker.finish("FINISHED", {k: v for k, v in summary.items() if k not in ("batch", "prompt_len", "decode_steps", "max_seq")})
     return summary
-
-
-def _dtype(name: str) -> torch.dtype:
-    from src.edge.compile import TORCH_DTYPES
-
-    return TORCH_DTYPES[name]
 
 
 def _runner(backend: str, artifacts: Artifacts | None, reference: EdgeLM, dtype: str):
