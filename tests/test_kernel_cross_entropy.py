@@ -48,3 +48,38 @@ def test_module_is_a_drop_in_for_nn_cross_entropy_loss():
     ours = FusedCrossEntropyLoss(ignore_index=-1, label_smoothing=0.2)(logits.clone(), targets)
     ref = torch.nn.CrossEntropyLoss(ignore_index=-1, label_smoothing=0.2)(logits, targets)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_row_in_registers_variant_matches_torch(monkeypatch, dtype):
+    """Rows up to ROW_IN_REGISTERS_MAX wide are read once into registers instead of in blocks."""
+    import kernels.triton.cross_entropy as ce
+
+    monkeypatch.setattr(ce, "ROW_IN_REGISTERS_MAX", 4096)
+    assert ce.launch_settings(3000)[2] and not ce.launch_settings(5000)[2]
+    torch.manual_seed(2)
+    atol, rtol = TOLERANCE[dtype]
+    logits = (torch.randn(7, 3000, device=DEVICE) * 4).to(dtype)
+    targets = torch.randint(0, 3000, (7,), device=DEVICE)
+    targets[3] = -100
+    ours_in = logits.clone().requires_grad_()
+    loss = fused_cross_entropy(ours_in * 1, targets, label_smoothing=0.1)
+    loss.backward()
+    ref_in = logits.clone().float().requires_grad_()
+    ref = F.cross_entropy(ref_in, targets, label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(ours_in.grad.float(), ref_in.grad, atol=atol, rtol=rtol)
+
+
+def test_a_unit_incoming_gradient_leaves_the_fused_gradient_as_written():
+    """loss.backward() passes 1: backward skips its scaling pass on the device, the gradient is the
+    one the forward kernel wrote; any other incoming gradient scales it in place."""
+    from kernels.triton.cross_entropy import scale_unless_one_
+
+    t = torch.randn(3, 1000, device=DEVICE)
+    before = t.clone()
+    scale_unless_one_(t, torch.tensor(1.0, device=DEVICE))
+    assert torch.equal(t, before)
+    scale_unless_one_(t, torch.tensor(-2.5, device=DEVICE))
+    torch.testing.assert_close(t, before * -2.5)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.linear_cross_entropy import LinearCrossEntropyHead, chunk_rows, fused_linear_cross_entropy  # noqa: E402
+from kernels.triton.linear_cross_entropy import LOGITS_CHUNK_BYTES, LinearCrossEntropyHead, chunk_rows, fused_linear_cross_entropy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: GEMMs summed in another order per chunk; bf16: the logits are rounded to bf16 either way,
@@ -38,11 +38,13 @@ def test_matches_linear_then_cross_entropy(tokens, dim, vocab, chunk, smoothing,
     assert h1.grad.dtype == dtype and w1.grad.dtype == dtype
 
 
-def test_chunks_hold_about_as_many_logits_as_the_hidden_input():
-    # 16384 tokens, D 2048, V 32000 -> 16 chunks of 1024 tokens (8192 tokens: 16 of 512)
-    assert chunk_rows(16384, 32000, 2048) == 1024
-    assert chunk_rows(3, 32000, 2048) == 1  # fewer tokens than V / D: one row at a time
-    assert chunk_rows(100, 50, 64) == 100  # V < D: one chunk
+def test_a_chunk_of_logits_stays_within_its_byte_budget():
+    # 8192 tokens, V 32000 in bf16 -> chunks of 2048 (131 MB of logits; 4 chunks a step)
+    assert chunk_rows(8192, 32000, 2) == 2048
+    assert chunk_rows(8192, 32000, 4) == 1024  # fp32 logits: half the rows
+    assert chunk_rows(3, 32000, 2) == 3  # fewer tokens than the budget: one chunk
+    assert chunk_rows(10, 2**27, 4) == 1  # a row larger than the budget: one row at a time
+    assert 2048 * 32000 * 2 <= LOGITS_CHUNK_BYTES < 4096 * 32000 * 2
 
 
 def test_head_keeps_the_linear_weight_and_its_logits():

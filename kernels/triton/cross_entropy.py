@@ -6,7 +6,8 @@ row is read once for an online max / sum-of-exponentials (the running-max rescal
 FlashAttention's softmax) and once more to write the gradient, softmax - target distribution,
 scaled for the mean, straight into the logits buffer, which no other op needs once the loss is
 taken (the head's backward needs its input and weight, not its output). Backward only scales
-that buffer by the incoming gradient. Mean over the rows whose target is not `ignore_index`; the
+that buffer by the incoming gradient, and not even that when it is 1, the loss.backward() case
+(checked on the device: no host sync). Mean over the rows whose target is not `ignore_index`; the
 count stays on the device, so there is no host sync.
 
 Label smoothing as torch defines it: the target distribution is (1 - e) on the target plus e / V
@@ -15,13 +16,37 @@ the first pass also sums the row for it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.launch import FastKernel
+
+# Launch settings at 8192 x 32000 bf16 on an H200 (src/bench/kernel_configs.py sweeps them): the
+# row in blocks of BLOCK, two passes, the second served from L2 (a 64 KB row; 132 SMs hold a few
+# rows each, well inside the 50 MB L2); or the whole row in registers, one read (ROW_IN_REGISTERS).
+BLOCK_MAX = 4096
+NUM_WARPS = 8
+ROW_IN_REGISTERS_MAX = 0  # widest vocabulary read once into registers (0: never)
+ROW_IN_REGISTERS_WARPS = 16
+
 
 @triton.jit
-def _cross_entropy_fwd_bwd(LOGITS, stride, TARGETS, LOSS, N_VALID, V, ignore_index, smoothing, BLOCK: tl.constexpr):
+def _count_valid(TARGETS, N_VALID, rows, ignore_index, BLOCK: tl.constexpr):
+    """n_valid = max(1, #targets != ignore_index), as fp32 on the device: the mean's divisor with no
+    host sync, in one launch where (targets != i).sum().clamp_min(1) takes three."""
+    count = tl.zeros((BLOCK,), dtype=tl.int32)
+    for off in range(0, rows, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        t = tl.load(TARGETS + idx, mask=idx < rows, other=ignore_index)
+        count += (t != ignore_index).to(tl.int32)
+    tl.store(N_VALID, tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32))
+
+
+@triton.jit
+def _cross_entropy_fwd_bwd(LOGITS, stride, TARGETS, LOSS, N_VALID, V, ignore_index, smoothing, BLOCK: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * stride
     target = tl.load(TARGETS + row)
@@ -31,56 +56,119 @@ def _cross_entropy_fwd_bwd(LOGITS, stride, TARGETS, LOSS, N_VALID, V, ignore_ind
             tl.store(ptr + off + cols, tl.zeros((BLOCK,), dtype=tl.float32).to(LOGITS.dtype.element_ty), mask=off + cols < V)
         tl.store(LOSS + row, 0.0)
     else:
-        inv_n = 1.0 / tl.load(N_VALID).to(tl.float32)
-        m = -float("inf")
-        d = 0.0
-        row_sum = 0.0
-        for off in range(0, V, BLOCK):  # pass 1: running max, sum of exp(x - max), sum of x
-            mask = off + cols < V
-            x = tl.load(ptr + off + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            row_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
-            m = m_new
-        x_target = tl.load(ptr + target).to(tl.float32)
+        inv_n = 1.0 / tl.load(N_VALID)
+        if ROW_IN_REGISTERS:  # BLOCK >= V: one read, one exp per element, one write
+            mask = cols < V
+            x = tl.load(ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            m = tl.max(x, axis=0)
+            e = tl.exp(x - m)
+            d = tl.sum(e, axis=0)
+            row_sum = tl.sum(tl.where(mask, x, 0.0), axis=0)
+            x_target = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
+            grad = e / d - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
+            tl.store(ptr + cols, (grad * inv_n).to(LOGITS.dtype.element_ty), mask=mask)
+        else:
+            m = -float("inf")
+            d = 0.0
+            row_sum = 0.0
+            for off in range(0, V, BLOCK):  # pass 1: running max, sum of exp(x - max), sum of x
+                mask = off + cols < V
+                x = tl.load(ptr + off + cols, mask=mask, other=-float("inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                row_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+                m = m_new
+            x_target = tl.load(ptr + target).to(tl.float32)
+            for off in range(0, V, BLOCK):  # pass 2: the gradient of the mean loss, in place
+                mask = off + cols < V
+                x = tl.load(ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
+                grad = tl.exp(x - m) / d - smoothing / V - tl.where(off + cols == target, 1.0 - smoothing, 0.0)
+                tl.store(ptr + off + cols, (grad * inv_n).to(LOGITS.dtype.element_ty), mask=mask)
         lse = tl.log(d) + m
         loss = lse - (1.0 - smoothing) * x_target - smoothing * row_sum / V
         tl.store(LOSS + row, loss * inv_n)
-        for off in range(0, V, BLOCK):  # pass 2: the gradient of the mean loss, in place
-            mask = off + cols < V
-            x = tl.load(ptr + off + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - m) / d - smoothing / V - tl.where(off + cols == target, 1.0 - smoothing, 0.0)
-            tl.store(ptr + off + cols, (grad * inv_n).to(LOGITS.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_unless_one(X, SCALE, n, BLOCK: tl.constexpr):
+    """x *= scale in place, unless scale == 1 (the loss's own gradient in loss.backward()): then
+    every program returns after one scalar load, so the common case costs a launch, not a pass
+    over the (tokens x vocab) gradient, and needs no host sync to tell which case it is."""
+    scale = tl.load(SCALE).to(tl.float32)
+    if scale != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for off in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            idx = off + tl.arange(0, BLOCK)
+            mask = idx < n
+            x = tl.load(X + idx, mask=mask).to(tl.float32)
+            tl.store(X + idx, (x * scale).to(X.dtype.element_ty), mask=mask)
+
+
+_count_valid_kernel = FastKernel(_count_valid)
+_cross_entropy_kernel = FastKernel(_cross_entropy_fwd_bwd)
+_scale_kernel = FastKernel(_scale_unless_one)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device_index: int) -> int:
+    # a grid-stride loop over 4 programs per SM: enough loads in flight to stream at the copy
+    # ceiling, and an early exit that costs a few microseconds when there is nothing to do
+    return torch.cuda.get_device_properties(device_index).multi_processor_count * 4 if device_index >= 0 else 4
+
+
+def launch_settings(vocab: int) -> tuple[int, int, bool]:
+    """(BLOCK, num_warps, row in registers) for rows of `vocab` logits."""
+    if vocab <= ROW_IN_REGISTERS_MAX:
+        return triton.next_power_of_2(vocab), ROW_IN_REGISTERS_WARPS, True
+    # 64K elements per block bound the registers; 4096 keeps a 32000-wide row at 8 blocks a pass.
+    block = min(triton.next_power_of_2(vocab), BLOCK_MAX)
+    return block, NUM_WARPS if block >= 2048 else 4, False
+
+
+def count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """max(1, number of targets that are not ignore_index), an fp32 device scalar."""
+    n_valid = torch.empty((), dtype=torch.float32, device=targets.device)
+    _count_valid_kernel((1,), targets, n_valid, targets.numel(), ignore_index, 1024, num_warps=4)
+    return n_valid
 
 
 def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-row losses divided by `n_valid` (a device scalar), with `logits` (rows x V, rows
+    """Per-row losses divided by `n_valid` (an fp32 device scalar), with `logits` (rows x V, rows
     contiguous) overwritten by the gradient of their sum. The building block of both the fused
     loss and the chunked linear + cross-entropy, which passes the whole batch's n_valid per chunk."""
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    # 64K elements per block bound the registers; 4096 keeps a 32000-wide row at 8 blocks a pass.
-    block = min(triton.next_power_of_2(vocab), 4096)
-    _cross_entropy_fwd_bwd[(rows,)](
-        logits, logits.stride(0), targets.contiguous(), losses, n_valid, vocab, ignore_index, float(label_smoothing),
-        BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    block, warps, in_registers = launch_settings(vocab)
+    _cross_entropy_kernel(
+        (rows,), logits, logits.stride(0), targets, losses, n_valid, vocab, ignore_index, float(label_smoothing),
+        block, in_registers, num_warps=warps,
     )
     return losses
+
+
+def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """t *= scale in place (t contiguous), skipped on the device when scale == 1."""
+    device_index = t.device.index if t.is_cuda else -1
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    _scale_kernel((min(_programs(device_index), triton.cdiv(t.numel(), 4096)),), t, scale, t.numel(), 4096, num_warps=8)
+    return t
 
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float) -> torch.Tensor:
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        n_valid = (targets != ignore_index).sum().clamp_min(1)
-        losses = cross_entropy_grad_(logits, targets, n_valid, ignore_index, label_smoothing)
+        logits = logits if logits.is_contiguous() else logits.contiguous()  # backward scales it as one flat buffer
+        targets = targets if targets.is_contiguous() else targets.contiguous()
+        losses = cross_entropy_grad_(logits, targets, count_valid(targets, ignore_index), ignore_index, label_smoothing)
         ctx.save_for_backward(logits)  # now holds d(mean loss)/d(logits)
         return losses.sum()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None
+        # in place: the buffer is the logits' own, which nothing else reads after the loss
+        return scale_unless_one_(grad, grad_output.reshape(())), None, None, None
 
 
 class FusedCrossEntropyLoss(torch.nn.Module):

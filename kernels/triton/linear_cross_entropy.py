@@ -8,8 +8,12 @@ GEMMs of the head's backward: grad_hidden = dlogits @ W and grad_W += dlogits^T 
 whole backward happens inside forward, and only one chunk of logits ever exists; backward only
 scales the two saved gradients by the incoming one.
 
-Chunk size follows Liger-Kernel's rule: a chunk's logits are about the size of the hidden input
-(chunk = next_pow2(tokens / ceil(V / D))): 512 tokens x 32000 = 33 MB in bf16 for 8192 tokens.
+A chunk's logits take at most LOGITS_CHUNK_BYTES (128 MB: 2048 tokens x 32000 in bf16). Liger-
+Kernel's rule (a chunk's logits about the size of the hidden input, 512 tokens at the seed's
+shapes) makes 16 chunks whose grad_W updates each read and write the whole 32000 x 2048 weight
+gradient with K = 512, about 4 GB of traffic a step; 4 chunks of 2048 keep the GEMMs large and
+the peak (logits chunk, grad_hidden, grad_W, and backward's outputs) near 500 MB, under the
+700 MB that the unfused head and loss's logits alone exceed.
 grad_W accumulates in the GEMMs' dtype through addmm_ (cuBLAS adds into it in fp32 and rounds
 once per chunk), as Liger-Kernel does: an fp32 accumulator fed by `(dlogits^T @ h).float()` costs
 three extra passes over the V x D weight per chunk, 21 GB of traffic and 4.3 ms a step at the
@@ -22,13 +26,16 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import triton
 
-from kernels.triton.cross_entropy import cross_entropy_grad_
+from kernels.triton.cross_entropy import count_valid, cross_entropy_grad_, scale_unless_one_
+
+LOGITS_CHUNK_BYTES = 128 * 2**20
 
 
-def chunk_rows(tokens: int, vocab: int, dim: int) -> int:
-    return max(1, min(tokens, triton.next_power_of_2(math.ceil(tokens / math.ceil(vocab / dim)))))
+def chunk_rows(tokens: int, vocab: int, element_size: int) -> int:
+    """The most rows (a power of two) whose logits fit LOGITS_CHUNK_BYTES, at most all of them."""
+    fit = max(1, LOGITS_CHUNK_BYTES // (vocab * element_size))
+    return max(1, min(tokens, 2 ** int(math.log2(fit))))
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -40,10 +47,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # Under autocast the GEMMs run in its dtype; the cross-entropy kernel works in fp32 anyway.
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
         h, w = hidden.to(dtype), weight.to(dtype)
-        n_valid = (targets != ignore_index).sum().clamp_min(1)
-        chunk = chunk or chunk_rows(tokens, vocab, dim)
+        targets = targets if targets.is_contiguous() else targets.contiguous()
+        n_valid = count_valid(targets, ignore_index)
+        chunk = chunk or chunk_rows(tokens, vocab, h.element_size())
         grad_hidden = torch.empty_like(h)
-        grad_weight = torch.zeros(vocab, dim, dtype=dtype, device=h.device) if weight.requires_grad else None
+        # the first chunk's GEMM writes grad_W, later ones add to it: no zero-fill pass
+        grad_weight = torch.empty(vocab, dim, dtype=dtype, device=h.device) if weight.requires_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             for start in range(0, tokens, chunk):
@@ -52,7 +61,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 loss += cross_entropy_grad_(logits, targets[start : start + chunk], n_valid, ignore_index, label_smoothing).sum()
                 torch.mm(logits, w, out=grad_hidden[start : start + chunk])
                 if grad_weight is not None:
-                    grad_weight.addmm_(logits.t(), h_c)
+                    if start == 0:
+                        torch.mm(logits.t(), h_c, out=grad_weight)
+                    else:
+                        grad_weight.addmm_(logits.t(), h_c)
         ctx.save_for_backward(grad_hidden, grad_weight if grad_weight is not None else torch.empty(0))
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
@@ -61,8 +73,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        dh = (grad_hidden * grad_output.to(grad_hidden.dtype)).to(hidden_dtype)
-        dw = (grad_weight * grad_output).to(weight_dtype) if ctx.needs_input_grad[1] and grad_weight.numel() else None
+        scale = grad_output.reshape(())
+        # in place, skipped on the device when the incoming gradient is 1 (loss.backward())
+        dh = scale_unless_one_(grad_hidden, scale).to(hidden_dtype)
+        dw = scale_unless_one_(grad_weight, scale).to(weight_dtype) if ctx.needs_input_grad[1] and grad_weight.numel() else None
         return dh, dw, None, None, None, None
 
 

@@ -24,6 +24,8 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kernels.triton.launch import FastKernel
+
 
 @triton.jit
 def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -68,6 +70,18 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
     tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
 
 
+_fwd_kernel = FastKernel(_rms_norm_fwd)
+_bwd_kernel = FastKernel(_rms_norm_bwd)
+
+# Launch settings (src/bench/kernel_configs.py sweeps them on a GPU): warps per row program by the
+# row's block width, and backward programs per SM.
+FWD_WARPS = {2048: 8, 8192: 16}
+BWD_WARPS = {2048: 8, 8192: 16}
+# 4 programs per SM: the backward kernel's best on an H200 at 8192x2048 (36 us, 2.8 TB/s; 1, 2,
+# 8-64 per SM were 1-40% slower), and the dw partials stay small (programs x N fp32).
+BWD_PROGRAMS_PER_SM = 4
+
+
 def _block(n: int) -> int:
     block = triton.next_power_of_2(n)
     if block > 65536:
@@ -75,9 +89,11 @@ def _block(n: int) -> int:
     return block
 
 
-def _warps(block: int) -> int:
-    # 8 warps from 2048 columns up, 16 from 8192: enough loads in flight per row (Liger's choice).
-    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+def _warps(block: int, table: dict[int, int]) -> int:
+    """The warps for the widest block in `table` not wider than `block` (4 below them all). By
+    default 8 warps from 2048 columns up, 16 from 8192: enough loads in flight per row (Liger's)."""
+    fitting = [w for b, w in table.items() if block >= b]
+    return fitting[-1] if fitting else 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,9 +116,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty_like(x2) if residual is not None else x2
     block = _block(N)
-    _rms_norm_fwd[(M,)](
-        x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+    _fwd_kernel(
+        (M,), x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), N, eps,
+        residual is not None, block, num_warps=_warps(block, FWD_WARPS),
     )
     return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
 
@@ -115,17 +131,16 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     ds2 = _rows(ds) if ds is not None else dy2
     M, N = x2.shape
     dx = torch.empty_like(x2)
-    # 4 programs per SM: the backward kernel's best on an H200 at 8192x2048 (36 us, 2.8 TB/s; 1, 2,
-    # 8-64 per SM were 1-40% slower), and the dw partials stay small (programs x N fp32).
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 4
-    programs = min(M, sms * 4)
+    programs = min(M, sms * BWD_PROGRAMS_PER_SM)
     rows_per_program = math.ceil(M / programs)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     block = _block(N)
-    _rms_norm_bwd[(programs,)](
-        dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        HAS_DS=ds is not None, BLOCK=block, num_warps=_warps(block),
+    _bwd_kernel(
+        (programs,), dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
+        ds is not None, block, num_warps=_warps(block, BWD_WARPS),
     )
+    # summed in fp32, rounded once (sum(dtype=bf16) would round each partial to bf16 first)
     return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype)
 
 

@@ -37,3 +37,41 @@ def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, r
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device, warmup_ms, rep_ms)
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
+
+
+def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 30) -> float:
+    """CPU microseconds to issue one call, with the GPU kept busy so the host never waits for it
+    (torch.cuda._sleep queues a spin of ~50 ms ahead of the calls). Where this exceeds the call's
+    GPU time, the op is host-bound: the GPU idles between its kernels unless a CUDA graph replays them."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than `calls` host paths of 1 ms
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return host
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100, grad_to_none: Sequence[torch.Tensor] = ()) -> float | None:
+    """Median GPU time of `fn` captured once into a CUDA graph and replayed: the kernels alone, with
+    no host path between them. None off CUDA; raises where `fn` cannot be captured (a host sync)."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capture: compilation, allocator, autotuning
+        for _ in range(3):
+            for t in grad_to_none:
+                t.grad = None
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    for t in grad_to_none:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, device, warmup_ms, rep_ms)
