@@ -1,6 +1,7 @@
 """GPU paths (marked `gpu`, skipped without CUDA): the same CLI on NCCL ranks."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,19 @@ def test_more_ranks_than_gpus_is_refused(tmp_path: Path):
     proc = run_cli(["backend=cuda", f"dist.nproc={torch.cuda.device_count() + 1}"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "GPU(s) are present" in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_triton_kernels_give_eager_fp32_losses_on_the_seed_step(tmp_path: Path):
+    """Every fused variant in the seed's step, in fp32: the losses of 6 steps equal eager's to 1e-5."""
+    losses = {}
+    for kernels in ("eager", "triton"):
+        cwd = tmp_path / kernels
+        cwd.mkdir()
+        proc = run_cli(["+exp=fsdp4", "dist.nproc=1", "precision=fp32", "train.steps=6", f"kernels={kernels}", "tracking=none"],
+                       cwd=cwd, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        run_dir = next(cwd.glob("outputs/*/*"))
+        losses[kernels] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["eager"]) == 6
+    for eager, fused in zip(losses["eager"], losses["triton"]):
+        assert abs(eager - fused) <= 1e-5 * max(1.0, abs(eager)), losses

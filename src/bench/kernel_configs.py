@@ -1,0 +1,120 @@
+"""Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16), and the host
+path with and without cached compiled launchers (kernels/triton/launch.py).
+
+    python -m src.bench.kernel_configs [--out DIR]
+
+Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
+replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
+the effective TB/s of each setting; the module constants in kernels/triton/ take the winners.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from src.kernel_bench.cases import make_case, variant
+from src.kernel_bench.timing import graph_ms, host_us_per_call
+
+
+def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16):
+    """(run, leaves, bytes moved) for op at shape, forward + backward."""
+    case = make_case(op, shape)
+    torch.manual_seed(0)
+    inputs = case.inputs(torch.device("cuda"), dtype, True)
+    leaves = [t for t in inputs if t.requires_grad]
+    fn = variant(op, "triton")
+    first = fn(*inputs)
+    outs = list(first) if isinstance(first, tuple) else [first]
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
+
+    def run():
+        result = fn(*inputs)
+        torch.autograd.backward(list(result) if isinstance(result, tuple) else [result], grads)
+
+    size = torch.finfo(dtype).bits // 8
+    return run, leaves, case.bytes_fwd(size) + case.bytes_bwd(size)
+
+
+def _time(op: str, shape: list[int]) -> dict:
+    run, leaves, nbytes = _fwd_bwd(op, shape)
+    device = torch.device("cuda")
+    ms = graph_ms(run, device, grad_to_none=leaves)
+    return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
+
+
+def sweep() -> list[dict]:
+    import kernels.triton.cross_entropy as ce
+    import kernels.triton.rms_norm as rn
+    import kernels.triton.softmax as sm
+
+    rows: list[dict] = []
+
+    def record(kernel: str, setting: str, op: str, shape: list[int]) -> None:
+        try:
+            r = _time(op, shape)
+        except Exception as err:  # a setting that does not compile (too many registers) is a row, not an end
+            r = {"error": str(err).splitlines()[0][:120] if str(err) else type(err).__name__}
+        rows.append({"kernel": kernel, "setting": setting, "shape": "x".join(map(str, shape)), **r})
+        print(json.dumps(rows[-1]), flush=True)
+
+    for block, warps, in_regs in [(4096, 8, False), (2048, 8, False), (8192, 16, False), (4096, 16, False), (32768, 16, True), (32768, 32, True)]:
+        ce.BLOCK_MAX, ce.NUM_WARPS = block, warps
+        ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = (65536 if in_regs else 0), warps
+        record("cross_entropy", f"block={block} warps={warps} row_in_registers={in_regs}", "cross_entropy", [8192, 32000])
+    ce.BLOCK_MAX, ce.NUM_WARPS, ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = 4096, 8, 0, 16
+
+    fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
+    for fw in (2, 4, 8, 16):
+        for bw in (4, 8, 16):
+            rn.FWD_WARPS, rn.BWD_WARPS = {2048: fw, 8192: fw}, {2048: bw, 8192: bw}
+            record("rms_norm", f"fwd_warps={fw} bwd_warps={bw}", "rms_norm", [8192, 2048])
+            record("add_rms_norm", f"fwd_warps={fw} bwd_warps={bw}", "add_rms_norm", [8192, 2048])
+    rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
+    for programs in (1, 2, 4, 8):
+        rn.BWD_PROGRAMS_PER_SM = programs
+        record("rms_norm", f"bwd_programs_per_sm={programs}", "rms_norm", [8192, 2048])
+    rn.BWD_PROGRAMS_PER_SM = per_sm
+    for fw in (4, 8, 16, 32):
+        rn.FWD_WARPS, rn.BWD_WARPS = {2048: fw, 4096: fw}, {2048: fw, 4096: fw}
+        record("rms_norm", f"warps={fw}", "rms_norm", [8192, 4096])
+    rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
+
+    launch = sm._launch
+    for warps in (4, 8, 16, 32):
+        sm._launch = lambda n, w=warps: (launch(n)[0], w)
+        record("softmax", f"warps={warps}", "softmax", [8192, 4096])
+    sm._launch = launch
+
+    # the host path with and without cached compiled launchers, at the default settings
+    from kernels.triton.launch import FastKernel
+
+    kernels = [k for mod in (ce, rn, sm) for k in vars(mod).values() if isinstance(k, FastKernel)]
+    for fast in (True, False):
+        for k in kernels:
+            k._fast = fast
+        for op, shape in (("rms_norm", [8192, 2048]), ("add_rms_norm", [8192, 2048]), ("softmax", [8192, 4096]), ("cross_entropy", [8192, 32000])):
+            record(op, f"fast_launch={fast}", op, shape)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench_out/kernel_configs"))
+    args = ap.parse_args()
+    rows = sweep()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernel_configs.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{torch.cuda.get_device_name()}, bf16, forward + backward replayed from a CUDA graph\n")
+    print("| kernel | shape | setting | graph ms | TB/s | host us |\n|---|---|---|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | failed: {r['error']} | | |")
+        else:
+            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | {r['graph_ms']:.4f} | {r['tbs']:.2f} | {r['host_us']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
