@@ -116,8 +116,10 @@ def variant(op: str, provider: str) -> Callable | None:
     raise ValueError(f"kernel_bench.providers: unknown {provider!r}; use eager, compile, triton, liger")
 
 
-def _randn(shape, device, dtype, grad, scale=1.0):
-    return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype).requires_grad_(grad)
+def _randn(shape, device, dtype, grad, scale=1.0, shift=0.0):
+    """A leaf tensor: the shift is applied before requires_grad_, so backward writes its .grad (a
+    shifted tensor would be a non-leaf whose gradient flows on into a hidden one)."""
+    return (torch.randn(shape, device=device, dtype=torch.float32) * scale + shift).to(dtype).requires_grad_(grad)
 
 
 def make_case(op: str, shape: list[int]) -> Case:
@@ -138,10 +140,10 @@ def make_case(op: str, shape: list[int]) -> Case:
     m, n = shape
     mn = m * n
     if op == "rms_norm":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1) + 1],
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1, 1.0)],
                     lambda s: (2 * mn + n) * s, lambda s: (3 * mn + 2 * n) * s)
     if op == "add_rms_norm":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1) + 1],
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1, 1.0)],
                     lambda s: (4 * mn + n) * s, lambda s: (4 * mn + 2 * n) * s)  # bwd: dy, ds, s in; dx out (= dr)
     if op == "swiglu":
         return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g)],

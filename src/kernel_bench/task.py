@@ -53,8 +53,10 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
         grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
 
         def run():
+            # autograd.grad, not backward: the gradients are returned, not accumulated into .grad,
+            # so no AccumulateGrad step differs between plain calls and a CUDA graph's replays
             result = fn(*inputs)
-            torch.autograd.backward(list(result) if isinstance(result, tuple) else [result], grads)
+            torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
     else:
         def run():
             with torch.no_grad():
@@ -67,8 +69,9 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
     host = host_us_per_call(run, device)
     try:
         replayed = graph_ms(run, device, bench.warmup_ms, bench.rep_ms, leaves)
-    except Exception as err:  # a variant that syncs with the host (Liger's CE reads its count) cannot be captured
-        log.info("%s %s %s %s: not capturable in a CUDA graph (%s)", case.op, list(case.shape), mode, provider, str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except Exception as capture_error:  # a variant that syncs with the host (Liger's CE reads its count) cannot be captured
+        why = str(capture_error).splitlines()[0] if str(capture_error) else type(capture_error).__name__
+        log.info("%s %s %s %s: not capturable in a CUDA graph (%s)", case.op, list(case.shape), mode, provider, why)
         replayed = None
     size = torch.finfo(dtype).bits // 8
     nbytes = case.bytes_fwd(size) + (case.bytes_bwd(size) if grad else 0)
