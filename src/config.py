@@ -7,12 +7,59 @@ one-line reference a user reads with `python -m src.run --cfg job`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from src.profiling.classify import Thresholds
+
+
+# String choices are StrEnums (OmegaConf 2.3 has no Literal): `sharding.strategy=fsdp` fails when
+# the config is composed, naming the options, instead of training with neither FSDP nor DDP on
+# 2 ranks. A StrEnum member equals, hashes and prints as its value, so code compares plain strings.
+class Mlp(StrEnum):
+    silu = "silu"
+    swiglu = "swiglu"
+
+
+class Strategy(StrEnum):
+    fsdp2 = "fsdp2"
+    hsdp = "hsdp"
+    none = "none"
+
+
+class Dtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class DeviceType(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+    vulkan = "vulkan"
+
+
+class DistBackend(StrEnum):
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class DataSource(StrEnum):
+    random = "random"
+    text = "text"
+
+
+class NonFinite(StrEnum):
+    fail = "fail"
+    skip = "skip"
+
+
+# OmegaConf looks a member up by name and `raise` is a keyword: the functional form allows it.
+FaultKind = StrEnum("FaultKind", {kind: kind for kind in ("none", "raise", "kill", "nan")}, module=__name__)
 
 
 @dataclass
@@ -26,7 +73,7 @@ class ModelConfig:
     n_heads: int = 16
     ffn_mult: int = 4
     """hidden width of the MLP as a multiple of dim (the seed's 4)"""
-    mlp: str = "silu"
+    mlp: Mlp = Mlp.silu
     """silu: the seed's Linear -> SiLU -> Linear; swiglu: LLaMA's down(silu(gate(x)) * up(x))"""
     ffn_hidden: int = 0
     """hidden width of the MLP when set (LLaMA-7B: 11008 for dim 4096); 0: dim * ffn_mult"""
@@ -39,7 +86,7 @@ class ModelConfig:
 @dataclass
 class ShardingConfig:
     name: str = MISSING
-    strategy: str = "fsdp2"
+    strategy: Strategy = Strategy.fsdp2
     """fsdp2 (per-block fully_shard, then the root), hsdp (2-D mesh), ddp-style replication (none)"""
     reshard_after_forward: bool = True
     """free the gathered block after forward (ZeRO-3); false keeps it until backward (ZeRO-2)"""
@@ -52,18 +99,18 @@ class ShardingConfig:
 @dataclass
 class PrecisionConfig:
     name: str = MISSING
-    param_dtype: str = "float32"
+    param_dtype: Dtype = Dtype.float32
     """dtype of the gathered parameters that compute runs in"""
-    reduce_dtype: str = "float32"
+    reduce_dtype: Dtype = Dtype.float32
     """dtype of the gradient reduce-scatter / all-reduce"""
 
 
 @dataclass
 class BackendConfig:
     name: str = MISSING
-    device_type: str = "cpu"
+    device_type: DeviceType = DeviceType.cpu
     """torch device type: cpu, cuda, mps, or vulkan (inference through IREE only)"""
-    dist_backend: Optional[str] = "gloo"
+    dist_backend: Optional[DistBackend] = DistBackend.gloo
     """torch.distributed backend for multi-rank training: gloo (CPU) or nccl (CUDA)"""
 
 
@@ -83,7 +130,7 @@ class KernelsConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
-    source: str = "random"
+    source: DataSource = DataSource.random
     """random (the seed's uniform tokens) or text (byte-level corpus)"""
     batch_size: int = 8
     """sequences per device per step (the seed's 8); the global batch is batch_size x data-parallel ranks"""
@@ -153,7 +200,7 @@ class TrainConfig:
     """also print SEED.md's own line: 'Step N | Loss: ... | Peak VRAM/GPU: ... GB'"""
     progress: bool = True
     """live progress line on rank 0"""
-    nonfinite: str = "fail"
+    nonfinite: NonFinite = NonFinite.fail
     """a NaN/inf loss or gradient norm: fail (stop the run as FAILED, checked where the loop syncs
     anyway, before any checkpoint) or skip (drop that optimizer step; one more device sync a step)"""
     loss_fp32: bool = True
@@ -206,7 +253,7 @@ class DiagnoseConfig:
 class FaultConfig:
     """Fault injection, to prove that failures are reported and recovered from (tests, drills)."""
 
-    kind: str = "none"
+    kind: FaultKind = FaultKind["none"]
     """none, raise (an exception), kill (SIGKILL the rank), or nan (a non-finite loss)"""
     rank: int = 0
     """the rank that fails"""
@@ -338,7 +385,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     for group, schema in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=schema)
+        # Stored outside the groups (each group's YAML pulls its schema with `/base_<group>@_here_`),
+        # so a schema is never offered as an option: `model=base_model` would compose a model
+        # with no name and fail deep inside a rank.
+        cs.store(name=f"base_{group}", node=schema)
 
 
 register_configs()

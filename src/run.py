@@ -38,12 +38,43 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
         return [user]
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from src.compose import explain_parse_error
 
     try:
         parsed = OverridesParser.create().parse_overrides(user)
+    except OverrideParseException as err:
+        raise ConfigError(explain_parse_error(err, user)) from None
+    try:
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     except Exception:  # a sweeper-specific syntax (ranges for Optuna, ...): its own sweeper checks it
         return []
+
+
+def _check_output_dir(overrides: list[str], multirun: bool) -> None:
+    """The run (or sweep) directory Hydra is about to create must be creatable: otherwise Hydra
+    fails with two chained tracebacks (`hydra.run.dir=/proc/x`)."""
+    import tempfile
+
+    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    cfg = compose_config(hydra_overrides, with_hydra=True)
+    folder = Path(str(OmegaConf.select(cfg, key)))
+    given = _override_for_key(key, overrides)
+    existing = folder if folder.is_absolute() else Path.cwd() / folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{given}: {existing} is a file, not a folder; choose another {key}")
+    try:  # a real probe: permission bits say nothing of /proc, read-only mounts or root's rights
+        Path(tempfile.mkdtemp(prefix=".perflab_probe_", dir=existing)).rmdir()
+    except OSError as err:
+        raise ConfigError(f"{given}: cannot create the run's folder under {existing} ({err.strerror}); choose a writable {key}, e.g. {key}=outputs/mine") from None
+
+
+def _override_for_key(key: str, overrides: list[str]) -> str:
+    return next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), f"{key} (the default)")
 
 
 def preflight(overrides: list[str], multirun: bool) -> None:
@@ -57,6 +88,7 @@ def preflight(overrides: list[str], multirun: bool) -> None:
                 "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "
                 "tracking.uri=http://127.0.0.1:5000, or drop hydra/launcher=joblib"
             )
+    _check_output_dir(overrides, multirun)
 
 
 def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
