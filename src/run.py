@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ log = logging.getLogger("src.run")
 # Hydra flags that print or inspect instead of running a job: no preflight for these.
 _INSPECT_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--version", "--resolve", "-p", "--package")
 EXIT_BAD_CONFIG = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
 
 def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -118,8 +120,12 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
     try:
         return run_task(cfg, ctx)
     except (KeyboardInterrupt, SignalException) as err:
-        record_job_failure(cfg, ctx, f"interrupted ({type(err).__name__})", status="killed")
-        raise
+        # SignalException is an Exception: left to Hydra, it prints ~40 lines and exits 1.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
+        name = getattr(getattr(err, "sigval", None), "name", "SIGINT")
+        record_job_failure(cfg, ctx, f"interrupted by {name}", status="killed")
+        where = f"; the run in {ctx.run_dir} is recorded as KILLED" if ctx.run_dir else ""
+        _fail(f"interrupted by {name}{where}", code=EXIT_INTERRUPTED)
     except ConfigError as err:
         _fail(str(err))
     except Exception as err:
@@ -189,6 +195,8 @@ def main() -> None:
             preflight(args.overrides, args.multirun)
     except ConfigError as err:
         _fail(str(err))
+    except KeyboardInterrupt:  # Ctrl-C while composing: nothing started yet
+        _fail("interrupted by SIGINT before the run started", code=EXIT_INTERRUPTED)
     hydra_main()
 
 
