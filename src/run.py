@@ -185,6 +185,10 @@ def run_as_worker(overrides: list[str]) -> None:
 def main() -> None:
     from hydra._internal.utils import get_args_parser
 
+    # MLflow's own INFO notes ("Creating initial MLflow database tables...") would reach the console
+    # of every run on a new store; the ranks and the metric writer inherit this.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+
     args, _ = get_args_parser().parse_known_args(sys.argv[1:])
     inspecting = any(a.split("=")[0] in _INSPECT_FLAGS for a in sys.argv[1:])
     try:
