@@ -1,6 +1,6 @@
 """Structured schemas for every config group, registered in Hydra's ConfigStore.
 
-Each group's YAML starts with `defaults: [base_<group>, _self_]`, so a typo in a key or a value of
+Each group's YAML starts with `defaults: [/base_<group>@_here_, _self_]`, so a typo in a key or a value of
 the wrong type fails when the config is composed, before anything runs. Field docstrings are the
 one-line reference a user reads with `python -m src.run --cfg job`.
 """
