@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -32,6 +32,8 @@ def compose_config(overrides: list[str], config_name: str = "config", with_hydra
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             try:
                 return compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
+            except OverrideParseException as exc:
+                raise ConfigError(explain_parse_error(exc, overrides)) from None
             except (ConfigCompositionException, MissingConfigException, OmegaConfBaseException) as exc:
                 raise ConfigError(explain_compose_error(exc, overrides)) from exc
     finally:
@@ -43,6 +45,23 @@ def _override_for(key: str, overrides: list[str]) -> str:
         if ov.lstrip("+~").split("=", 1)[0] == key:
             return ov
     return key
+
+
+def explain_parse_error(exc: Exception, overrides: list[str]) -> str:
+    """Hydra's parse error as one line that names the override it could not read."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    given = "an override"
+    for ov in overrides:
+        try:
+            parser.parse_overrides([ov])
+        except OverrideParseException:
+            given = ov
+            break
+    what = (str(exc).strip().splitlines() or ["a syntax error"])[0]
+    return (f"{given}: cannot parse it ({what}); quote a value that holds brackets, commas or '=', "
+            "e.g. key='a,b' (https://hydra.cc/docs/advanced/override_grammar/basic/)")
 
 
 def explain_compose_error(exc: Exception, overrides: list[str]) -> str:
@@ -63,10 +82,24 @@ def explain_compose_error(exc: Exception, overrides: list[str]) -> str:
         return f"{_override_for(full_key, overrides)}: unknown key '{full_key}'{hint}"
     if isinstance(cause, ValidationError):
         full_key = getattr(cause, "full_key", "") or "?"
+        choices = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", str(cause))
+        if choices:
+            value, options = choices.groups()
+            return f"{full_key}={value}: not a choice of {full_key}; use one of: {options}"
         first = str(cause).splitlines()[0]
         kind = _field_type(full_key)
         fix = f"; {full_key} takes {_TYPE_WORDS.get(kind, kind)}" if kind else ""
         return f"{_override_for(full_key, overrides)}: {first}{fix}"
+    not_in_defaults = re.search(r"Could not override '([^']+)'", text)
+    if not_in_defaults:
+        group = not_in_defaults.group(1)
+        given = _override_for(group, overrides)
+        return f"{given}: '{group}' is not in the default list, so there is nothing to override; append it with +{given.lstrip('+~')}"
+    if text.startswith("Ambiguous value for argument"):
+        arg = re.search(r"argument '([^']+)'", text)
+        given = arg.group(1) if arg else "a value with commas"
+        key = given.split("=", 1)[0]
+        return f"{given}: a list of values is a sweep: add -m (python -m src.run -m {given}); for one list value write {key}=[...]"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return f"cannot compose the config: {first}"
 

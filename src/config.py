@@ -1,18 +1,62 @@
 """Structured schemas for every config group, registered in Hydra's ConfigStore.
 
-Each group's YAML starts with `defaults: [base_<group>, _self_]`, so a typo in a key or a value of
+Each group's YAML starts with `defaults: [/base_<group>@_here_, _self_]`, so a typo in a key or a value of
 the wrong type fails when the config is composed, before anything runs. Field docstrings are the
 one-line reference a user reads with `python -m src.run --cfg job`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from src.profiling.classify import Thresholds
+
+
+# String choices are StrEnums (OmegaConf 2.3 has no Literal): `sharding.strategy=fsdp` fails when
+# the config is composed, naming the options, instead of training with neither FSDP nor DDP on
+# 2 ranks. A StrEnum member equals, hashes and prints as its value, so code compares plain strings.
+class Mlp(StrEnum):
+    silu = "silu"
+    swiglu = "swiglu"
+
+
+class Strategy(StrEnum):
+    fsdp2 = "fsdp2"
+    hsdp = "hsdp"
+    none = "none"
+
+
+class Dtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class DeviceType(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+    vulkan = "vulkan"
+
+
+class DistBackend(StrEnum):
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class DataSource(StrEnum):
+    random = "random"
+    text = "text"
+
+
+class NonFinite(StrEnum):
+    fail = "fail"
+    skip = "skip"
+
 
 
 @dataclass
@@ -26,7 +70,7 @@ class ModelConfig:
     n_heads: int = 16
     ffn_mult: int = 4
     """hidden width of the MLP as a multiple of dim (the seed's 4)"""
-    mlp: str = "silu"
+    mlp: Mlp = Mlp.silu
     """silu: the seed's Linear -> SiLU -> Linear; swiglu: LLaMA's down(silu(gate(x)) * up(x))"""
     ffn_hidden: int = 0
     """hidden width of the MLP when set (LLaMA-7B: 11008 for dim 4096); 0: dim * ffn_mult"""
@@ -39,7 +83,7 @@ class ModelConfig:
 @dataclass
 class ShardingConfig:
     name: str = MISSING
-    strategy: str = "fsdp2"
+    strategy: Strategy = Strategy.fsdp2
     """fsdp2 (per-block fully_shard, then the root), hsdp (2-D mesh), ddp-style replication (none)"""
     reshard_after_forward: bool = True
     """free the gathered block after forward (ZeRO-3); false keeps it until backward (ZeRO-2)"""
@@ -52,18 +96,18 @@ class ShardingConfig:
 @dataclass
 class PrecisionConfig:
     name: str = MISSING
-    param_dtype: str = "float32"
+    param_dtype: Dtype = Dtype.float32
     """dtype of the gathered parameters that compute runs in"""
-    reduce_dtype: str = "float32"
+    reduce_dtype: Dtype = Dtype.float32
     """dtype of the gradient reduce-scatter / all-reduce"""
 
 
 @dataclass
 class BackendConfig:
     name: str = MISSING
-    device_type: str = "cpu"
+    device_type: DeviceType = DeviceType.cpu
     """torch device type: cpu, cuda, mps, or vulkan (inference through IREE only)"""
-    dist_backend: Optional[str] = "gloo"
+    dist_backend: Optional[DistBackend] = DistBackend.gloo
     """torch.distributed backend for multi-rank training: gloo (CPU) or nccl (CUDA)"""
 
 
@@ -83,7 +127,7 @@ class KernelsConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
-    source: str = "random"
+    source: DataSource = DataSource.random
     """random (the seed's uniform tokens) or text (byte-level corpus)"""
     batch_size: int = 8
     """sequences per device per step (the seed's 8); the global batch is batch_size x data-parallel ranks"""
@@ -153,7 +197,7 @@ class TrainConfig:
     """also print SEED.md's own line: 'Step N | Loss: ... | Peak VRAM/GPU: ... GB'"""
     progress: bool = True
     """live progress line on rank 0"""
-    nonfinite: str = "fail"
+    nonfinite: NonFinite = NonFinite.fail
     """a NaN/inf loss or gradient norm: fail (stop the run as FAILED, checked where the loop syncs
     anyway, before any checkpoint) or skip (drop that optimizer step; one more device sync a step)"""
     loss_fp32: bool = True
@@ -207,11 +251,12 @@ class FaultConfig:
     """Fault injection, to prove that failures are reported and recovered from (tests, drills)."""
 
     kind: str = "none"
-    """none, raise (an exception), kill (SIGKILL the rank), or nan (a non-finite loss)"""
+    """none, raise (an exception), kill (SIGKILL the rank), or nan (a non-finite loss); a plain str
+    checked in src/validate.py, not an Enum: the command line reads `fault.kind=nan` as a float"""
     rank: int = 0
     """the rank that fails"""
     step: int = 0
-    """the step at which it fails"""
+    """the step at which it fails (steps count from 0, as on the console, in metrics.jsonl and MLflow)"""
 
 
 @dataclass
@@ -338,7 +383,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     for group, schema in GROUPS.items():
-        cs.store(group=group, name=f"base_{group}", node=schema)
+        # Stored outside the groups (each group's YAML pulls its schema with `/base_<group>@_here_`),
+        # so a schema is never offered as an option: `model=base_model` would compose a model
+        # with no name and fail deep inside a rank.
+        cs.store(name=f"base_{group}", node=schema)
 
 
 register_configs()

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     thresholds = Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
     try:
         result = diagnose_report(args.report, args.out, thresholds, args.unranged)
-    except (FileNotFoundError, ValueError, ImportError) as err:
+    except (OSError, ValueError, ImportError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
     print(top_ops_table(result))

@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     config = args.checkpoint / "config.yaml"
     try:
+        if not args.checkpoint.is_dir():
+            raise CheckpointError(f"{args.checkpoint}: no checkpoint there (no such folder); give a step_NNNNNNNN folder from a run's checkpoints/")
+        if not (args.checkpoint / ".metadata").exists():
+            inside = sorted(p.name for p in args.checkpoint.glob("step_*") if (p / ".metadata").exists())
+            hint = f"; the newest inside is {args.checkpoint / inside[-1]}" if inside else "; give a step_NNNNNNNN folder from a run's checkpoints/"
+            raise CheckpointError(f"{args.checkpoint}: no checkpoint there (no DCP .metadata){hint}")
         if not config.exists():
             raise CheckpointError(f"{args.checkpoint}: no config.yaml beside the checkpoint; it tells the model's shape")
         model = build_model(OmegaConf.load(config))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ log = logging.getLogger("src.run")
 # Hydra flags that print or inspect instead of running a job: no preflight for these.
 _INSPECT_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--version", "--resolve", "-p", "--package")
 EXIT_BAD_CONFIG = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
 
 def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -38,12 +40,43 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
         return [user]
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from src.compose import explain_parse_error
 
     try:
         parsed = OverridesParser.create().parse_overrides(user)
+    except OverrideParseException as err:
+        raise ConfigError(explain_parse_error(err, user)) from None
+    try:
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     except Exception:  # a sweeper-specific syntax (ranges for Optuna, ...): its own sweeper checks it
         return []
+
+
+def _check_output_dir(overrides: list[str], multirun: bool) -> None:
+    """The run (or sweep) directory Hydra is about to create must be creatable: otherwise Hydra
+    fails with two chained tracebacks (`hydra.run.dir=/proc/x`)."""
+    import tempfile
+
+    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    cfg = compose_config(hydra_overrides, with_hydra=True)
+    folder = Path(str(OmegaConf.select(cfg, key)))
+    given = _override_for_key(key, overrides)
+    existing = folder if folder.is_absolute() else Path.cwd() / folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{given}: {existing} is a file, not a folder; choose another {key}")
+    try:  # a real probe: permission bits say nothing of /proc, read-only mounts or root's rights
+        Path(tempfile.mkdtemp(prefix=".perflab_probe_", dir=existing)).rmdir()
+    except OSError as err:
+        raise ConfigError(f"{given}: cannot create the run's folder under {existing} ({err.strerror}); choose a writable {key}, e.g. {key}=outputs/mine") from None
+
+
+def _override_for_key(key: str, overrides: list[str]) -> str:
+    return next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), f"{key} (the default)")
 
 
 def preflight(overrides: list[str], multirun: bool) -> None:
@@ -57,6 +90,7 @@ def preflight(overrides: list[str], multirun: bool) -> None:
                 "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "
                 "tracking.uri=http://127.0.0.1:5000, or drop hydra/launcher=joblib"
             )
+    _check_output_dir(overrides, multirun)
 
 
 def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
@@ -86,8 +120,12 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
     try:
         return run_task(cfg, ctx)
     except (KeyboardInterrupt, SignalException) as err:
-        record_job_failure(cfg, ctx, f"interrupted ({type(err).__name__})", status="killed")
-        raise
+        # SignalException is an Exception: left to Hydra, it prints ~40 lines and exits 1.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
+        name = getattr(getattr(err, "sigval", None), "name", "SIGINT")
+        record_job_failure(cfg, ctx, f"interrupted by {name}", status="killed")
+        where = f"; the run in {ctx.run_dir} is recorded as KILLED" if ctx.run_dir else ""
+        _fail(f"interrupted by {name}{where}", code=EXIT_INTERRUPTED)
     except ConfigError as err:
         _fail(str(err))
     except Exception as err:
@@ -147,6 +185,10 @@ def run_as_worker(overrides: list[str]) -> None:
 def main() -> None:
     from hydra._internal.utils import get_args_parser
 
+    # MLflow's own INFO notes ("Creating initial MLflow database tables...") would reach the console
+    # of every run on a new store; the ranks and the metric writer inherit this.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+
     args, _ = get_args_parser().parse_known_args(sys.argv[1:])
     inspecting = any(a.split("=")[0] in _INSPECT_FLAGS for a in sys.argv[1:])
     try:
@@ -157,6 +199,8 @@ def main() -> None:
             preflight(args.overrides, args.multirun)
     except ConfigError as err:
         _fail(str(err))
+    except KeyboardInterrupt:  # Ctrl-C while composing: nothing started yet
+        _fail("interrupted by SIGINT before the run started", code=EXIT_INTERRUPTED)
     hydra_main()
 
 

@@ -4,28 +4,99 @@ Each check raises ConfigError with one line: the bad value, then the fix.
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import fields
+from dataclasses import MISSING, fields, is_dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from kernels.triton.registry import REGISTRY, selected_ops, triton_usable
 from src.compose import ConfigError
-from src.config import GROUPS
+from src.config import GROUPS, RunConfig
 
 TRAINING_TASKS = {"train", "profile"}
 TRAINING_BACKENDS = {"cpu", "cuda", "mps"}
 
 
 def _check_group_keys(cfg: DictConfig) -> None:
-    # `+model.dimm=3` appends a key that no schema knows; it would surface much later as a
-    # constructor error, so refuse it here.
-    for group, schema in GROUPS.items():
+    # `+model.dimm=3` (or `+foo=1`, `+optim.lr_max=1`) appends a key that no schema knows; it would
+    # surface much later as a constructor error, or be ignored without a word, so refuse it here.
+    top = {f.name for f in fields(RunConfig)}
+    extra = sorted(set(cfg.keys()) - top - {"hydra"})
+    if extra:
+        raise ConfigError(f"{extra[0]}: unknown top-level key; valid ones: {', '.join(sorted(top - {'extra'}))} (free-form tags go in +extra.NAME=VALUE)")
+    sections = {f.name: f.default_factory() for f in fields(RunConfig) if is_dataclass(f.default_factory if f.default_factory is not MISSING else None)}
+    sections.update({group: schema for group, schema in GROUPS.items()})
+    for section, schema in sections.items():
         known = {f.name for f in fields(schema)}
-        extra = sorted(set(cfg[group].keys()) - known)
+        extra = sorted(set(cfg[section].keys()) - known)
         if extra:
-            raise ConfigError(f"{group}.{extra[0]}: unknown key in {group}; valid keys: {', '.join(sorted(known - {'name'}))}")
+            raise ConfigError(f"{section}.{extra[0]}: unknown key in {section}; valid keys: {', '.join(sorted(known - {'name'}))}")
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Numbers that compose (right type) but would fail inside a rank, or train nonsense silently:
+    `optim.lr=-1` is AdamW's ValueError on every rank, `model.vocab_size=1` trains to loss 0."""
+    o, t, m = cfg.optim, cfg.train, cfg.model
+
+    def need(ok: bool, key: str, value, want: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}={value}: must be {want}")
+
+    finite = math.isfinite
+    need(finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "a positive finite learning rate, e.g. optim.lr=3e-4")
+    need(finite(o.eps) and o.eps > 0, "optim.eps", o.eps, "a small positive number, e.g. optim.eps=1e-8")
+    need(finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "0 or more, e.g. optim.weight_decay=0.01")
+    need(finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "0 (no clipping) or a positive norm, e.g. optim.grad_clip=1.0")
+    need(len(o.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas), "two numbers in [0, 1), e.g. optim.betas=[0.9,0.999]")
+    # One token has nothing to predict: cross-entropy is 0 from the first step and the run "succeeds".
+    need(m.vocab_size >= 2, "model.vocab_size", m.vocab_size, "at least 2 tokens (256 for the byte-level data=text)")
+    need(finite(m.norm_eps) and m.norm_eps > 0, "model.norm_eps", m.norm_eps, "a small positive number, e.g. model.norm_eps=1e-6")
+    need(finite(m.init_std) and m.init_std > 0, "model.init_std", m.init_std, "a positive standard deviation, e.g. model.init_std=0.02")
+    need(t.log_every >= 1, "train.log_every", t.log_every, "at least 1 (log every Nth step)")
+    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "0 or more")
+    need(cfg.dist.max_restarts >= 0, "dist.max_restarts", cfg.dist.max_restarts, "0 or more")
+    need(cfg.dist.timeout_s >= 1, "dist.timeout_s", cfg.dist.timeout_s, "at least 1 second")
+    need(finite(cfg.data.corpus_mb) and cfg.data.corpus_mb > 0, "data.corpus_mb", cfg.data.corpus_mb, "a positive size in MB, e.g. data.corpus_mb=4")
+    tr = cfg.tracking
+    need(finite(tr.system_metrics_interval_s) and tr.system_metrics_interval_s > 0, "tracking.system_metrics_interval_s", tr.system_metrics_interval_s, "a positive interval, e.g. 10")
+    need(finite(tr.connect_timeout_s) and tr.connect_timeout_s > 0, "tracking.connect_timeout_s", tr.connect_timeout_s, "a positive timeout, e.g. 5")
+    f, world = cfg.fault, cfg.dist.nproc * cfg.dist.nnodes
+    if f.kind != "none":
+        need(0 <= f.rank < world, "fault.rank", f.rank, f"a rank of this run, 0 to {world - 1}")
+        need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
+
+
+def _check_text_file(cfg: DictConfig) -> None:
+    path = cfg.data.text_path
+    if not path:
+        return
+    if not os.path.isfile(path):
+        raise ConfigError(f"data.text_path={path}: no such file; give a UTF-8 text file, or leave it empty for the built-in corpus")
+    # A batch reads windows of seq_len + 1 bytes from random offsets: a shorter file has none.
+    size, need = os.path.getsize(path), cfg.data.seq_len + 2
+    if size < need:
+        what = "is empty" if size == 0 else f"holds {size} bytes"
+        raise ConfigError(f"data.text_path={path}: the file {what}; data.seq_len={cfg.data.seq_len} needs at least {need} bytes: give a longer file or lower data.seq_len")
+
+
+def _check_tracking_uri(cfg: DictConfig) -> None:
+    """A sqlite store in a folder that does not exist: MLflow would create the folder (anywhere,
+    `/nonexistent_dir/` at the filesystem root included) without a word."""
+    uri = cfg.tracking.uri
+    if not cfg.tracking.enabled:
+        return
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        folder = (db if db.is_absolute() else Path(os.getcwd()) / db).parent
+        if not folder.is_dir():
+            raise ConfigError(f"tracking.uri={uri}: no folder {folder} for the database; create it first, or use tracking.uri=sqlite:///mlflow.db (here)")
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"tracking.uri={uri}: cannot write in {folder}; use tracking.uri=sqlite:///mlflow.db (here) or a writable folder")
+    elif not uri.startswith(("http://", "https://", "databricks", "postgresql", "mysql", "mssql")):
+        raise ConfigError(f"tracking.uri={uri}: MLflow 3 takes a database or a server here: sqlite:///mlflow.db, or http://HOST:PORT of `mlflow server`")
 
 
 IREE_INSTALL = "pip install iree-base-compiler iree-base-runtime iree-turbine"
@@ -122,6 +193,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
     """Raise ConfigError for the first impossible combination. Device facts are probed unless given
     (tests pass them to check the messages for hardware this machine lacks)."""
     _check_group_keys(cfg)
+    _check_tracking_uri(cfg)
     backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding
     nproc = cfg.dist.nproc
     if cuda_device_count is None:
@@ -179,16 +251,14 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"model.mlp={m.mlp}: use silu (the seed's MLP) or swiglu (LLaMA's gated MLP)")
     if min(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.ffn_mult) < 1 or m.ffn_hidden < 0:
         raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive (ffn_hidden 0 or more)")
-    if cfg.data.source == "text" and cfg.data.text_path and not os.path.isfile(cfg.data.text_path):
-        raise ConfigError(f"data.text_path={cfg.data.text_path}: no such file; give a UTF-8 text file, or leave it empty for the built-in corpus")
+    if cfg.data.source == "text":
+        _check_text_file(cfg)
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={cfg.train.label_smoothing}: a fraction in [0, 1), e.g. 0.1")
     if cfg.train.nonfinite not in ("fail", "skip"):
         raise ConfigError(f"train.nonfinite={cfg.train.nonfinite}: use fail or skip")
     ck = cfg.checkpoint
     if ck.resume not in ("auto", "none"):
-        from pathlib import Path
-
         from src.train.checkpoint import CheckpointError, checkpoint_step
 
         try:
@@ -212,6 +282,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps={cfg.train.steps} must be at least 1")
+    _check_numbers(cfg)
     p = cfg.profile
     if task == "profile" and cfg.train.steps < p.wait + p.warmup + p.active:
         raise ConfigError(

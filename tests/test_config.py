@@ -62,6 +62,27 @@ BAD_OVERRIDES = [
     (["sharding=fsdp2_offload"], "sharding=fsdp2_offload offloads to host memory from a GPU; with backend=cpu use sharding=fsdp2"),
     (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
     (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, kernels, profile"),
+    # issue 14: each of these used to fail inside a rank, or train nonsense, or make folders
+    (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
+    (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]: must be two numbers in [0, 1)"),
+    (["model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),
+    (["model=base_model"], "model=base_model: no such option in group 'model'; use one of: mini_llm, small, tiny"),
+    (["sharding=base_sharding"], "sharding=base_sharding: no such option"),
+    (["sharding.strategy=fsdp"], "sharding.strategy=fsdp: not a choice of sharding.strategy; use one of: fsdp2, hsdp, none"),
+    (["model.mlp=gelu"], "model.mlp=gelu: not a choice of model.mlp; use one of: silu, swiglu"),
+    (["precision.param_dtype=fp8"], "precision.param_dtype=fp8: not a choice"),
+    (["train.nonfinite=ignore"], "train.nonfinite=ignore: not a choice"),
+    (["fault.kind=boom"], "fault.kind=boom: use one of none, raise, kill, nan"),
+    (["fault.kind=raise", "fault.step=20"], "fault.step=20: must be a step of this run, 0 to 19"),
+    (["exp=fsdp4"], "exp=fsdp4: 'exp' is not in the default list, so there is nothing to override; append it with +exp=fsdp4"),
+    (["precision=fp32,bf16"], "precision=fp32,bf16: a list of values is a sweep: add -m"),
+    (["model.dim=[1"], "model.dim=[1: cannot parse it"),
+    (["+foo=1"], "foo: unknown top-level key"),
+    (["+optim.lr_max=1"], "optim.lr_max: unknown key in optim"),
+    (["tracking.uri=sqlite:////nonexistent_dir/x.db"], "tracking.uri=sqlite:////nonexistent_dir/x.db: no folder /nonexistent_dir for the database"),
+    (["tracking.uri=mlruns"], "tracking.uri=mlruns: MLflow 3 takes a database or a server here"),
+    (["hydra.run.dir=/proc/forbidden"], "hydra.run.dir=/proc/forbidden: cannot create the run's folder under /proc"),
 ]
 
 
@@ -71,6 +92,23 @@ def test_bad_settings_fail_in_preflight_with_one_line(overrides, message):
         preflight(overrides, multirun=False)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_text_file_too_short_to_read_a_window_from_is_refused(tmp_path: Path):
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_bytes(b"")
+    short.write_bytes(b"x" * 100)
+    with pytest.raises(ConfigError, match=f"data.text_path={empty}: the file is empty; data.seq_len=128 needs at least 130 bytes"):
+        preflight(["data=text", f"data.text_path={empty}"], multirun=False)
+    with pytest.raises(ConfigError, match="holds 100 bytes; data.seq_len=128 needs at least 130 bytes: give a longer file or lower data.seq_len"):
+        preflight(["data=text", f"data.text_path={short}"], multirun=False)
+    preflight(["data=text", f"data.text_path={short}", "data.seq_len=64"], multirun=False)
+
+
+def test_schemas_are_not_offered_as_options(workdir: Path):
+    proc = run_cli(["--help"], cwd=workdir, timeout=120)
+    assert proc.returncode == 0 and "model: mini_llm, small, tiny" in proc.stdout
+    assert "base_" not in proc.stdout
 
 
 def test_a_bad_value_inside_a_sweep_fails_the_whole_sweep_before_it_starts():
@@ -100,6 +138,9 @@ def test_mps_trains_on_one_device_only():
         (["model.dim=abc"], "model.dim=abc"),
         (["backend=cuda"], "backend=cuda"),
         (["-m", "precision=fp32,bf16", "model.dim=100", "model.n_heads=16"], "model.dim=100"),
+        (["exp=fsdp4"], "append it with +exp=fsdp4"),
+        (["hydra.run.dir=/proc/forbidden"], "hydra.run.dir=/proc/forbidden"),
+        (["tracking.uri=sqlite:////nonexistent_dir/x.db"], "no folder /nonexistent_dir"),
     ],
 )
 def test_cli_exits_2_with_one_line_and_leaves_nothing_behind(workdir: Path, args, needle):
@@ -108,3 +149,4 @@ def test_cli_exits_2_with_one_line_and_leaves_nothing_behind(workdir: Path, args
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
     assert list(workdir.iterdir()) == []  # no outputs/, multirun/, mlflow.db or mlruns/
+    assert not Path("/nonexistent_dir").exists()

@@ -36,3 +36,19 @@ def test_the_rank_note_stands_in_for_a_missing_error_file(tmp_path: Path):
 def test_only_signals_names_the_signal():
     err = ChildFailedError("train", {0: _signalled(0), 1: _signalled(1)})
     assert _first_failure(err) in {"rank 0 failed: killed by signal SIGABRT", "rank 1 failed: killed by signal SIGABRT"}
+
+
+def test_a_rank_killed_after_it_noted_its_error_is_named_by_the_note(tmp_path: Path):
+    # The NaN drill under load: rank 0 raised and wrote its note, then the agent's SIGTERM reached it
+    # before the elastic wrapper's error file; rank 1 aborted (SIGABRT) when rank 0 left gloo.
+    (tmp_path / ERROR_NOTE.format(rank=0)).write_text("NonFiniteLoss: non-finite loss nan (grad norm nan) at step 3")
+    terminated = ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file="/nonexistent")
+    err = ChildFailedError("train", {1: _signalled(1), 0: terminated})
+    assert _first_failure(err, str(tmp_path)) == "rank 0 failed: NonFiniteLoss: non-finite loss nan (grad norm nan) at step 3"
+
+
+def test_a_note_that_only_says_the_peer_left_loses_to_the_cause(tmp_path: Path):
+    (tmp_path / ERROR_NOTE.format(rank=0)).write_text("DistBackendError: Connection closed by peer [127.0.0.1]:1234")
+    (tmp_path / ERROR_NOTE.format(rank=1)).write_text("InjectedFault: injected fault at step 2")
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file="/nonexistent") for r in (0, 1)}
+    assert _first_failure(ChildFailedError("train", failures), str(tmp_path)) == "rank 1 failed: InjectedFault: injected fault at step 2"

@@ -82,13 +82,23 @@ def test_text_corpus_loss_falls(workdir: Path):
 
 
 def test_a_crashing_rank_fails_the_run_with_its_rank_and_error(workdir: Path):
-    proc = run_cli(["fault.kind=raise", "fault.rank=1", "fault.step=2", "train.steps=5"], cwd=workdir)
+    proc = run_cli(["fault.kind=raise", "fault.rank=1", "fault.step=2", "train.steps=5", "tracking.system_metrics=false"], cwd=workdir)
     assert proc.returncode == 1
-    assert "error: rank 1 failed: InjectedFault: injected fault at step 2" in proc.stderr.splitlines()
+    # one line on the console; the elastic agent's traceback goes to run.log
+    assert proc.stderr.splitlines() == ["error: rank 1 failed: InjectedFault: injected fault at step 2"], proc.stderr
+    (run_dir,) = [p.parent for p in workdir.glob("outputs/*/*/summary.json")]
+    assert "Traceback" in (run_dir / "run.log").read_text()
+    # one step numbering: the console, metrics.jsonl and the error all count from 0
+    assert "step 1 [2/5] | loss" in proc.stdout and "step 2 [" not in proc.stdout
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     summary = read_summary(workdir)
     assert summary["status"] == "failed" and "rank 1" in summary["error"]
     (run,) = _runs(workdir)
     assert run.info.status == "FAILED" and "injected fault" in run.data.tags["error"]
+    assert [m.step for m in _client(workdir).get_metric_history(run.info.run_id, "loss")] == [0, 1]
+    # a FAILED run keeps what its run directory holds, run.log above all
+    artifacts = {a.path for a in _client(workdir).list_artifacts(run.info.run_id)}
+    assert {"run.log", "summary.json", "config.yaml", "metrics.jsonl"} <= artifacts
 
 
 def test_a_killed_rank_0_leaves_no_mlflow_run_running(workdir: Path):
@@ -114,8 +124,9 @@ def test_under_torchrun_the_entry_is_a_worker_and_rank_0_owns_the_run_dir(workdi
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def test_ctrl_c_ends_the_run_killed(workdir: Path):
-    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it."""
+@pytest.mark.parametrize("target", ["group", "launcher"])
+def test_ctrl_c_ends_the_run_killed_with_every_logged_step(workdir: Path, target: str):
+    """SIGINT to the whole process group (a terminal's Ctrl-C), or to the launcher alone."""
     import signal
     import subprocess
     import time
@@ -125,23 +136,38 @@ def test_ctrl_c_ends_the_run_killed(workdir: Path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(
         [sys.executable, "-m", "src.run", "train.steps=100000", "tracking.system_metrics=false"],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(workdir.glob("outputs/*/*/metrics.jsonl")):
-        time.sleep(0.5)  # until the run has started stepping
-    assert list(workdir.glob("outputs/*/*/metrics.jsonl")), "the run never started"
-    time.sleep(2)
-    os.killpg(proc.pid, signal.SIGINT)
     try:
-        proc.wait(timeout=120)
+        deadline = time.monotonic() + 180
+        metrics = []
+        while time.monotonic() < deadline and len(metrics) < 2:  # until 2 steps are on record
+            time.sleep(0.3)
+            files = list(workdir.glob("outputs/*/*/metrics.jsonl"))
+            metrics = files[0].read_text().splitlines() if files else []
+        assert len(metrics) >= 2, "the run never started"
+        (os.killpg if target == "group" else os.kill)(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    assert proc.returncode == 130, err
+    (line,) = err.splitlines()  # no traceback from Hydra, the agent or the metric writer
+    assert line.startswith("error: interrupted by SIGINT; the run in ") and line.endswith("is recorded as KILLED")
     (run,) = _runs(workdir)
     assert run.info.status == "KILLED"
     assert read_summary(workdir)["status"] == "killed"
+    # the metric writer drained its queue before it exited: every step metrics.jsonl holds is in MLflow
+    logged = [json.loads(m)["step"] for m in next(workdir.glob("outputs/*/*/metrics.jsonl")).read_text().splitlines()]
+    assert [m.step for m in _client(workdir).get_metric_history(run.info.run_id, "loss")] == logged
+    # no orphans: nothing started from this run is left (ranks, the writer)
+    deadline = time.monotonic() + 15  # a few seconds' grace for processes already on their way out
+    while True:
+        left = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.strip()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert left == "", left
 
 
 def test_system_metrics_are_sampled_beside_the_run(workdir: Path):

@@ -7,7 +7,10 @@ collective) and surfaces here as one line: the rank and its error.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +26,11 @@ class RankFailed(RuntimeError):
 
 GENERIC = "To enable traceback see"
 ERROR_NOTE = ".rank{rank}.error"
+# What a rank raises when a peer left first: a consequence, never the cause to name.
+_PEER_GONE = re.compile(r"DistBackendError|Connection (closed|reset) by peer|Broken pipe|connectFullMesh")
+# The agent's and torch.multiprocessing's loggers: a failing rank's traceback is about 28 lines
+# of theirs; it belongs in run.log, the console gets the one line `error: rank N failed: ...`.
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
 def _describe(rank: int, failure: Any, notes_dir: str | None) -> tuple[str, bool]:
@@ -33,9 +41,12 @@ def _describe(rank: int, failure: Any, notes_dir: str | None) -> tuple[str, bool
     message = str(message).strip().splitlines()
     last = message[-1] if message else ""
     note = Path(notes_dir) / ERROR_NOTE.format(rank=rank) if notes_dir else None
-    if (not last or last.startswith(GENERIC)) and note is not None and note.exists():
-        # No error file from the elastic wrapper: the rank's own one-line note (src/train/worker.py).
-        return note.read_text().strip(), True
+    if note is not None and note.exists():
+        # The rank's own one-line note (src/train/worker.py), written as soon as it caught the
+        # error: it holds even when the rank was then killed (SIGTERM from the agent, SIGABRT from
+        # gloo when its peer left) before the elastic wrapper wrote its error file.
+        text = note.read_text().strip()
+        return text, not _PEER_GONE.search(text)
     if failure.exitcode < 0 or last.startswith("Signal"):
         return (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else last), False
     return last or f"exit code {failure.exitcode}", True
@@ -53,6 +64,26 @@ def _first_failure(err: ChildFailedError, notes_dir: str | None = None) -> str:
     described = {rank: _describe(rank, failure, notes_dir) for rank, failure in err.failures.items()}
     rank = min(described, key=lambda r: (not described[r][1], r != first, r))
     return f"rank {rank} failed: {described[rank][0]}"
+
+
+@contextlib.contextmanager
+def torch_logs_to(log_file: Path | None):
+    """Send the elastic agent's records to `log_file` (run.log) instead of the console."""
+    saved = []
+    handler = logging.FileHandler(log_file) if log_file is not None else logging.NullHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    for name in _TORCH_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate))
+        logger.propagate = False
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()
 
 
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "", log_dir: str | None = None, notes_dir: str | None = None) -> dict[int, Any]:
@@ -74,6 +105,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     try:
-        return elastic_launch(config, entry)(*args)
+        with torch_logs_to(Path(notes_dir) / "run.log" if notes_dir else None):
+            return elastic_launch(config, entry)(*args)
     except ChildFailedError as err:
         raise RankFailed(_first_failure(err, notes_dir)) from None

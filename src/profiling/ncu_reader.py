@@ -190,14 +190,28 @@ def _import_ncu_report():
     raise ImportError("reading .ncu-rep needs NVIDIA's ncu_report module: `pip install ncu-report`, or export the report with `ncu --import REPORT --csv --page raw > report.csv`")
 
 
+# Every .ncu-rep that ncu writes starts with these bytes; ncu_report loads anything else as an
+# empty report, which would read as "no kernels" instead of "not a report".
+NCU_REP_MAGIC = b"NVR\x00"
+NOT_A_REPORT = "{path}: not an Nsight Compute report ({why}); give an .ncu-rep that `ncu -o` wrote, or its `ncu --import REPORT --csv --page raw` export"
+
+
 def read_ncu_rep(path: str | os.PathLike) -> list[KernelRecord]:
     ncu_report = _import_ncu_report()
     path = Path(path)
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as err:
+            raise ValueError(NOT_A_REPORT.format(path=path, why=f"not gzip data: {err}")) from None
+    if not raw.startswith(NCU_REP_MAGIC):
+        raise ValueError(NOT_A_REPORT.format(path=path, why="no NVR header"))
     if path.suffix == ".gz":
         import tempfile
 
         tmp = Path(tempfile.mkdtemp()) / path.stem
-        tmp.write_bytes(gzip.decompress(path.read_bytes()))
+        tmp.write_bytes(raw)
         path = tmp
     report = ncu_report.load_report(str(path))
     records = []

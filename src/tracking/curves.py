@@ -1,7 +1,9 @@
 """The run's loss and throughput per step as one PNG (an MLflow artifact beside summary.json)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib
 
@@ -25,3 +27,14 @@ def plot_curves(steps, path: str | Path, title: str = "") -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def read_metrics(path: str | Path) -> list[SimpleNamespace]:
+    """metrics.jsonl as step records, the last record of a step winning: the whole run, across
+    elastic restarts, where the training loop's own list holds only the last attempt's steps."""
+    by_step = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = SimpleNamespace(**record)
+    return [by_step[k] for k in sorted(by_step)]

@@ -146,6 +146,7 @@ class MlflowTracker(NullTracker):
         self.run_id = None
         self.writer = None
         self.continue_run_id = continue_run_id
+        self.logged_steps: set[int] = set()
 
     def start(self) -> None:
         from mlflow import MlflowClient
@@ -155,8 +156,15 @@ class MlflowTracker(NullTracker):
         self.client = MlflowClient(tracking_uri=self.uri)
         if self.continue_run_id:  # an elastic restart: the same run goes on, its curves continue
             self.run_id = self.continue_run_id
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             self.client.update_run(self.run_id, status="RUNNING")
-            self.client.set_tag(self.run_id, "restarts", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            self.client.set_tag(self.run_id, "restarts", restart)
+            stale = self.client.get_run(self.run_id).data.tags.get("error")
+            if stale:  # the attempt that failed set it; kept as what caused the restart, not as this run's error
+                self.client.set_tag(self.run_id, f"restart_{restart}.cause", stale[:5000])
+                self.client.delete_tag(self.run_id, "error")
+            # Steps after the last checkpoint run again, bit for bit: log each step once.
+            self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
             if self.use_writer:
                 self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
             log.info("MLflow run %s continues after restart %s", self.run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
@@ -178,7 +186,8 @@ class MlflowTracker(NullTracker):
         log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
-        self.writer.log(step, metrics)
+        if step not in self.logged_steps:
+            self.writer.log(step, metrics)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():
@@ -231,21 +240,30 @@ def task_tracker(cfg: Any, ctx: Any, device_name: str) -> NullTracker:
     ))
 
 
+RUN_ARTIFACTS = ("summary.json", "config.yaml", "curves.png", "metrics.jsonl", "run.log", ".hydra/overrides.yaml")
+
+
 def record_failed_run(uri: str, experiment: str, run_name: str, error: str, tags: Mapping[str, str], run_dir: Path, status: str = "FAILED") -> None:
-    """A job that failed before rank 0 opened its run (or whose rank 0 died) still shows as FAILED."""
+    """A job that failed before rank 0 opened its run (or whose rank 0 died) still shows as FAILED,
+    with what its run directory holds: run.log above all, which says why it failed."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     id_file = run_dir / RUN_ID_FILE
     if id_file.exists():
         run_id = id_file.read_text().strip()
-        if client.get_run(run_id).info.status != "RUNNING":
-            return
+        still_running = client.get_run(run_id).info.status == "RUNNING"
     else:
         exp_id = experiment_id(client, experiment)
         run_id = client.create_run(exp_id, run_name=run_name, tags=dict(tags)).info.run_id
-    client.set_tag(run_id, "error", error[:5000])
-    client.set_terminated(run_id, status=status)
+        still_running = True
+    for name in RUN_ARTIFACTS:
+        path = run_dir / name
+        if path.exists():
+            client.log_artifact(run_id, str(path))
+    if still_running:  # rank 0 ended it itself when it could (its error tag holds the traceback)
+        client.set_tag(run_id, "error", error[:5000])
+        client.set_terminated(run_id, status=status)
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:

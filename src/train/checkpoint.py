@@ -41,8 +41,9 @@ def latest_checkpoint(folder: Path) -> Path | None:
     """The newest complete checkpoint in `folder`; partial saves are skipped with a warning."""
     if not folder.is_dir():
         return None
-    for partial in sorted(folder.glob("step_*.partial")):
-        log.warning("skipping %s: a save that did not finish", partial)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # every rank looks; one says so
+        for partial in sorted(folder.glob("step_*.partial")):
+            log.warning("skipping %s: a save that did not finish", partial)
     complete = sorted((p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / ".metadata").exists()), key=lambda p: p.name)
     return complete[-1] if complete else None
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
@@ -14,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from src.train.metrics import mfu_percent, peak_memory_gb
+
+log = logging.getLogger("src.train")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -112,6 +115,8 @@ class LoopResult:
     steps: list[StepStats]
     overhead_s: float
     wall_s: float
+    skipped: list[int] = field(default_factory=list)
+    """steps whose optimizer update train.nonfinite=skip dropped"""
 
 
 def train_loop(
@@ -144,8 +149,10 @@ def train_loop(
 ) -> LoopResult:
     """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
     device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
-    stats, callbacks) is counted apart as overhead so its share of the step can be reported."""
+    stats, callbacks) is counted apart as overhead so its share of the step can be reported.
+    Steps count from 0: `start_step` is the first one run, a checkpoint after N steps resumes at N."""
     results: list[StepStats] = []
+    skipped: list[int] = []
     overhead = 0.0
     start = time.perf_counter()
     interval_start, interval_steps = None, 0
@@ -161,6 +168,11 @@ def train_loop(
             )
         if after_step is not None:
             after_step()
+        # train_step already synced on the norm to decide; reading it again costs no device time.
+        if nonfinite == "skip" and not bool(torch.isfinite(norm)):
+            skipped.append(step)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                log.warning("step %d: non-finite loss or gradient norm; its optimizer update is skipped (train.nonfinite=skip)", step)
         interval_steps += 1
         ckpt = checkpoint_due(step + 1)
         if (step + 1) % log_every and step != steps - 1 and not ckpt:
@@ -192,7 +204,11 @@ def train_loop(
         overhead += time.perf_counter() - t1
         if ckpt and save_checkpoint is not None:
             save_checkpoint(step + 1)
-    return LoopResult(results, overhead, time.perf_counter() - start)
+    return LoopResult(results, overhead, time.perf_counter() - start, skipped)
+
+
+def _skipped(result: LoopResult) -> dict:
+    return {"skipped_steps": len(result.skipped), "skipped_at": list(result.skipped)}
 
 
 def summarize(result: LoopResult, warmup_steps: int) -> dict[str, float | None]:
@@ -200,7 +216,7 @@ def summarize(result: LoopResult, warmup_steps: int) -> dict[str, float | None]:
     if not result.steps:  # resumed from a checkpoint that already covers train.steps
         return {"steps": 0, "final_loss": None, "initial_loss": None, "final_grad_norm": None, "tokens_per_s": None,
                 "tokens_per_s_per_device": None, "mfu": None, "step_time_s": None, "peak_mem_gb": None,
-                "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s}
+                "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s, **_skipped(result)}
     steady = result.steps[warmup_steps:] or result.steps[-1:]  # by position: a resumed run warms up again
     tps_dev = statistics.median(s.tokens_per_s_per_device for s in steady)
     mfus = [s.mfu for s in steady if s.mfu is not None]
@@ -217,4 +233,5 @@ def summarize(result: LoopResult, warmup_steps: int) -> dict[str, float | None]:
         "peak_mem_reserved_gb": max(s.peak_mem_reserved_gb for s in result.steps),
         "overhead_frac": result.overhead_s / max(result.wall_s, 1e-9),
         "wall_s": result.wall_s,
+        **_skipped(result),
     }

@@ -36,9 +36,11 @@ class ProgressReporter:
         line = describe(s)
         if self.progress is not None:
             self.progress.update(self.task, completed=s.step + 1, info=line)
-            log.debug("step %d/%d | %s", s.step + 1, self.total, line)
+            log.debug("step %d [%d/%d] | %s", s.step, s.step + 1, self.total, line)
         else:
-            log.info("step %d/%d | %s", s.step + 1, self.total, line)
+            # Steps count from 0 everywhere (errors, metrics.jsonl, MLflow, fault.step, the seed's
+            # line); the bracket says how many of train.steps are done.
+            log.info("step %d [%d/%d] | %s", s.step, s.step + 1, self.total, line)
         if self.seed_line:
             # SEED.md prints rank 0's own max_memory_allocated, not the max over ranks.
             print(f"Step {s.step} | Loss: {s.loss:.4f} | Peak VRAM/GPU: {s.rank0_peak_mem_alloc_gb:.2f} GB", flush=True)

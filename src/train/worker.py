@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from dataclasses import replace
@@ -24,9 +25,9 @@ from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
 from src.models.mini_llm import MiniLLM
 from src.runtime import RunContext
-from src.tracking.curves import plot_curves
+from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import (
-    RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
+    RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
 )
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.torch_profile import TorchProfileSession
@@ -128,9 +129,13 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
 
 class MetricsFile:
     """Every logged step as a JSON line in <run_dir>/metrics.jsonl: the run's own record, kept
-    whether or not a tracking store was reachable (src.compare reads it)."""
+    whether or not a tracking store was reachable (src.compare reads it). One line per step: after
+    an elastic restart the steps from `start_step` on run again, so their first lines are dropped."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start_step: int = 0):
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start_step]
+            path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a", buffering=1)
 
     def __call__(self, s) -> None:
@@ -153,6 +158,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         dist.broadcast_object_list(shared, src=0)
         ctx = replace(ctx, run_dir=shared[0])
     run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
+    if ctx.run_dir:  # a note left by this rank's previous attempt (an elastic restart) is stale
+        (Path(ctx.run_dir) / ERROR_NOTE.format(rank=env.rank)).unlink(missing_ok=True)
     setup_logging(run_dir, env.rank)
     tracker = _make_tracker(cfg, ctx, env, run_dir)
     reporter = metrics_file = None
@@ -229,7 +236,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             reporter = ProgressReporter(cfg.train.steps, cfg.train.progress, cfg.train.seed_line)
             callbacks = [reporter, lambda s: tracker.log_step(s.step, s.metrics())]
             if run_dir is not None:
-                metrics_file = MetricsFile(run_dir / "metrics.jsonl")
+                metrics_file = MetricsFile(run_dir / "metrics.jsonl", start_step)
                 callbacks.append(metrics_file)
         session = profile_session(cfg) if cfg.task.name == "profile" else None
         if session is not None:
@@ -283,11 +290,14 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 tracker.log_artifact(artifact, "profile")
         if run_dir is not None:
             write_json(run_dir / "summary.json", summary)
-            plot_curves(result.steps, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides))
-            for name in ("summary.json", "config.yaml", "curves.png", "metrics.jsonl", "run.log", ".hydra/overrides.yaml"):
+            history = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else result.steps
+            plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides))
+            for name in RUN_ARTIFACTS:
                 tracker.log_artifact(run_dir / name)
         tracker.finish("FINISHED", summary)
         if env.is_main:
+            if summary["skipped_steps"]:
+                log.info("train.nonfinite=skip dropped the optimizer update of %d step(s): %s", summary["skipped_steps"], summary["skipped_at"])
             if summary["steps"] == 0:
                 log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
             else:
@@ -299,6 +309,10 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 )
         return summary
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            # The agent forwards the launcher's SIGINT after the terminal's own reached us: a
+            # second KeyboardInterrupt here would cut off recording the KILLED run.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         if reporter:
             reporter.close()
         status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
