@@ -40,17 +40,29 @@ def _cli(args: list[str], cwd: Path, cache: Path):
 @needs_vulkan
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_vulkan_prefill_and_ten_decode_steps_match_torch(dtype, tmp_path, cache):
+    import iree.runtime as rt
     import torch
 
-    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS)
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
     lm = copy.deepcopy(ref).to({"fp32": torch.float32, "fp16": torch.float16}[dtype])
-    artifacts = build(lm, TINY, BATCH, PROMPT, dtype, "vulkan", "llvmpipe", "", tmp_path / "art", cache)
+    artifacts = build(lm, TINY, PROMPT, dtype, "vulkan", "llvmpipe", "", tmp_path / "art", cache)
     runner = IreeRunner(artifacts, "vulkan")
     tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
-    gen = generate(runner, tokens, STEPS)
-    errors = relative_errors(gen.logits, reference_logits(ref, tokens, gen.fed))
+    gen = generate(runner, tokens, STEPS, check=True)
+    want = reference_logits(ref, tokens, gen.tokens[:-1])
+    errors = relative_errors(gen.logits, want)
     assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE[dtype], errors
-    assert artifacts.manifest["module_bytes"] < 400_000 < artifacts.manifest["params_bytes"] or dtype == "fp16"  # weights live in the IRPA
+    # the token chosen on the device is torch's argmax, at every step and for every sequence
+    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    # the cache stayed in the module and holds, after prefill + 10 in-place writes, what torch's holds
+    k, v = runner.kv_cache()
+    assert k.shape == tuple(ref.k_cache.shape) and np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE[dtype]
+    assert np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE[dtype]
+    # and no cache crosses the call boundary: decode takes (token, pos), returns (token, logits)
+    decode = rt.VmModule.mmap(rt.VmInstance(), str(artifacts.vmfb)).lookup_function("decode")
+    assert "decode(0rr_rr)" in repr(decode)
+    assert artifacts.manifest["module_bytes"] < 400_000 and artifacts.manifest["cooperative_matrix"] is False
+    assert artifacts.manifest["variant"] == "llvmpipe-nocoop"
 
 
 @needs_vulkan
@@ -67,13 +79,62 @@ def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp
     summaries = sorted((json.loads(p.read_text()) for p in tmp_path.glob("outputs/*/*/summary.json")), key=lambda s: s["action"])
     benched, compiled, ran = summaries
     assert [s["action"] for s in summaries] == ["bench", "compile", "run"] and benched["cache"] == "hit"
-    assert compiled["status"] == "finished" and compiled["module_bytes"] > 0
-    assert ran["generated"] == benched["generated"] and len(ran["generated"][0]) == STEPS
+    assert compiled["status"] == "finished" and compiled["module_bytes"] > 0 and compiled["variant"] == "llvmpipe-nocoop"
+    assert ran["generated"] == benched["generated"] and len(ran["generated"][0]) == STEPS + 1 and ran["greedy_mismatches"] == 0
     assert ran["rel_err_per_step"] == benched["rel_err_per_step"] and ran["rel_err"] < TOLERANCE["fp32"]
-    for key in ("first_run_ms", "ttft_p50_ms", "ttft_p90_ms", "decode_p50_ms", "decode_p90_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "h2d_copy_ms", "d2h_staging_ms"):
+    for key in ("first_run_ms", "ttft_p50_ms", "ttft_p90_ms", "decode_p50_ms", "decode_p90_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "h2d_copy_ms", "d2h_readback_ms"):
         assert ran[key] > 0, key
-    assert "llvmpipe" in ran["device_name"] and ran["cooperative_matrix"] in (False, None)
+    assert "llvmpipe" in ran["device_name"] and ran["cooperative_matrix"] in (False, None) and ran["readback"] in ("imported", "staging", "mapped")
     assert ran["h2d_import_ms"] is None or ran["h2d_import_ms"] > 0  # lavapipe imports page-aligned host memory
+
+
+def _compiled(tmp_path: Path, cache: Path) -> Path:
+    art = tmp_path / "art"
+    proc = _cli(["edge.action=compile", f"edge.artifacts={art}", "tracking=none"], tmp_path, cache)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return art
+
+
+def _edit_manifest(art: Path, **changes) -> None:
+    manifest = json.loads((art / "manifest.json").read_text())
+    (art / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+
+@needs_vulkan
+def test_wrong_numbers_end_the_run_failed_in_one_line(tmp_path, cache):
+    art = _compiled(tmp_path, cache)
+    _edit_manifest(art, weights={"seed": 1})  # the reference from other weights than the archive holds
+    proc = _cli(["edge.action=run", f"edge.artifacts={art}"], tmp_path, cache)
+    last = proc.stderr.strip().splitlines()[-1]  # above it only MLflow's own lines about creating its tables
+    assert proc.returncode == 1 and proc.stderr.count("error:") == 1, proc.stderr
+    assert last.startswith("error: vulkan llvmpipe fp32: max relative error ") and "exceeds the fp32 tolerance 0.001" in last
+    assert "Traceback" not in proc.stdout + proc.stderr
+    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json") if "action=run" in (p.parent / ".hydra" / "overrides.yaml").read_text()]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+    measured = json.loads((run_dir / "edge_summary.json").read_text())
+    assert measured["status"] == "failed" and measured["rel_err"] > 0.001 and "| failed |" in (run_dir / "run.log").read_text()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and "exceeds the fp32 tolerance" in run.data.tags["error"] and run.data.metrics["summary.rel_err"] > 0.001
+
+
+@needs_vulkan
+@pytest.mark.parametrize("change,line", [
+    # issue 13: adreno-compiled SPIR-V ran on lavapipe with relative error 1.09 and `finished`
+    ({"target": "adreno"}, "error: edge.target=adreno artifacts are for qualcomm GPUs and this Vulkan device is llvmpipe"),
+    ({"cooperative_matrix": True, "variant": "ampere-coop", "dtype": "fp16"},
+     "error: target llvmpipe fp16 module (ampere-coop) failed on llvmpipe"),
+])
+def test_a_module_that_cannot_run_here_is_one_line(change, line, tmp_path, cache):
+    art = _compiled(tmp_path, cache)
+    _edit_manifest(art, **change)
+    if "cooperative_matrix" in change:
+        (art / "module.vmfb").write_bytes(b"not a module")  # what the driver cannot load, as NVIDIA's could not the fp16 one
+    proc = _cli(["edge.action=run", f"edge.artifacts={art}", "tracking=none"], tmp_path, cache)
+    assert proc.returncode == 1 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    if "cooperative_matrix" in change:
+        assert "try the variant without cooperative matrices: edge.target=pascal" in proc.stderr
 
 
 @needs_vulkan

@@ -1,6 +1,6 @@
 """Export the edge model with iree.turbine.aot and compile it with IREE, weights kept apart.
 
-One MLIR module holds both entry points (prefill, decode); the parameters are externalised, so the
+One MLIR module holds the entry points (prefill, decode, kv_cache); the parameters are externalised, so the
 compiled module (.vmfb) holds code only and the weights go out as an IREE parameter archive
 (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
 values: it is cached under `edge.cache_dir` by a key over the model config, the shapes, dtype,
@@ -8,7 +8,8 @@ target device and flags, the IREE and torch versions and the exporting source; a
 only (written in well under a second), not a new compile.
 
 Artifacts (a run directory, or `edge.artifacts` with action=compile):
-    module.vmfb, params.irpa, manifest.json (what was compiled, for what, how long it took),
+    module.vmfb, params.irpa (src/edge/params.py; left out with params=False, for a device that
+    writes its own), manifest.json (what was compiled, for what, with which variant and flags),
     msl/*.metal for Metal when compiled off macOS (MSL source; on macOS a metallib is embedded).
 """
 from __future__ import annotations
@@ -41,6 +42,8 @@ SCHEMA = "perflab.edge/2"  # 2: the KV cache inside the module, greedy token out
 class Artifacts:
     dir: Path
     manifest: dict[str, Any]
+    params: Path | None = None
+    """the parameter archive when it lives apart from the module (written on the device)"""
 
     @property
     def vmfb(self) -> Path:
@@ -48,7 +51,7 @@ class Artifacts:
 
     @property
     def irpa(self) -> Path:
-        return self.dir / "params.irpa"
+        return self.params or self.dir / "params.irpa"
 
 
 def compile_flags(device: str, target: str, features: str = "", msl_dir: Path | None = None) -> list[str]:

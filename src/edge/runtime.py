@@ -91,14 +91,14 @@ class IreeRunner:
         index = rt.ParameterIndex()
         index.load(str(artifacts.irpa))
         instance = self.config.vm_instance
-        modules = [
-            rt.create_hal_module(instance, self.device),
-            rt.create_io_parameters_module(instance, index.create_provider(scope="model")),
-            rt.VmModule.mmap(instance, str(artifacts.vmfb)),
-        ]
-        try:  # the driver builds every pipeline here: where an unsupported dispatch fails
+        try:  # the driver builds every pipeline when the context is made: where an unsupported dispatch fails
+            modules = [
+                rt.create_hal_module(instance, self.device),
+                rt.create_io_parameters_module(instance, index.create_provider(scope="model")),
+                rt.VmModule.mmap(instance, str(artifacts.vmfb)),
+            ]
             self.context = rt.VmContext(instance, modules=modules)
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:
             raise ModuleLoadFailed(one_line(err)) from None
         main = modules[-1]
         self._prefill, self._decode, self._kv = (rt.FunctionInvoker(self.context, self.device, main.lookup_function(name))
