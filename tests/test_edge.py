@@ -181,3 +181,26 @@ def test_bad_input_is_one_line_and_starts_nothing(args, env, line, tmp_path, mon
 def test_load_artifacts_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no manifest.json; make the artifacts with edge.action=compile"):
         load_artifacts(tmp_path)
+
+
+@needs_vulkan
+def test_the_gpu_campaign_compiles_and_runs_side_by_side_on_lavapipe(tmp_path, cache):
+    """`python -m src.bench.edge_vs_torch` end to end, with llvmpipe modules and torch on the CPU
+    standing in for the NVIDIA ones and torch CUDA: the code path the device call takes."""
+    art, out = tmp_path / "art", tmp_path / "out"
+    small = json.dumps({"vocab_size": 256, "dim": 64})
+    proc = run_cli(["compile", "--out", str(art), "--models", "tiny", "--target", "llvmpipe", "--quick", "--model-overrides", small,
+                    "--cache-dir", str(cache)], cwd=tmp_path, module="src.bench.edge_vs_torch")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in art.iterdir() if p.is_dir()) == ["tiny-fp16-b2-llvmpipe-nocoop", "tiny-fp32-b1-llvmpipe-nocoop"]
+    assert not list(art.rglob("*.irpa"))  # parameters are written on the device, only code travels
+    proc = run_cli(["run", "--artifacts", str(art), "--out", str(out), "--torch", "cpu", "--repeats", "2", "--warmup", "1"],
+                   cwd=tmp_path, module="src.bench.edge_vs_torch")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = (out / "table.md").read_text().splitlines()
+    assert lines[0] == ("| backend | device | model | dtype | batch | variant | TTFT p50 ms | decode p50 ms | prefill tok/s | decode tok/s "
+                        "| max rel err | status |")
+    results = json.loads((out / "results.json").read_text())
+    assert sorted((r["backend"], r["dtype"], r["batch"]) for r in results) == [("cpu", "fp16", 2), ("cpu", "fp32", 1), ("vulkan", "fp16", 2), ("vulkan", "fp32", 1)]
+    assert all(r["status"] == "finished" and r["decode_p50_ms"] > 0 and r["greedy_mismatches"] == 0 for r in results), results
+    assert "Vulkan / torch decode p50" in (out / "table.md").read_text()

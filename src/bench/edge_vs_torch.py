@@ -45,6 +45,7 @@ VARIANTS = [
     ("fp16", "pascal", ("--iree-opt-level=O3",), (1,)),
     ("fp16", "pascal", ("--iree-vulkan-dispatch-abi=bda",), (1,)),
 ]
+COMPILE_FAILURES = "compile_failures.json"
 COLUMNS = ["backend", "device", "model", "dtype", "batch", "variant", "TTFT p50 ms", "decode p50 ms", "prefill tok/s", "decode tok/s",
            "max rel err", "status"]
 
@@ -59,12 +60,12 @@ def model_config(name: str, overrides: dict | None = None) -> dict:
 
 def compile_grid(out: Path, target_map: dict[str, str], models: list[str], variants: list, cache_dir: Path) -> list[Path]:
     """Every module of the grid under `out`, one directory each, without parameters."""
-    import torch
+    from iree.compiler.tools.binaries import CompilerToolError
 
-    from src.edge.compile import TORCH_DTYPES, build
+    from src.edge.compile import TORCH_DTYPES, build, default_variant
     from src.edge.task import reference_model
 
-    made = []
+    made, failures = [], []
     for model in models:
         cfg = model_config(model)
         for dtype, target, flags, batches in variants:
@@ -72,7 +73,15 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
             for batch in batches:
                 lm = reference_model(cfg, {"seed": 0}, PROMPT + STEPS, batch).to(TORCH_DTYPES[dtype])
                 t0 = time.perf_counter()
-                art = build(lm, cfg, PROMPT, dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, tuple(flags), params=False)
+                try:
+                    art = build(lm, cfg, PROMPT, dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, tuple(flags), params=False)
+                except CompilerToolError as err:  # a row of its own in the run's table, not the end of the grid
+                    error = next((line.strip() for line in str(err).splitlines() if "error:" in line), "iree-compile failed")
+                    variant = default_variant(target, False, flags).replace("-nocoop", "")
+                    failures.append({"backend": "vulkan", "model": model, "dtype": dtype, "batch": batch, "variant": variant,
+                                     "status": "failed", "error": f"does not compile: {error[:300]}"})
+                    print(f"{model}-{dtype}-b{batch}-{variant}: does not compile: {error[:200]}", flush=True)
+                    continue
                 name = f"{model}-{dtype}-b{batch}-{art.manifest['variant']}"
                 dest = out / name
                 dest.mkdir(parents=True, exist_ok=True)
@@ -81,7 +90,7 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
                 print(f"{name}: {art.manifest['module_bytes'] / 1e6:.2f} MB, coop={art.manifest['cooperative_matrix']}, "
                       f"{time.perf_counter() - t0:.0f} s", flush=True)
                 made.append(dest)
-                del lm
+    (out / COMPILE_FAILURES).write_text(json.dumps(failures, indent=2))
     (out / "_staging").rmdir() if (out / "_staging").is_dir() and not any((out / "_staging").iterdir()) else None
     return made
 
@@ -183,6 +192,8 @@ def run_grid(artifacts: Path, out: Path, torch_backend: str, timeout_s: float, b
             results.append(result)
             print(row(result), flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=2, default=str))  # kept as it grows: a killed call still leaves rows
+    failed_compiles = artifacts / COMPILE_FAILURES
+    results += json.loads(failed_compiles.read_text()) if failed_compiles.is_file() else []
     table = markdown(results)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--models", default="tiny,small")
     c.add_argument("--target", default="", help="one Vulkan target for every variant (llvmpipe: the grid for lavapipe, to prove the run step)")
-    c.add_argument("--quick", action="store_true", help="fp32 and fp16 at batch 1 and 2 with the first variant of each dtype only")
+    c.add_argument("--quick", action="store_true", help="two modules: fp32 at batch 1 and fp16 at batch 2, the first variant of each")
     c.add_argument("--model-overrides", default="{}", help="JSON merged into every model config, e.g. smaller shapes for a check on lavapipe")
     c.add_argument("--cache-dir", type=Path, default=Path("~/.cache/perflab/edge").expanduser())
     r = sub.add_parser("run", help="time every module on Vulkan and on torch (the GPU machine)")
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.step == "compile":
         variants = VARIANTS
         if args.quick:
-            variants = [("fp32", "ampere", (), (1, 2)), ("fp16", "ampere", (), (1, 2))]
+            variants = [("fp32", "ampere", (), (1,)), ("fp16", "ampere", (), (2,))]
         target_map = {t: args.target for _, t, _, _ in VARIANTS} if args.target else {}
         overrides = json.loads(args.model_overrides)
         if overrides:
