@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.launch import FastKernel
-
 # Launch settings at 8192 x 32000 bf16 on an H200 (src/bench/kernel_configs.py sweeps them): the
 # row in blocks of BLOCK, two passes, the second served from L2 (a 64 KB row; 132 SMs hold a few
 # rows each, well inside the 50 MB L2); or the whole row in registers, one read (ROW_IN_REGISTERS).
@@ -104,11 +102,6 @@ def _scale_unless_one(X, SCALE, n, BLOCK: tl.constexpr):
             tl.store(X + idx, (x * scale).to(X.dtype.element_ty), mask=mask)
 
 
-_count_valid_kernel = FastKernel(_count_valid)
-_cross_entropy_kernel = FastKernel(_cross_entropy_fwd_bwd)
-_scale_kernel = FastKernel(_scale_unless_one)
-
-
 @functools.lru_cache(maxsize=None)
 def _programs(device_index: int) -> int:
     # a grid-stride loop over 4 programs per SM: enough loads in flight to stream at the copy
@@ -128,7 +121,7 @@ def launch_settings(vocab: int) -> tuple[int, int, bool]:
 def count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """max(1, number of targets that are not ignore_index), an fp32 device scalar."""
     n_valid = torch.empty((), dtype=torch.float32, device=targets.device)
-    _count_valid_kernel((1,), targets, n_valid, targets.numel(), ignore_index, 1024, num_warps=4)
+    _count_valid[(1,)](targets, n_valid, targets.numel(), ignore_index, BLOCK=1024, num_warps=4)
     return n_valid
 
 
@@ -139,9 +132,9 @@ def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: to
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block, warps, in_registers = launch_settings(vocab)
-    _cross_entropy_kernel(
-        (rows,), logits, logits.stride(0), targets, losses, n_valid, vocab, ignore_index, float(label_smoothing),
-        block, in_registers, num_warps=warps,
+    _cross_entropy_fwd_bwd[(rows,)](
+        logits, logits.stride(0), targets, losses, n_valid, vocab, ignore_index, float(label_smoothing),
+        BLOCK=block, ROW_IN_REGISTERS=in_registers, num_warps=warps,
     )
     return losses
 
@@ -151,7 +144,7 @@ def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     device_index = t.device.index if t.is_cuda else -1
     if device_index is None:
         device_index = torch.cuda.current_device()
-    _scale_kernel((min(_programs(device_index), triton.cdiv(t.numel(), 4096)),), t, scale, t.numel(), 4096, num_warps=8)
+    _scale_unless_one[(min(_programs(device_index), triton.cdiv(t.numel(), 4096)),)](t, scale, t.numel(), BLOCK=4096, num_warps=8)
     return t
 
 

@@ -24,8 +24,6 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from kernels.triton.launch import FastKernel
-
 
 @triton.jit
 def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -70,9 +68,6 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
     tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
 
 
-_fwd_kernel = FastKernel(_rms_norm_fwd)
-_bwd_kernel = FastKernel(_rms_norm_bwd)
-
 # Launch settings (src/bench/kernel_configs.py sweeps them on a GPU): warps per row program by the
 # row's block width, and backward programs per SM.
 FWD_WARPS = {2048: 8, 8192: 16}
@@ -116,9 +111,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty_like(x2) if residual is not None else x2
     block = _block(N)
-    _fwd_kernel(
-        (M,), x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), N, eps,
-        residual is not None, block, num_warps=_warps(block, FWD_WARPS),
+    _rms_norm_fwd[(M,)](
+        x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), N, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block, FWD_WARPS),
     )
     return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
 
@@ -136,9 +131,9 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     rows_per_program = math.ceil(M / programs)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     block = _block(N)
-    _bwd_kernel(
-        (programs,), dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        ds is not None, block, num_warps=_warps(block, BWD_WARPS),
+    _rms_norm_bwd[(programs,)](
+        dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
+        HAS_DS=ds is not None, BLOCK=block, num_warps=_warps(block, BWD_WARPS),
     )
     # summed in fp32, rounded once (sum(dtype=bf16) would round each partial to bf16 first)
     return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype)

@@ -15,8 +15,6 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from kernels.triton.launch import FastKernel
-
 MAX_COLS = 65536
 
 
@@ -41,10 +39,6 @@ def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, N, BLOCK: tl.constex
     tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
-_fwd_kernel = FastKernel(_softmax_fwd)
-_bwd_kernel = FastKernel(_softmax_bwd)
-
-
 def _launch(n: int) -> tuple[int, int]:
     if n > MAX_COLS:
         raise ValueError(f"fused softmax holds a row in registers; rows of {n} > {MAX_COLS} elements are not supported")
@@ -61,7 +55,7 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x)
     y = torch.empty_like(x2)
     block, warps = _launch(x2.shape[1])
-    _fwd_kernel((x2.shape[0],), x2, y, x2.stride(0), y.stride(0), x2.shape[1], block, num_warps=warps)
+    _softmax_fwd[(x2.shape[0],)](x2, y, x2.stride(0), y.stride(0), x2.shape[1], BLOCK=block, num_warps=warps)
     return y.reshape(x.shape)
 
 
@@ -69,7 +63,7 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dy2, y2 = _rows(dy), _rows(y)
     dx = torch.empty_like(y2)
     block, warps = _launch(y2.shape[1])
-    _bwd_kernel((y2.shape[0],), dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[1], block, num_warps=warps)
+    _softmax_bwd[(y2.shape[0],)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[1], BLOCK=block, num_warps=warps)
     return dx.reshape(y.shape)
 
 

@@ -16,8 +16,6 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from kernels.triton.launch import FastKernel
-
 BLOCK = 4096
 
 
@@ -45,10 +43,6 @@ def _swiglu_bwd(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
-_fwd_kernel = FastKernel(_swiglu_fwd)
-_bwd_kernel = FastKernel(_swiglu_bwd)
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -59,7 +53,7 @@ def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     g, u = _flat(g), _flat(u)
     y = torch.empty_like(g)
     n = g.numel()
-    _fwd_kernel((triton.cdiv(n, BLOCK),), g, u, y, n, BLOCK, num_warps=8)
+    _swiglu_fwd[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK, num_warps=8)
     return y
 
 
@@ -67,7 +61,7 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple
     dy = _flat(dy)
     dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
-    _bwd_kernel((triton.cdiv(n, BLOCK),), dy, g, u, dg, du, n, BLOCK, num_warps=8)
+    _swiglu_bwd[(triton.cdiv(n, BLOCK),)](dy, g, u, dg, du, n, BLOCK=BLOCK, num_warps=8)
     return dg, du
 
 
