@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from src.kernel_bench.cases import make_case, variant
+from src.kernel_bench.cases import make_case, seed, variant
 from src.kernel_bench.timing import graph_ms, host_us_per_call
 
 
 def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16):
     """(run, leaves, bytes moved) for op at shape, forward + backward."""
     case = make_case(op, shape)
-    torch.manual_seed(0)
+    seed("cuda")
     inputs = case.inputs(torch.device("cuda"), dtype, True)
     leaves = [t for t in inputs if t.requires_grad]
     fn = variant(op, "triton")

@@ -116,10 +116,31 @@ def variant(op: str, provider: str) -> Callable | None:
     raise ValueError(f"kernel_bench.providers: unknown {provider!r}; use eager, compile, triton, liger")
 
 
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def _generator(device) -> torch.Generator:
+    """A generator of the bench's own, seeded per device: a CUDA graph capture that fails (eager
+    RMSNorm's backward on torch 2.11) leaves the default CUDA generator unusable for the process."""
+    device = torch.device(device)
+    if device not in _GENERATORS:
+        _GENERATORS[device] = torch.Generator(device)
+    return _GENERATORS[device]
+
+
+def seed(device, value: int = 0) -> None:
+    _generator(device).manual_seed(value)
+
+
 def _randn(shape, device, dtype, grad, scale=1.0, shift=0.0):
     """A leaf tensor: the shift is applied before requires_grad_, so backward writes its .grad (a
     shifted tensor would be a non-leaf whose gradient flows on into a hidden one)."""
-    return (torch.randn(shape, device=device, dtype=torch.float32) * scale + shift).to(dtype).requires_grad_(grad)
+    x = torch.randn(shape, device=device, dtype=torch.float32, generator=_generator(device))
+    return (x * scale + shift).to(dtype).requires_grad_(grad)
+
+
+def _randint(high, shape, device):
+    return torch.randint(0, high, shape, device=device, generator=_generator(device))
 
 
 def make_case(op: str, shape: list[int]) -> Case:
@@ -131,7 +152,7 @@ def make_case(op: str, shape: list[int]) -> Case:
         n, d, v = shape
         return Case(
             op, shape,
-            lambda dev, dt, g: [_randn((n, d), dev, dt, g), _randn((v, d), dev, dt, g, d**-0.5), torch.randint(0, v, (n,), device=dev)],
+            lambda dev, dt, g: [_randn((n, d), dev, dt, g), _randn((v, d), dev, dt, g, d**-0.5), _randint(v, (n,), dev)],
             lambda s: (n * d + v * d) * s + 8 * n, lambda s: (n * d + v * d) * 2 * s,
             flops_fwd=2 * n * d * v, flops_bwd=4 * n * d * v,
         )
@@ -152,7 +173,7 @@ def make_case(op: str, shape: list[int]) -> Case:
         return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0)],
                     lambda s: 2 * mn * s, lambda s: 3 * mn * s)
     if op == "cross_entropy":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0), torch.randint(0, n, (m,), device=dev)],
+        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0), _randint(n, (m,), dev)],
                     # the fused variants write the gradient into the logits: later timed runs do the
                     # same work on other values (the error check uses the first, on fresh inputs)
                     lambda s: mn * s + 8 * m, lambda s: mn * s)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from src.kernel_bench.cases import Case, make_case, max_rel_err, output_of, variant
+from src.kernel_bench.cases import Case, make_case, max_rel_err, output_of, seed, variant
 from src.kernel_bench.timing import copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
 from src.runtime import RunContext
 
@@ -103,7 +103,7 @@ def run_bench(cfg: DictConfig) -> tuple[list[dict], float, str]:
         for shape in bench.shapes[op]:
             case = make_case(op, list(shape))
             for mode in bench.modes:
-                torch.manual_seed(0)
+                seed(device)
                 base_inputs = case.inputs(device, dtype, False)  # drawn once: each variant gets copies
                 reference = output_of(variant(op, "eager")(*[t.clone() for t in base_inputs])).detach()
                 group = []
