@@ -59,8 +59,9 @@ def test_vulkan_prefill_and_ten_decode_steps_match_torch(dtype, tmp_path, cache)
     assert k.shape == tuple(ref.k_cache.shape) and np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE[dtype]
     assert np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE[dtype]
     # and no cache crosses the call boundary: decode takes (token, pos), returns (token, logits)
-    decode = rt.VmModule.mmap(rt.VmInstance(), str(artifacts.vmfb)).lookup_function("decode")
-    assert "decode(0rr_rr)" in repr(decode)
+    instance = rt.VmInstance()  # held: a module outliving its instance crashes the process
+    module = rt.VmModule.mmap(instance, str(artifacts.vmfb))
+    assert "decode(0rr_rr)" in repr(module.lookup_function("decode"))
     assert artifacts.manifest["module_bytes"] < 400_000 and artifacts.manifest["cooperative_matrix"] is False
     assert artifacts.manifest["variant"] == "llvmpipe-nocoop"
 

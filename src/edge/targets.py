@@ -71,10 +71,12 @@ def target_mismatch(target: str, device_name: str) -> str | None:
 
     SPIR-V from IREE is tuned to its target and only as portable as the driver's checks. The case
     in issue 13: `edge.target=adreno` on lavapipe loads and runs, and its logits are off by a
-    relative 1.09. The adreno target promises 64-lane subgroups (`subgroup_size_choices = [64]`)
-    and its reductions (RMSNorm, softmax, the argmax) are laid out for them; lavapipe runs
-    8-lane subgroups (its own target says [8]) and never refuses the pipeline, so each reduction
-    sums a part of its row. Nothing fails, the numbers are wrong: refuse before running."""
+    relative 1.09 (2.0 for model=tiny at dim 64 now; rdna2 on lavapipe 1.05; llvmpipe 5e-7). The
+    adreno target promises 64-lane subgroups (`subgroup_size_choices = [64]`, rdna2 [32, 64]) and
+    its reductions (RMSNorm, softmax, the argmax) are laid out for them; lavapipe runs 8-lane
+    subgroups (`vulkaninfo`: subgroupSize = 8; its own target says [8]) and never refuses the
+    pipeline, so each reduction sums a part of its row. Nothing fails, the numbers are wrong:
+    refuse before running. NVIDIA targets (subgroup 32) match NVIDIA's driver (32)."""
     spec = vulkan_target(target)
     name = device_name.lower()
     found = next((vendor for vendor, words in _VENDOR_WORDS.items() if any(w in name for w in words)), None)
