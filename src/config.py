@@ -122,6 +122,10 @@ class KernelsConfig:
     """choose `fused` from a diagnosis: the ops it marks memory-bound or latency-limited (src/kernel_choice.py)"""
     diagnosis: str = ""
     """with auto: diagnosis.json, or the run directory of a task=diagnose run; empty: the newest for this model"""
+    compiled: list[str] = field(default_factory=list)
+    """ops run under torch.compile on their own, the rest of the model eager (kernels=auto's choice where compile was fastest)"""
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+    """kernels=auto on a GPU: op -> candidate -> measured ms per step, forward and backward (filled in before the ranks start)"""
 
 
 @dataclass

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import logging
+
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kernels.triton.registry import REGISTRY
@@ -21,6 +23,7 @@ from src.compose import ConfigError
 from src.profiling.diagnosis import fusable_ops
 
 SEARCH_ROOTS = ("outputs", "multirun")
+log = logging.getLogger("src.run")
 
 
 @dataclass
@@ -84,19 +87,47 @@ def auto_choice(cfg: DictConfig, cwd: str | Path) -> AutoChoice | None:
     return choose(find_diagnosis(cfg, cwd))
 
 
-def apply_auto_choice(cfg: DictConfig, cwd: str | Path) -> AutoChoice | None:
-    """Write the choice into the job's config before the ranks start (see the module docstring)."""
+def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) -> AutoChoice | None:
+    """Write the choice into the job's config before the ranks start (see the module docstring).
+    On a GPU (and `measure`), the diagnosed ops' candidates are timed first and the fastest of
+    eager, torch.compile and the fused kernel is used (src/kernel_measure.py); elsewhere the
+    diagnosis alone decides, and the log says so."""
     choice = auto_choice(cfg, cwd)
-    if choice is not None:
-        with open_dict(cfg):
-            cfg.kernels.fused = list(choice.ops)
-            cfg.kernels.diagnosis = choice.diagnosis
+    if choice is None:
+        return None
+    fused, compiled, measured = list(choice.ops), [], {}
+    if measure and choice.ops and cfg.backend.name == "cuda" and _gpu_present():
+        from src.kernel_measure import chosen, measure_on_gpu
+
+        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU", ", ".join(choice.ops))
+        timings = measure_on_gpu(list(choice.ops), cfg)
+        fused, compiled = chosen(timings)
+        measured = {t.op: {k: v for k, v in t.ms.items() if v is not None} for t in timings}
+        for t in timings:
+            log.info("  %s: %s -> %s", t.op, ", ".join(f"{k} {v:.3f} ms" if v is not None else f"{k} failed" for k, v in t.ms.items()), t.pick)
+    else:
+        why = "no GPU here" if measure else "under an external launcher each rank would time on its own"
+        log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s", why, choice.describe())
+    with open_dict(cfg):
+        cfg.kernels.fused = fused
+        cfg.kernels.compiled = compiled
+        cfg.kernels.measured = measured
+        cfg.kernels.diagnosis = choice.diagnosis
     return choice
 
 
-def write_choice(choice: AutoChoice, swapped: dict[str, int], path: Path) -> dict:
-    """kernels_auto.json: what was chosen, why, and what the model had to swap (0: the diagnosed op
-    is not a module of this model, e.g. swiglu on the seed's plain SiLU MLP)."""
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()  # asks the driver without creating a context in this process
+
+
+def write_choice(choice: AutoChoice, swapped: dict[str, int], path: Path, kernels_cfg: DictConfig | None = None) -> dict:
+    """kernels_auto.json: what the diagnosis called for and why, what was timed and chosen (fused,
+    compiled; nothing timed without a GPU), and what the model had to swap (0: the op is not a
+    module of this model, e.g. swiglu on the seed's plain SiLU MLP)."""
     record = {**asdict(choice), "swapped": swapped}
+    if kernels_cfg is not None:
+        record.update(OmegaConf.to_container(kernels_cfg, resolve=True))
     path.write_text(json.dumps(record, indent=2))
     return record

@@ -165,7 +165,7 @@ def run_as_worker(overrides: list[str]) -> None:
     """Entry under torchrun / srun: this process is already one rank of the run."""
     cfg = compose_config(overrides, with_hydra=True)
     validate(cfg, as_worker=True)
-    apply_auto_choice(cfg, os.getcwd())
+    apply_auto_choice(cfg, os.getcwd(), measure=False)
     run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
     with open_dict(cfg):
         del cfg["hydra"]

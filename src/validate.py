@@ -244,6 +244,11 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
             raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
         if "rms_norm" in fused and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
             raise ConfigError(f"model.dim={cfg.model.dim}: the fused RMSNorm holds a row in registers, at most {REGISTRY['rms_norm'].max_dim}")
+    from src.compiled_ops import COMPILABLE
+
+    not_compilable = [op for op in cfg.kernels.compiled if op not in COMPILABLE]
+    if not_compilable:
+        raise ConfigError(f"kernels.compiled={not_compilable}: no compiled variant of that op; there are: {', '.join(COMPILABLE)}")
     m = cfg.model
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of {m.n_heads}, or another n_heads")

@@ -84,4 +84,94 @@ def test_auto_finds_this_models_diagnosis_swaps_its_ops_and_logs_why(tmp_path):
     (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert mlrun.data.params["kernels.fused"] == "['rms_norm', 'swiglu']"
     assert mlrun.data.tags["kernels.auto"] == "rms_norm, swiglu"
+    assert mlrun.data.tags["kernels.auto.decided_by"] == "diagnosis"  # no GPU here to time the candidates on
+    assert "no GPU here to time the candidates on; the diagnosis alone decides" in out
+    assert record["measured"] == {} and record["compiled"] == []
     assert "kernels_auto.json" in [a.path for a in client.list_artifacts(mlrun.info.run_id)]
+
+
+# --- kernels=auto by measurement (src/kernel_measure.py): the decision, given timings -----------
+
+def _seed_cfg(**overrides):
+    cfg = compose_config(["+exp=fsdp4", "dist.nproc=1", *[f"{k}={v}" for k, v in overrides.items()]])
+    return cfg
+
+
+def _stub_timer(table: dict[tuple[str, str], float]):
+    """(bench case, candidate) -> ms for one forward + backward; a missing pair raises, as a
+    candidate that fails to compile does."""
+    calls = []
+
+    def timer(use, candidate):
+        calls.append((use.case, tuple(use.shape), use.per_step, candidate))
+        if (use.case, candidate) not in table:
+            raise RuntimeError(f"{candidate} does not compile here")
+        return table[(use.case, candidate)]
+
+    return timer, calls
+
+
+def test_auto_measures_each_use_per_step_and_picks_the_fastest():
+    from src.kernel_measure import chosen, measure
+
+    cfg = _seed_cfg()  # mini_llm: 12 blocks, 8 x 1024 tokens a GPU, dim 2048, vocab 32000
+    timer, calls = _stub_timer({
+        ("rms_norm", "eager"): 0.10, ("rms_norm", "compile"): 0.07, ("rms_norm", "triton"): 0.08,
+        ("add_rms_norm", "eager"): 0.15, ("add_rms_norm", "compile"): 0.09, ("add_rms_norm", "triton"): 0.10,
+        ("head_loss", "eager"): 7.4, ("head_loss", "compile"): 5.3, ("head_loss", "triton"): 6.6, ("head_loss", "linear_cross_entropy"): 5.1,
+    })
+    timings = {t.op: t for t in measure(["swiglu", "softmax", "rms_norm", "cross_entropy"], cfg, timer)}
+    # swiglu and softmax: the seed's model has no module of either, so nothing is timed for them
+    assert set(timings) == {"rms_norm", "cross_entropy"}
+    assert ("rms_norm", (8192, 2048), 13, "eager") in calls and ("add_rms_norm", (8192, 2048), 12, "eager") in calls
+    assert timings["rms_norm"].ms["eager"] == pytest.approx(13 * 0.10 + 12 * 0.15)
+    assert timings["rms_norm"].pick == "compile"
+    # the loss is timed with the head it follows; the fused linear + CE replaces both
+    assert ("head_loss", (8192, 2048, 32000), 1, "linear_cross_entropy") in calls
+    assert timings["cross_entropy"].pick == "linear_cross_entropy"
+    assert chosen(list(timings.values())) == (["linear_cross_entropy"], ["rms_norm"])
+
+
+def test_a_candidate_must_beat_eager_by_more_than_the_noise_and_a_failing_one_is_never_chosen():
+    from src.kernel_measure import NOISE, measure, pick
+
+    assert pick({"eager": 1.0, "compile": 1.0 - NOISE / 2, "triton": 1.01}) == "eager"
+    assert pick({"eager": 1.0, "compile": None, "triton": 0.9}) == "triton"
+    assert pick({"eager": None, "compile": None, "triton": None}) == "eager"
+    cfg = _seed_cfg(**{"model.mlp": "swiglu"})
+    timer, _ = _stub_timer({("swiglu", "eager"): 0.6, ("swiglu", "triton"): 0.34})  # compile fails to run
+    (t,) = measure(["swiglu"], cfg, timer)
+    assert t.ms == {"eager": pytest.approx(12 * 0.6), "compile": None, "triton": pytest.approx(12 * 0.34)}
+    assert t.pick == "triton"
+
+
+def test_compiled_ops_keep_the_parameters_and_give_the_eager_loss(monkeypatch):
+    """kernels.compiled swaps modules in place as the fused swaps do; Inductor itself is torch's to
+    test (its CPU compile takes minutes on 2 cores), so the compiled callables are the plain ones here."""
+    import torch
+
+    import src.compiled_ops as co
+    from src.models.mini_llm import MiniLLM
+
+    monkeypatch.setattr(co, "_compiled_rms_norm", co._rms_norm)
+    monkeypatch.setattr(co, "_compiled_add_rms_norm", co._add_rms_norm)
+    monkeypatch.setattr(co, "_compiled_cross_entropy", torch.nn.functional.cross_entropy)
+    torch.manual_seed(0)
+    eager, swapped = MiniLLM(vocab_size=64, dim=32, n_layers=2, n_heads=2), MiniLLM(vocab_size=64, dim=32, n_layers=2, n_heads=2)
+    swapped.load_state_dict(eager.state_dict())
+    params = {n: p for n, p in swapped.named_parameters()}
+    counts, loss_fn = co.apply_compiled(swapped, ["rms_norm", "cross_entropy"])
+    assert counts == {"rms_norm": 4} and loss_fn is co.compiled_cross_entropy
+    assert {n: p for n, p in swapped.named_parameters()} == params  # the same Parameter objects, same names
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    want = torch.nn.functional.cross_entropy(eager(x).reshape(-1, 64), y.reshape(-1))
+    got = loss_fn(swapped(x).reshape(-1, 64), y.reshape(-1))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match=r"kernels.compiled=\['softmax'\]: no compiled variant"):
+        co.apply_compiled(swapped, ["softmax"])
+
+
+def test_an_op_without_a_compiled_variant_is_refused_in_one_line(tmp_path):
+    proc = run_cli(["kernels.compiled=[softmax]", *TINY], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: kernels.compiled=['softmax']: no compiled variant of that op; there are: rms_norm, swiglu, cross_entropy"]

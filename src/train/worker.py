@@ -101,9 +101,16 @@ def _log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None,
     for op, reasons in choice.ops.items():
         note = "" if kernels.swapped.get(op, 1) else "  (this model has none to swap)"
         log.info("  %s%s <- %s", op, note, "; ".join(reasons))
-    tracker.set_tags({"kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis})
+    for op, ms in cfg.kernels.measured.items():
+        log.info("  measured %s: %s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
+    tracker.set_tags({
+        "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis,
+        "kernels.auto.fused": ",".join(cfg.kernels.fused) or "none", "kernels.auto.compiled": ",".join(cfg.kernels.compiled) or "none",
+        "kernels.auto.decided_by": "measurement" if cfg.kernels.measured else "diagnosis",
+    })
+    # the timings also travel as params (the flattened config): kernels.measured.OP.CANDIDATE
     if run_dir is not None:
-        write_choice(choice, kernels.swapped, run_dir / "kernels_auto.json")
+        write_choice(choice, kernels.swapped, run_dir / "kernels_auto.json", cfg.kernels)
         tracker.log_artifact(run_dir / "kernels_auto.json")
 
 
@@ -178,6 +185,14 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             kernels = apply_fused(model, fused_ops, cfg.train.label_smoothing)
             if env.is_main:
                 log.info("fused Triton kernels: %s", kernels.describe())
+        if cfg.kernels.compiled:
+            from src.compiled_ops import apply_compiled
+
+            compiled_swapped, compiled_loss = apply_compiled(model, list(cfg.kernels.compiled))
+            if compiled_loss is not None and kernels.loss_fn is None and not kernels.loss_in_model:
+                kernels.loss_fn = compiled_loss
+            if env.is_main:
+                log.info("ops under torch.compile: %s", ", ".join(f"{op} x{n}" for op, n in compiled_swapped.items()) + (" cross_entropy" if compiled_loss else ""))
         if cfg.profile.nvtx:
             module_ranges(model)  # before compile and sharding: hooks on the plain modules
         if cfg.kernels.compile:

@@ -1,0 +1,86 @@
+"""One op of the model under torch.compile, the rest eager: what `kernels.compiled` applies, where
+kernels=auto measured compile as the fastest variant of that op (src/kernel_measure.py).
+
+Each swap keeps the module's Parameter objects, as the fused Triton swaps do, so FSDP2 shards the
+same tensors and state dicts keep their keys. Compiling an op alone, not its block, leaves FSDP2's
+per-block hooks and the GEMMs as they are: the choice is about the op.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _rms_norm(x, weight, eps):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _add_rms_norm(x, residual, weight, eps):
+    s = x + residual
+    return s, F.rms_norm(s, (s.shape[-1],), weight, eps)
+
+
+def _silu_mul(g, u):
+    return F.silu(g) * u
+
+
+_compiled_rms_norm = torch.compile(_rms_norm, dynamic=False)
+_compiled_add_rms_norm = torch.compile(_add_rms_norm, dynamic=False)
+_compiled_silu_mul = torch.compile(_silu_mul, dynamic=False)
+
+
+class CompiledRMSNorm(nn.Module):
+    """nn.RMSNorm's forward under torch.compile, and the residual add fused into it (add_forward)."""
+
+    def __init__(self, norm: nn.RMSNorm):
+        super().__init__()
+        self.eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _compiled_rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _compiled_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class CompiledSiLUMul(nn.Module):
+    def forward(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return _compiled_silu_mul(g, u)
+
+
+_compiled_cross_entropy = torch.compile(F.cross_entropy, dynamic=False)
+
+
+def compiled_cross_entropy(logits, targets, label_smoothing: float = 0.0):
+    return _compiled_cross_entropy(logits, targets, label_smoothing=label_smoothing)
+
+
+def _swap(model: nn.Module, match, make) -> int:
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if match(child):
+                setattr(parent, name, make(child))
+                swapped += 1
+    return swapped
+
+
+COMPILABLE = ("rms_norm", "swiglu", "cross_entropy")
+
+
+def apply_compiled(model: nn.Module, ops: list[str]) -> tuple[dict[str, int], object | None]:
+    """Swap the modules of `ops` for compiled ones, in place; returns (op -> modules swapped, the
+    compiled loss function or None)."""
+    from src.models.mini_llm import SiLUMul
+
+    unknown = [op for op in ops if op not in COMPILABLE]
+    if unknown:
+        raise ValueError(f"kernels.compiled={unknown}: no compiled variant; there are: {', '.join(COMPILABLE)}")
+    swapped: dict[str, int] = {}
+    if "rms_norm" in ops:
+        swapped["rms_norm"] = _swap(model, lambda m: isinstance(m, nn.RMSNorm), CompiledRMSNorm)
+    if "swiglu" in ops:
+        swapped["swiglu"] = _swap(model, lambda m: isinstance(m, SiLUMul), lambda m: CompiledSiLUMul())
+    return swapped, compiled_cross_entropy if "cross_entropy" in ops else None

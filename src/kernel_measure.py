@@ -1,0 +1,175 @@
+"""`kernels=auto` decides by measurement: each op the diagnosis calls for is timed, forward and
+backward, at this run's shapes and dtype on the run's GPU, as eager, torch.compile and the fused
+Triton kernel; the fastest is used. A diagnosis says where time goes, not which remedy pays:
+on an H200 the fused norms win from a CUDA graph and lose as called, where a Python backward
+costs 200-600 us of host time (docs/PERFORMANCE.md section 5b).
+
+Timings are per training step: an op used k times a step (RMSNorm twice a block and once before
+the head, once of them after the residual add) counts k times. The loss is timed with the output
+head, since the fused linear + cross-entropy replaces both: its candidates are eager (head GEMM,
+then the loss), compile (the same under torch.compile), triton (head GEMM, then the fused loss)
+and triton's linear_cross_entropy (no logits at all).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+log = logging.getLogger("src.run")
+
+CANDIDATES = ("eager", "compile", "triton")
+# A candidate replaces eager only when it is more than this much faster: do_bench medians of the
+# same kernel spread by 1-3% between two calls on an H200, and a wrong swap costs more than a
+# missed one (a compile's warm-up, a Python backward).
+NOISE = 0.03
+
+
+@dataclass
+class Use:
+    """One way the model uses an op: the kernel_bench case, its shape, and how often a step."""
+
+    case: str
+    shape: list[int]
+    per_step: int
+
+
+@dataclass
+class OpTiming:
+    op: str
+    """the registry op (kernels/triton/registry.py)"""
+    ms: dict[str, float | None] = field(default_factory=dict)
+    """candidate -> GPU ms per step, forward and backward; None: the candidate failed"""
+    pick: str = "eager"
+    """eager, compile, triton, or linear_cross_entropy (the loss only)"""
+
+
+def uses(cfg: DictConfig) -> dict[str, list[Use]]:
+    """registry op -> how this model uses it per step (an empty list: the model has none)."""
+    m = cfg.model
+    tokens = cfg.data.batch_size * cfg.data.seq_len  # per device: each rank computes on its own batch
+    hidden = m.ffn_hidden or m.dim * m.ffn_mult
+    return {
+        "rms_norm": [Use("rms_norm", [tokens, m.dim], m.n_layers + 1), Use("add_rms_norm", [tokens, m.dim], m.n_layers)],
+        "swiglu": [Use("swiglu", [tokens, hidden], m.n_layers)] if str(m.mlp) == "swiglu" else [],
+        "softmax": [],  # attention's softmax runs inside scaled_dot_product_attention: no module to swap
+        "cross_entropy": [Use("head_loss", [tokens, m.dim, m.vocab_size], 1)],
+        "linear_cross_entropy": [Use("head_loss", [tokens, m.dim, m.vocab_size], 1)],
+    }
+
+
+def pick(ms: dict[str, float | None], noise: float = NOISE) -> str:
+    """The fastest candidate, but eager unless it is beaten by more than `noise`."""
+    eager = ms.get("eager")
+    timed = {k: v for k, v in ms.items() if v is not None}
+    if not timed:
+        return "eager"
+    best = min(timed, key=timed.get)
+    if eager is None or best == "eager" or timed[best] < eager * (1 - noise):
+        return best
+    return "eager"
+
+
+Timer = Callable[[Use, str], float]
+"""(use, candidate) -> GPU ms of one forward + backward"""
+
+
+LOSS_OPS = ("cross_entropy", "linear_cross_entropy")
+
+
+def measure(ops: list[str], cfg: DictConfig, timer: Timer) -> list[OpTiming]:
+    """Time every candidate of every op in `ops` that this model uses (ops it does not use are
+    left out); the loss ops are timed once, together with the head, as "cross_entropy". `timer`
+    raising for a candidate marks it failed (None), not the run."""
+    plan = uses(cfg)
+    todo = [op for op in ops if op not in LOSS_OPS] + (["cross_entropy"] if any(op in LOSS_OPS for op in ops) else [])
+    results: list[OpTiming] = []
+    for op in todo:
+        if not plan.get(op):
+            continue
+        timing = OpTiming(op)
+        for candidate in CANDIDATES + (("linear_cross_entropy",) if op == "cross_entropy" else ()):
+            try:
+                timing.ms[candidate] = sum(use.per_step * timer(use, candidate) for use in plan[op])
+            except Exception as err:  # a candidate that fails (a compile error) is not chosen
+                log.info("kernels=auto: %s as %s failed to run: %s", op, candidate, str(err).splitlines()[0] if str(err) else type(err).__name__)
+                timing.ms[candidate] = None
+        timing.pick = pick(timing.ms)
+        results.append(timing)
+    return results
+
+
+def chosen(timings: list[OpTiming]) -> tuple[list[str], list[str]]:
+    """(kernels.fused, kernels.compiled) from the picks."""
+    fused = [t.pick if t.pick == "linear_cross_entropy" else t.op for t in timings if t.pick in ("triton", "linear_cross_entropy")]
+    return fused, [t.op for t in timings if t.pick == "compile"]
+
+
+def _head_loss(candidate: str, loss_fp32: bool) -> Callable:
+    """The output head and the loss as the training step runs them under `candidate`."""
+    if candidate in ("eager", "compile"):
+        def fn(h, w, t):
+            logits = h @ w.t()
+            return F.cross_entropy(logits.float() if loss_fp32 else logits, t)
+
+        return torch.compile(fn, dynamic=False) if candidate == "compile" else fn
+    if candidate == "triton":
+        from kernels.triton.cross_entropy import fused_cross_entropy
+
+        return lambda h, w, t: fused_cross_entropy(h @ w.t(), t)
+    from kernels.triton.linear_cross_entropy import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy
+
+
+def gpu_timer(dtype: torch.dtype, loss_fp32: bool) -> Timer:
+    """Median GPU time of forward + backward, as called (triton.testing.do_bench): the host path
+    counts, as it does in the training step."""
+    from src.kernel_bench.cases import make_case, seed, variant
+    from src.kernel_bench.timing import median_ms
+
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def time_one(use: Use, candidate: str) -> float:
+        case = make_case("linear_cross_entropy" if use.case == "head_loss" else use.case, use.shape)
+        fn = _head_loss(candidate, loss_fp32) if use.case == "head_loss" else variant(use.case, candidate)
+        seed(device)
+        inputs = case.inputs(device, dtype, True)
+        leaves = [t for t in inputs if t.requires_grad]
+        out = fn(*inputs)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        grads = [torch.ones_like(o) for o in outs]
+
+        def step():
+            result = fn(*inputs)
+            torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
+
+        return median_ms(step, device, warmup_ms=25, rep_ms=100)
+
+    return time_one
+
+
+def _measure_in_child(ops: list[str], cfg_yaml: str) -> list[dict]:
+    from omegaconf import OmegaConf
+
+    from src.train.worker import DTYPES
+
+    cfg = OmegaConf.create(cfg_yaml)
+    torch.cuda.set_device(0)
+    return [asdict(t) for t in measure(ops, cfg, gpu_timer(DTYPES[cfg.precision.param_dtype], cfg.train.loss_fp32))]
+
+
+def measure_on_gpu(ops: list[str], cfg: DictConfig) -> list[OpTiming]:
+    """`measure` on GPU 0 in a spawned process, so the launcher holds no CUDA context while the
+    ranks train."""
+    import multiprocessing
+
+    from omegaconf import OmegaConf
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        rows = pool.apply(_measure_in_child, (ops, OmegaConf.to_yaml(cfg, resolve=True)))
+    return [OpTiming(**r) for r in rows]
