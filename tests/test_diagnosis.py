@@ -1,9 +1,8 @@
-"""Report reader, bound classifier, diagnosis and roofline on real H200 captures (shared/fixtures/ncu)."""
+"""Report reader, bound classifier, diagnosis and roofline on real H200 captures (tests/fixtures/ncu)."""
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -14,23 +13,19 @@ from src.profiling.classify import Thresholds, classify
 from src.profiling.diagnosis import SCHEMA, diagnose, fusable_ops, module_of
 from src.profiling.ncu_reader import read_report, to_base_unit
 
-# The real captures live in shared/ beside the checkout (PERFLAB_SHARED points elsewhere).
-FIXTURES = Path(os.environ.get("PERFLAB_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "fixtures" / "ncu"
+# The real captures travel with the project (tests/fixtures/ncu/README.md says how each was made).
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ncu"
 REP, REP_CSV, METRICS_CSV = FIXTURES / "h200_ops.ncu-rep.gz", FIXTURES / "h200_ops_raw.csv", FIXTURES / "h200_targets_metrics_raw.csv"
 OPS = ["rms_norm", "copy", "softmax", "silu", "mul", "gemm"]  # workload.py's order inside the NVTX range "ops"
 
-needs_fixtures = pytest.mark.skipif(not FIXTURES.exists(), reason="needs shared/fixtures/ncu beside the checkout")
 
 
 @pytest.fixture(scope="module")
 def rep_records():
-    if not FIXTURES.exists():
-        pytest.skip("needs shared/fixtures/ncu beside the checkout")
     pytest.importorskip("ncu_report")
     return read_report(REP)
 
 
-@needs_fixtures
 def test_csv_export_parses_past_the_preamble_units_and_separators():
     records = read_report(METRICS_CSV)
     assert len(records) == 18  # 6 random fills, then the 6 ops twice
@@ -42,7 +37,6 @@ def test_csv_export_parses_past_the_preamble_units_and_separators():
     assert records[0].device == "NVIDIA H200"
 
 
-@needs_fixtures
 def test_ncu_rep_and_its_csv_export_agree(rep_records):
     csv_records = read_report(REP_CSV)
     assert [classify_op(r.name)[0] for r in rep_records] == OPS == [classify_op(r.name)[0] for r in csv_records]
@@ -54,7 +48,6 @@ def test_ncu_rep_and_its_csv_export_agree(rep_records):
         assert (a.fp32_flops or 0) == pytest.approx(b.fp32_flops or 0, rel=1e-5)
 
 
-@needs_fixtures
 def test_classifier_labels_the_captured_kernels(rep_records):
     verdicts = {classify_op(r.name)[0]: classify(r.sm_pct, r.dram_pct, r.occupancy_pct) for r in rep_records}
     assert verdicts["gemm"].bound == "compute-bound" and verdicts["gemm"].textbook
@@ -66,7 +59,6 @@ def test_classifier_labels_the_captured_kernels(rep_records):
     assert "fusion" in verdicts["mul"].remedy and "FP8" in verdicts["gemm"].remedy
 
 
-@needs_fixtures
 def test_the_l1_l2_memory_row_is_not_used_for_the_verdict(rep_records):
     gemm = next(r for r in rep_records if classify_op(r.name)[0] == "gemm")
     assert gemm.mem_pct > 90 and gemm.dram_pct < 25  # "Memory Throughput" 94% on a compute-bound GEMM
@@ -82,7 +74,6 @@ def test_thresholds_come_from_config():
     assert math.isnan(to_base_unit(math.nan, "ms")) and to_base_unit(2, "Tbyte/s") == 2e12 and to_base_unit(3, "ms") == 3e-3
 
 
-@needs_fixtures
 def test_diagnosis_shares_and_fusion_targets(rep_records):
     d = diagnose(rep_records, source=str(REP))
     assert d["schema"] == SCHEMA and d["kernel_count"] == 6 and d["device"] == "NVIDIA H200"
@@ -103,7 +94,6 @@ def test_module_names_fold_layer_indices():
     assert module_of(["step", "optimizer"]) == "optimizer" and module_of([]) == ""
 
 
-@needs_fixtures
 @pytest.mark.parametrize("report", [REP_CSV, METRICS_CSV])
 def test_cli_writes_diagnosis_roofline_and_table(tmp_path, capsys, report):
     assert diagnose_cli([str(report), "--out", str(tmp_path)]) == 0
