@@ -22,7 +22,7 @@ from src.kernel_choice import apply_auto_choice
 from src.distributed.env import launched_as_worker
 from src.runtime import RunContext
 from src.tasks import run_task
-from src.tracking.mlflow_run import resolve_tracking_uri
+from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri
 from src.validate import validate
 
 log = logging.getLogger("src.run")
@@ -98,15 +98,14 @@ def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
     sys.exit(code)
 
 
-def _parent_run_id(hc) -> str | None:
-    """Inside a multirun, the sweep callback left the parent run's id in the sweep directory."""
+def _sweep_marker(hc, name: str) -> str | None:
+    """Inside a multirun, what the sweep callback left in the sweep directory for its jobs (the
+    parent run's id, the keys the sweep varies): files, because a joblib worker shares no memory."""
     from hydra.types import RunMode
-
-    from src.tracking.mlflow_run import PARENT_RUN_ID_FILE
 
     if hc.mode != RunMode.MULTIRUN:
         return None
-    marker = Path(hc.sweep.dir) / PARENT_RUN_ID_FILE
+    marker = Path(hc.sweep.dir) / name
     return marker.read_text().strip() if marker.exists() else None
 
 
@@ -151,7 +150,8 @@ def hydra_main(cfg: DictConfig) -> dict | None:
         cwd=cwd,
         overrides=list(hc.overrides.task),
         tracking_uri=resolve_tracking_uri(cfg.tracking.uri, cwd),
-        parent_run_id=_parent_run_id(hc),
+        parent_run_id=_sweep_marker(hc, PARENT_RUN_ID_FILE),
+        sweep_keys=(_sweep_marker(hc, SWEEP_KEYS_FILE) or "").split() or None,
     )
     try:
         validate(cfg)

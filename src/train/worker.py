@@ -116,7 +116,7 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
     return MlflowTracker(
         uri=ctx.tracking_uri or cfg.tracking.uri,
         experiment=experiment_name(cfg),
-        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
+        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
         params=flatten(OmegaConf.to_container(cfg, resolve=True)),
         tags=run_tags(ctx.overrides, env.world_size, device_name, ctx.cwd),
         run_dir=run_dir,
@@ -291,7 +291,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         if run_dir is not None:
             write_json(run_dir / "summary.json", summary)
             history = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else result.steps
-            plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides))
+            plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides, ctx.sweep_keys))
             for name in RUN_ARTIFACTS:
                 tracker.log_artifact(run_dir / name)
         tracker.finish("FINISHED", summary)
