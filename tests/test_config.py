@@ -19,7 +19,7 @@ GROUP_OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob
 def test_defaults_compose_to_the_cpu_fsdp2_run():
     cfg = compose_config([])
     assert (cfg.model.name, cfg.sharding.name, cfg.precision.name, cfg.backend.name) == ("tiny", "fsdp2", "bf16", "cpu")
-    assert (cfg.data.name, cfg.tracking.name, cfg.task.name, cfg.kernels.name) == ("random", "mlflow", "train", "eager")
+    assert (cfg.data.name, cfg.tracking.name, cfg.task.name, cfg.kernels.name) == ("text", "mlflow", "train", "eager")
     assert cfg.dist.nproc == 2
     validate(cfg, cuda_device_count=0, mps_available=False)
 
@@ -66,7 +66,7 @@ BAD_OVERRIDES = [
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
     (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),
     (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]: must be two numbers in [0, 1)"),
-    (["model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),
+    (["data=random", "model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),
     (["model=base_model"], "model=base_model: no such option in group 'model'; use one of: mini_llm, small, tiny"),
     (["sharding=base_sharding"], "sharding=base_sharding: no such option"),
     (["sharding.strategy=fsdp"], "sharding.strategy=fsdp: not a choice of sharding.strategy; use one of: fsdp2, hsdp, none"),

@@ -51,6 +51,13 @@ def check_reachable(uri: str, timeout_s: float) -> None:
         raise TrackingUnavailable(f"MLflow server at {uri} did not answer ({type(err).__name__})") from None
 
 
+def ui_hint(uri: str) -> str:
+    """How to open the MLflow UI on the store a run wrote to, as a command to paste."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri.rstrip('/')} in a browser"
+    return f"see it with `mlflow ui --backend-store-uri {uri}`, then open http://127.0.0.1:5000"
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():

@@ -147,5 +147,12 @@ class MlflowSweepCallback(Callback):
             self.client.log_batch(self.parent_run_id, metrics=metrics, params=params)
             self.client.set_tag(self.parent_run_id, "jobs", f"{len(rows) - len(failed)} finished, {len(failed)} failed")
             self.client.set_terminated(self.parent_run_id, status="FAILED" if rows and len(failed) == len(rows) else "FINISHED")
+        if rows:
+            from src.tracking.mlflow_run import ui_hint
+
+            uri = "" if self.client is None else f" --uri {config.tracking.uri}" * (config.tracking.uri != "sqlite:///mlflow.db")
+            log.info("compare the jobs: python -m src.compare --sweep latest%s", uri)
+            if self.client is not None:
+                log.info("MLflow: the sweep is run %s, its jobs are its children; %s", self.parent_run_id[:8], ui_hint(config.tracking.uri))
         if failed:
             sys.exit(1)

@@ -33,6 +33,7 @@ from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.torch_profile import TorchProfileSession
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
+from src.train.schedule import lr_at
 from src.train.loop import summarize, train_loop
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
 from src.train.progress import ProgressReporter
@@ -258,6 +259,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=checkpointer.save if checkpointer is not None and ck.enabled else None,
                 nonfinite=cfg.train.nonfinite,
+                lr_at=partial(lr_at, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
+                              total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio),
             )
             if checkpointer is not None:
                 checkpointer.wait()
@@ -277,7 +280,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             "params": n_params,
             "flops_per_token": fpt,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
-            **summarize(result, cfg.train.warmup_steps),
+            **summarize(result, cfg.train.untimed_steps),
             "start_step": start_step,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "checkpoints": checkpointer.saves if checkpointer is not None else [],
