@@ -23,8 +23,8 @@ from src.tracking.figures import TASK_FIGURES, best_row, headline, is_number, lo
 PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size")
 # Short headers: five figures and a run name fit 100 columns (tokens_per_s_per_device alone is 23).
 SHORT = {"tokens_per_s_per_device": "tok/s/dev", "peak_mem_gb": "peak GB", "final_loss": "loss", "step_time_s": "step s",
-         "mfu": "MFU %", "decode_tokens_per_s": "decode tok/s", "prefill_tokens_per_s": "prefill tok/s", "decode_p50_ms": "decode p50 ms",
-         "ttft_p50_ms": "TTFT p50 ms", "rel_err": "rel err", "share_memory_bound": "mem-bound"}
+         "mfu": "MFU %", "decode_tokens_per_s": "dec tok/s", "prefill_tokens_per_s": "pre tok/s", "decode_p50_ms": "dec p50 ms",
+         "ttft_p50_ms": "TTFT p50", "rel_err": "rel err", "share_memory_bound": "mem-bound"}
 
 
 def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> list[dict[str, Any]]:
@@ -102,12 +102,12 @@ def render(rows: list[dict[str, Any]], metric: str | None, console: Console) -> 
     figures = [metric] + [m for m in TASK_FIGURES.get(task, ()) if m != metric and any(is_number(r.get(m)) for r in rows)]
     labels = _labels(rows)
     varying = [p for p in PARAMS if len({str(r.get(p)) for r in rows}) > 1 and not all(f"{p}=" in lab for lab in labels)]
-    same = [f"{p}={rows[0][p]}" for p in PARAMS if p not in varying and rows[0].get(p) is not None]
+    same = [f"{p}={rows[0][p]}" for p in PARAMS if len({str(r.get(p)) for r in rows}) == 1 and rows[0].get(p) is not None]
     with_status = any(r["status"] != "finished" for r in rows)
     table = Table(title=f"{len(rows)} runs by {metric} ({'lower' if lower else 'higher'} is better)",
                   caption=("all: " + " ".join(same)) if same else None, caption_justify="left")
     table.add_column("", width=1)
-    table.add_column("run", overflow="fold", ratio=1)
+    table.add_column("run", overflow="fold", min_width=min(max(map(len, labels)), 30))
     if with_status:
         table.add_column("status")
     for p in varying:
