@@ -13,6 +13,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from src.config_help import register as register_help
 from src.profiling.classify import Thresholds
 
 
@@ -402,3 +403,4 @@ def register_configs() -> None:
 
 
 register_configs()
+register_help()  # `--help` reads field docstrings through a resolver
