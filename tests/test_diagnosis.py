@@ -81,8 +81,15 @@ def test_diagnosis_shares_and_fusion_targets(rep_records):
     assert sum(o["share"] for o in d["ops"]) == pytest.approx(1.0)
     assert d["ops"][0]["op"] == "gemm"  # the costliest first
     assert d["share_memory_bound"] == pytest.approx(by_op["silu"]["share"] + by_op["mul"]["share"])
-    assert by_op["mul"]["summary"].startswith("ops/mul: memory-bound, 6.7% of step -> fused Triton SiLU-mul")
+    # no backward kernels in this capture: a share is of what was profiled, and it says so
+    assert not d["has_backward"] and "no backward" in d["share_of"]
+    assert by_op["mul"]["summary"] == "ops/mul: memory-bound (margin 8.8 pts), 6.7% of profiled kernels -> fused Triton SiLU-mul"
     assert by_op["gemm"]["fusion"] is None
+    # tensor-pipe FLOPs: the 8192^3 bf16 GEMM (1.10 TFLOP in 1.37 ms) sits near the bf16 tensor roof
+    (gemm,) = [k for k in d["kernels"] if k["op"] == "gemm"]
+    assert gemm["tensor_flops"] == pytest.approx(2 * 8192**3, rel=0.05)
+    assert 700e12 < gemm["achieved_flops"] < 989e12
+    assert all(not k["tensor_flops"] for k in d["kernels"] if k["op"] != "gemm")
     fuse = fusable_ops(d)
     assert set(fuse["swiglu"]) == {by_op["silu"]["summary"], by_op["mul"]["summary"]}
     assert "rms_norm" in fuse and "softmax" in fuse  # latency-limited: fusing them still removes launches
@@ -121,3 +128,23 @@ def test_a_diagnosis_json_can_be_diagnosed_again(tmp_path):
     assert by_key["layers.*.ffn/silu"]["fusion"] == "swiglu"
     assert 0.15 < d["share_memory_bound"] < 0.25
     assert "backward/other" not in by_key  # every backward kernel is named (GammaBeta -> norm, dot_do_o -> attention)
+    assert d["has_backward"] and "% of step" in by_key["optimizer/adamw"]["summary"]
+    # the optimizer's own remedy, not the generic memory-bound one
+    assert by_key["optimizer/adamw"]["summary"].endswith("-> fused AdamW (optim.fused=true)")
+    # one verdict per kernel name in a module: the same kernel in 12 layers never gets two
+    verdicts = {}
+    for k in d["kernels"]:
+        verdicts.setdefault((k["name"], k["module"], k["op"]), set()).add(k["bound"])
+    assert all(len(v) == 1 for v in verdicts.values())
+    assert all(not math.isnan(o["margin_pct"]) for o in d["ops"])
+    # a GEMM below the compute roof gets a GEMM's remedy, never "smaller blocks"
+    for o in d["ops"]:
+        if o["category"] == "gemm" and o["bound"] != "compute-bound":
+            assert "more work per GEMM" in o["remedy"], o
+
+
+def test_the_cli_on_a_diagnosis_json_keeps_the_device(tmp_path, capsys):
+    source = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
+    assert diagnose_cli([str(source), "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "diagnosis.json").read_text())
+    assert d["device"] == "NVIDIA H200" and d["has_backward"]
