@@ -164,6 +164,10 @@ def _check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avai
                                   "(lavapipe, runs on the CPU) or the GPU vendor's driver")
 
 
+KERNELS_ON_CPU = "TRITON_INTERPRET=1 python -m src.run +exp=kernels_cpu"
+_INTERPRETER_MAX_ELEMENTS = 1 << 20  # a [64, 256] row takes ~1 s in the interpreter; [8192, 4096] ~90 s
+
+
 def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -> None:
     from src.kernel_bench.cases import OPS
     from src.kernel_bench.task import DTYPES
@@ -172,7 +176,7 @@ def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -
     if backend not in ("cpu", "cuda"):
         raise ConfigError(f"task=kernel_bench times kernels on backend=cuda (or backend=cpu to check the plumbing), not backend={backend}")
     if backend == "cuda" and cuda_device_count == 0:
-        raise ConfigError("backend=cuda but no CUDA GPU is visible; +exp=kernels needs an NVIDIA GPU (backend=cpu runs it in Triton's interpreter, for checking only)")
+        raise ConfigError(f"backend=cuda but no CUDA GPU is visible; +exp=kernels times kernels on an NVIDIA GPU; on a CPU, check the plumbing with `{KERNELS_ON_CPU}`")
     for name, given, allowed in (("ops", b.ops, OPS), ("providers", b.providers, ("eager", "compile", "triton", "liger")), ("modes", b.modes, ("fwd", "fwd_bwd"))):
         unknown = [v for v in given if v not in allowed]
         if unknown or not given:
@@ -187,8 +191,14 @@ def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -
             raise ConfigError(f"kernel_bench.shapes.{op}={None if shapes is None else [list(s) for s in shapes]}: give a list of {form} with positive sizes")
     if "triton" in b.providers:
         why_not = triton_usable(backend)
+        if why_not and backend == "cpu":
+            raise ConfigError(f"kernel_bench.providers has triton, which runs on a CPU only in Triton's interpreter: `{KERNELS_ON_CPU}`")
         if why_not:
             raise ConfigError(f"kernel_bench.providers has triton: {why_not}; or drop it from kernel_bench.providers")
+        largest = max(math.prod(s) for op in b.ops for s in b.shapes[op])
+        if backend == "cpu" and largest > _INTERPRETER_MAX_ELEMENTS:
+            raise ConfigError(f"kernel_bench.shapes at these sizes take minutes a row in Triton's interpreter "
+                              f"(LLM sizes: 2 rows in 180 s); use the small sizes of `{KERNELS_ON_CPU}`")
 
 
 def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False) -> None:
