@@ -156,3 +156,14 @@ def test_cli_exits_2_with_one_line_and_leaves_nothing_behind(workdir: Path, args
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
     assert list(workdir.iterdir()) == []  # no outputs/, multirun/, mlflow.db or mlruns/
     assert not Path("/nonexistent_dir").exists()
+
+
+def test_kernels_on_a_cpu_point_at_a_command_that_runs(monkeypatch):
+    with pytest.raises(ConfigError, match=r"`TRITON_INTERPRET=1 python -m src\.run \+exp=kernels_cpu`"):
+        validate(compose_config(["+exp=kernels"]), cuda_device_count=0, mps_available=False)
+    with pytest.raises(ConfigError, match=r"\+exp=kernels_cpu"):
+        validate(compose_config(["+exp=kernels", "backend=cpu"]), cuda_device_count=0, mps_available=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted, LLM sizes would take minutes a row
+    with pytest.raises(ConfigError, match="minutes a row"):
+        validate(compose_config(["+exp=kernels", "backend=cpu"]), cuda_device_count=0, mps_available=False)
+    validate(compose_config(["+exp=kernels_cpu"]), cuda_device_count=0, mps_available=False)
