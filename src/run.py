@@ -155,7 +155,8 @@ def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -
     if ctx.run_dir:
         run_dir = Path(ctx.run_dir)
         shown = run_dir.relative_to(ctx.cwd) if run_dir.is_relative_to(ctx.cwd) else run_dir
-        log.info("outputs: %s/ (summary.json, config.yaml, run.log; training: metrics.jsonl, curves.png)", shown)
+        files = "summary.json, config.yaml, run.log" + (", metrics.jsonl, curves.png" if cfg.task.name in ("train", "profile") else "")
+        log.info("outputs: %s/ (%s)", shown, files)
     run_id = (summary or {}).get("mlflow_run_id") if isinstance(summary, dict) else None
     if cfg.tracking.enabled and run_id:
         log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), ui_hint(cfg.tracking.uri))

@@ -33,7 +33,7 @@ def plot_headline(rows: list[dict[str, Any]], metric: str, path: Path, best: dic
     fig, axes = _figure(len(rows))
     ax = axes[0][0]
     bars = ax.bar(range(len(rows)), values, color=colors, width=0.6)
-    ax.bar_label(bars, labels=[f"{v:,.4g}" if r["status"] == "finished" else "failed" for v, r in zip(values, rows)], fontsize=8, padding=2)
+    ax.bar_label(bars, labels=[(f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}") if r["status"] == "finished" else "failed" for v, r in zip(values, rows)], fontsize=8, padding=2)
     ax.set_xticks(range(len(rows)), [_label(r) for r in rows], fontsize=8)
     ax.set_ylabel(metric.replace("_", " "))
     ax.margins(y=0.15)  # room for the value labels above the tallest bar
