@@ -13,6 +13,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from src.config_help import register as register_help
 from src.profiling.classify import Thresholds
 
 
@@ -51,6 +52,11 @@ class DistBackend(StrEnum):
 class DataSource(StrEnum):
     random = "random"
     text = "text"
+
+
+class Schedule(StrEnum):
+    constant = "constant"
+    cosine = "cosine"
 
 
 class NonFinite(StrEnum):
@@ -187,6 +193,12 @@ class OptimConfig:
     """clip the global gradient norm to this; 0 disables clipping (the norm is still reported)"""
     fused: Optional[bool] = None
     """fused AdamW kernel; empty means on for CUDA, off elsewhere"""
+    schedule: Schedule = Schedule.constant
+    """learning rate per step: constant (the seed's) or cosine (down to min_lr_ratio * lr at the last step)"""
+    warmup_steps: int = 0
+    """learning-rate warm-up: rises linearly to lr over these first steps (either schedule)"""
+    min_lr_ratio: float = 0.1
+    """cosine only: the last step's learning rate as a fraction of lr"""
 
 
 @dataclass
@@ -195,8 +207,9 @@ class TrainConfig:
     seed: int = 0
     """one seed for weights and data: the same whatever the world size"""
     log_every: int = 1
-    warmup_steps: int = 2
-    """first steps left out of the throughput figures (allocator warm-up, compilation)"""
+    untimed_steps: int = 2
+    """first steps left out of the throughput and step-time figures (allocator warm-up, compilation);
+    the learning-rate warm-up is optim.warmup_steps"""
     seed_line: bool = False
     """also print SEED.md's own line: 'Step N | Loss: ... | Peak VRAM/GPU: ... GB'"""
     progress: bool = True
@@ -394,3 +407,4 @@ def register_configs() -> None:
 
 
 register_configs()
+register_help()  # `--help` reads field docstrings through a resolver

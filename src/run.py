@@ -7,28 +7,34 @@ same entry is a worker: it composes the config itself and rank 0 alone writes th
 """
 from __future__ import annotations
 
-import logging
-import os
-import signal
 import sys
-from pathlib import Path
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
-
-from src.compose import ConfigError, compose_config
-from src.kernel_choice import apply_auto_choice
-from src.distributed.env import launched_as_worker
-from src.runtime import RunContext
-from src.tasks import run_task
-from src.tracking.mlflow_run import resolve_tracking_uri
-from src.validate import validate
-
-log = logging.getLogger("src.run")
 
 # Hydra flags that print or inspect instead of running a job: no preflight for these.
 _INSPECT_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--version", "--resolve", "-p", "--package")
+if __name__ == "__main__" and not any(a.split("=")[0] in _INSPECT_FLAGS for a in sys.argv[1:]):
+    # Importing torch, Hydra and MLflow takes 3 s on a quiet 2-core machine and over 10 s on a busy
+    # one: say at once that the command started, before any of it.
+    print("perflab: composing and checking the config, then starting the run ...", flush=True)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+
+from src.compose import ConfigError, compose_config  # noqa: E402
+from src.kernel_choice import apply_auto_choice  # noqa: E402
+from src.distributed.env import launched_as_worker  # noqa: E402
+from src.runtime import RunContext  # noqa: E402
+from src.tasks import run_task  # noqa: E402
+from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri  # noqa: E402
+from src.validate import validate  # noqa: E402
+
+log = logging.getLogger("src.run")
+
 EXIT_BAD_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
@@ -98,15 +104,14 @@ def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
     sys.exit(code)
 
 
-def _parent_run_id(hc) -> str | None:
-    """Inside a multirun, the sweep callback left the parent run's id in the sweep directory."""
+def _sweep_marker(hc, name: str) -> str | None:
+    """Inside a multirun, what the sweep callback left in the sweep directory for its jobs (the
+    parent run's id, the keys the sweep varies): files, because a joblib worker shares no memory."""
     from hydra.types import RunMode
-
-    from src.tracking.mlflow_run import PARENT_RUN_ID_FILE
 
     if hc.mode != RunMode.MULTIRUN:
         return None
-    marker = Path(hc.sweep.dir) / PARENT_RUN_ID_FILE
+    marker = Path(hc.sweep.dir) / name
     return marker.read_text().strip() if marker.exists() else None
 
 
@@ -118,7 +123,10 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
     from src.tasks import record_job_failure
 
     try:
-        return run_task(cfg, ctx)
+        summary = run_task(cfg, ctx)
+        if not multirun:
+            _say_where_it_went(cfg, ctx, summary)
+        return summary
     except (KeyboardInterrupt, SignalException) as err:
         # SignalException is an Exception: left to Hydra, it prints ~40 lines and exits 1.
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
@@ -140,6 +148,20 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
     return None
 
 
+def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -> None:
+    """The last lines of a run: where its files are and how to see it in MLflow."""
+    from src.tracking.mlflow_run import experiment_name, ui_hint
+
+    if ctx.run_dir:
+        run_dir = Path(ctx.run_dir)
+        shown = run_dir.relative_to(ctx.cwd) if run_dir.is_relative_to(ctx.cwd) else run_dir
+        files = "summary.json, config.yaml, run.log" + (", metrics.jsonl, curves.png" if cfg.task.name in ("train", "profile") else "")
+        log.info("outputs: %s/ (%s)", shown, files)
+    run_id = (summary or {}).get("mlflow_run_id") if isinstance(summary, dict) else None
+    if cfg.tracking.enabled and run_id:
+        log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), ui_hint(cfg.tracking.uri))
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> dict | None:
     from hydra.types import RunMode
@@ -151,7 +173,8 @@ def hydra_main(cfg: DictConfig) -> dict | None:
         cwd=cwd,
         overrides=list(hc.overrides.task),
         tracking_uri=resolve_tracking_uri(cfg.tracking.uri, cwd),
-        parent_run_id=_parent_run_id(hc),
+        parent_run_id=_sweep_marker(hc, PARENT_RUN_ID_FILE),
+        sweep_keys=(_sweep_marker(hc, SWEEP_KEYS_FILE) or "").split() or None,
     )
     try:
         validate(cfg)

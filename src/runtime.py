@@ -16,3 +16,5 @@ class RunContext:
     """the MLflow URI with relative sqlite paths made absolute"""
     parent_run_id: str | None = None
     """inside a Hydra multirun: the sweep's MLflow parent run"""
+    sweep_keys: list[str] | None = None
+    """inside a Hydra multirun: the keys the sweep varies, which name each job's run"""

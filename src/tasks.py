@@ -84,7 +84,7 @@ def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: s
     if ctx.parent_run_id:
         tags["mlflow.parentRunId"] = ctx.parent_run_id
     try:
-        record_failed_run(ctx.tracking_uri or cfg.tracking.uri, experiment_name(cfg), cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
+        record_failed_run(ctx.tracking_uri or cfg.tracking.uri, experiment_name(cfg), cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
                           message, tags, run_dir, status="KILLED" if status == "killed" else "FAILED")
     except Exception as err:  # the store itself is down: the summary above still holds the error
         log.warning("could not record the failure in MLflow: %s", err)

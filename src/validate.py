@@ -56,7 +56,9 @@ def _check_numbers(cfg: DictConfig) -> None:
     need(finite(m.norm_eps) and m.norm_eps > 0, "model.norm_eps", m.norm_eps, "a small positive number, e.g. model.norm_eps=1e-6")
     need(finite(m.init_std) and m.init_std > 0, "model.init_std", m.init_std, "a positive standard deviation, e.g. model.init_std=0.02")
     need(t.log_every >= 1, "train.log_every", t.log_every, "at least 1 (log every Nth step)")
-    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "0 or more")
+    need(t.untimed_steps >= 0, "train.untimed_steps", t.untimed_steps, "0 or more")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "0 or more (learning-rate warm-up steps)")
+    need(finite(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "a fraction in [0, 1], e.g. optim.min_lr_ratio=0.1")
     need(cfg.dist.max_restarts >= 0, "dist.max_restarts", cfg.dist.max_restarts, "0 or more")
     need(cfg.dist.timeout_s >= 1, "dist.timeout_s", cfg.dist.timeout_s, "at least 1 second")
     need(finite(cfg.data.corpus_mb) and cfg.data.corpus_mb > 0, "data.corpus_mb", cfg.data.corpus_mb, "a positive size in MB, e.g. data.corpus_mb=4")
@@ -162,6 +164,10 @@ def _check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avai
                                   "(lavapipe, runs on the CPU) or the GPU vendor's driver")
 
 
+KERNELS_ON_CPU = "TRITON_INTERPRET=1 python -m src.run +exp=kernels_cpu"
+_INTERPRETER_MAX_ELEMENTS = 1 << 20  # a [64, 256] row takes ~1 s in the interpreter; [8192, 4096] ~90 s
+
+
 def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -> None:
     from src.kernel_bench.cases import OPS
     from src.kernel_bench.task import DTYPES
@@ -170,7 +176,7 @@ def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -
     if backend not in ("cpu", "cuda"):
         raise ConfigError(f"task=kernel_bench times kernels on backend=cuda (or backend=cpu to check the plumbing), not backend={backend}")
     if backend == "cuda" and cuda_device_count == 0:
-        raise ConfigError("backend=cuda but no CUDA GPU is visible; +exp=kernels needs an NVIDIA GPU (backend=cpu runs it in Triton's interpreter, for checking only)")
+        raise ConfigError(f"backend=cuda but no CUDA GPU is visible; +exp=kernels times kernels on an NVIDIA GPU; on a CPU, check the plumbing with `{KERNELS_ON_CPU}`")
     for name, given, allowed in (("ops", b.ops, OPS), ("providers", b.providers, ("eager", "compile", "triton", "liger")), ("modes", b.modes, ("fwd", "fwd_bwd"))):
         unknown = [v for v in given if v not in allowed]
         if unknown or not given:
@@ -185,8 +191,14 @@ def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -
             raise ConfigError(f"kernel_bench.shapes.{op}={None if shapes is None else [list(s) for s in shapes]}: give a list of {form} with positive sizes")
     if "triton" in b.providers:
         why_not = triton_usable(backend)
+        if why_not and backend == "cpu":
+            raise ConfigError(f"kernel_bench.providers has triton, which runs on a CPU only in Triton's interpreter: `{KERNELS_ON_CPU}`")
         if why_not:
             raise ConfigError(f"kernel_bench.providers has triton: {why_not}; or drop it from kernel_bench.providers")
+        largest = max(math.prod(s) for op in b.ops for s in b.shapes[op])
+        if backend == "cpu" and largest > _INTERPRETER_MAX_ELEMENTS:
+            raise ConfigError(f"kernel_bench.shapes at these sizes take minutes a row in Triton's interpreter "
+                              f"(LLM sizes: 2 rows in 180 s); use the small sizes of `{KERNELS_ON_CPU}`")
 
 
 def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False) -> None:

@@ -3,6 +3,7 @@ resumes by itself, partial and corrupt checkpoints, resharding 2 -> 1, export, n
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -131,6 +132,10 @@ def test_two_rank_checkpoint_loads_in_one_process_and_exports_for_inference(tmp_
     assert export_main([str(ckpt), "--out", str(out)]) == 0
     # resharded 2 -> 1 by DCP, the same weights the 2 ranks gathered themselves at the end
     _assert_same_weights(out, _run_dir(straight) / "model.safetensors")
+    umask = os.umask(0)
+    os.umask(umask)
+    for weights in (out, _run_dir(straight) / "model.safetensors"):  # safetensors alone leaves 0600
+        assert weights.stat().st_mode & 0o777 == 0o666 & ~umask, oct(weights.stat().st_mode)
     cfg = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(ckpt / "config.yaml")).items() if k != "name"}
     model = MiniLLM(**cfg)
     model.load_state_dict(load_file(str(out)))

@@ -19,7 +19,7 @@ GROUP_OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob
 def test_defaults_compose_to_the_cpu_fsdp2_run():
     cfg = compose_config([])
     assert (cfg.model.name, cfg.sharding.name, cfg.precision.name, cfg.backend.name) == ("tiny", "fsdp2", "bf16", "cpu")
-    assert (cfg.data.name, cfg.tracking.name, cfg.task.name, cfg.kernels.name) == ("random", "mlflow", "train", "eager")
+    assert (cfg.data.name, cfg.tracking.name, cfg.task.name, cfg.kernels.name) == ("text", "mlflow", "train", "eager")
     assert cfg.dist.nproc == 2
     validate(cfg, cuda_device_count=0, mps_available=False)
 
@@ -66,7 +66,7 @@ BAD_OVERRIDES = [
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
     (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),
     (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]: must be two numbers in [0, 1)"),
-    (["model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),
+    (["data=random", "model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),
     (["model=base_model"], "model=base_model: no such option in group 'model'; use one of: mini_llm, small, tiny"),
     (["sharding=base_sharding"], "sharding=base_sharding: no such option"),
     (["sharding.strategy=fsdp"], "sharding.strategy=fsdp: not a choice of sharding.strategy; use one of: fsdp2, hsdp, none"),
@@ -105,10 +105,16 @@ def test_a_text_file_too_short_to_read_a_window_from_is_refused(tmp_path: Path):
     preflight(["data=text", f"data.text_path={short}", "data.seq_len=64"], multirun=False)
 
 
-def test_schemas_are_not_offered_as_options(workdir: Path):
-    proc = run_cli(["--help"], cwd=workdir, timeout=120)
+def test_help_lists_groups_and_every_option_with_its_docstring(workdir: Path):
+    proc = run_cli(["--help", "optim.schedule=cosine"], cwd=workdir, timeout=120)
     assert proc.returncode == 0 and "model: mini_llm, small, tiny" in proc.stdout
-    assert "base_" not in proc.stdout
+    assert "base_" not in proc.stdout  # schemas are not offered as options
+    lines = proc.stdout.splitlines()
+    # the composed values (tiny's width, the override) beside each field's docstring from src/config.py
+    assert any(line.startswith("  model.dim=64 ") and "multiple of n_heads" in line for line in lines)
+    assert any(line.startswith("  optim.schedule=cosine ") for line in lines)
+    assert any(line.startswith("  train.untimed_steps=2 ") and "left out of the throughput" in line for line in lines)
+    assert max(map(len, lines)) <= 100 and list(workdir.iterdir()) == []
 
 
 def test_a_bad_value_inside_a_sweep_fails_the_whole_sweep_before_it_starts():
@@ -150,3 +156,14 @@ def test_cli_exits_2_with_one_line_and_leaves_nothing_behind(workdir: Path, args
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
     assert list(workdir.iterdir()) == []  # no outputs/, multirun/, mlflow.db or mlruns/
     assert not Path("/nonexistent_dir").exists()
+
+
+def test_kernels_on_a_cpu_point_at_a_command_that_runs(monkeypatch):
+    with pytest.raises(ConfigError, match=r"`TRITON_INTERPRET=1 python -m src\.run \+exp=kernels_cpu`"):
+        validate(compose_config(["+exp=kernels"]), cuda_device_count=0, mps_available=False)
+    with pytest.raises(ConfigError, match=r"\+exp=kernels_cpu"):
+        validate(compose_config(["+exp=kernels", "backend=cpu"]), cuda_device_count=0, mps_available=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted, LLM sizes would take minutes a row
+    with pytest.raises(ConfigError, match="minutes a row"):
+        validate(compose_config(["+exp=kernels", "backend=cpu"]), cuda_device_count=0, mps_available=False)
+    validate(compose_config(["+exp=kernels_cpu"]), cuda_device_count=0, mps_available=False)

@@ -76,3 +76,27 @@ def test_with_the_server_down_the_run_completes_and_keeps_its_metrics(workdir: P
     (metrics,) = list(workdir.glob("outputs/*/*/metrics.jsonl"))
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2, 3] and all(m["loss"] > 0 for m in lines)
+
+
+def test_a_parallel_joblib_sweep_logs_parent_and_children_to_the_server(tmp_path: Path, mlflow_server: str):
+    """README's parallel sweep as written: two jobs at once in joblib (loky) workers, each starting
+    2 gloo ranks from inside its worker (which once died: "cannot find context for 'loky'")."""
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["-m", "hydra/launcher=joblib", "precision=fp32,bf16", f"tracking.uri={mlflow_server}", "train.steps=2", "tracking.system_metrics=false"]
+    proc = run_cli(args, cwd=work, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    exp = client.get_experiment_by_name("perflab")  # a named experiment, not MLflow's Default
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {"precision=fp32", "precision=bf16"}  # what varies, no tracking.uri
+    assert all(c.info.status == "FINISHED" and c.data.params["dist.nproc"] == "2" for c in children.values())
+    assert parent.info.run_name == "sweep precision=fp32,bf16 train.steps=2"
+    assert parent.data.params["precision.name"] == "fp32,bf16"
+    best = max(children.values(), key=lambda c: c.data.metrics["summary.tokens_per_s_per_device"])
+    assert parent.data.metrics["summary.tokens_per_s_per_device"] == best.data.metrics["summary.tokens_per_s_per_device"]
+    assert parent.data.tags["best_job"].startswith(best.info.run_name)

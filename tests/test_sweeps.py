@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,10 @@ def test_a_2x2_sweep_is_one_parent_with_four_finished_children(sweep: Path):
     assert all(c.info.status == "FINISHED" for c in children)
     combos = {(c.data.params["precision.name"], c.data.params["sharding.name"]) for c in children}
     assert combos == {("fp32", "none"), ("fp32", "fsdp2"), ("bf16", "none"), ("bf16", "fsdp2")}
+    # named by what varies, whole: two fp32 jobs can be told apart where the UI cuts long names
+    assert {c.info.run_name for c in children} == {f"precision={p} sharding={s}" for p, s in combos}
+    assert parent.data.params["precision.name"] == "fp32,bf16" and parent.data.params["sharding.name"] == "none,fsdp2"
+    assert parent.data.metrics["summary.tokens_per_s_per_device"] == max(c.data.metrics["summary.tokens_per_s_per_device"] for c in children)
     assert parent.info.status == "FINISHED" and parent.data.tags["jobs"] == "4 finished, 0 failed"
     assert parent.data.metrics["jobs_finished"] == 4 and parent.data.metrics["jobs_failed"] == 0
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"sweep.csv", "sweep.png"}
@@ -44,19 +49,21 @@ def test_a_2x2_sweep_is_one_parent_with_four_finished_children(sweep: Path):
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
     rows = list(csv.DictReader(open(sweep_dir / "sweep.csv")))
     assert [r["status"] for r in rows] == ["finished"] * 4 and all(float(r["tokens_per_s_per_device"]) > 0 for r in rows)
+    assert "decode_p50_ms" not in rows[0] and "share_memory_bound" not in rows[0]  # a training sweep's columns only
 
 
 def test_compare_prints_the_sweep_with_the_best_run_marked(sweep: Path, capsys, monkeypatch):
     monkeypatch.chdir(sweep)
-    assert compare_main(["--sweep", "latest", "--metric", "tokens_per_s_per_device", "--width", "250"]) == 0
+    assert compare_main(["--sweep", "latest", "--width", "100"]) == 0
     out = capsys.readouterr().out
     assert "4 runs by tokens_per_s_per_device (higher is better)" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
     lines = [line for line in out.splitlines() if "precision=" in line]
     assert len(lines) == 4 and "★" in lines[0] and sum("★" in line for line in lines) == 1
     for combo in ("precision=fp32 sharding=none", "precision=bf16 sharding=fsdp2"):
         assert any(combo in line for line in lines)
     # the same table from the run directories alone, no tracking store
-    assert compare_main(["--dirs", "multirun", "--metric", "final_loss", "--width", "250"]) == 0
+    assert compare_main(["--dirs", "multirun", "--metric", "final_loss", "--width", "100"]) == 0
     assert "4 runs by final_loss (lower is better)" in capsys.readouterr().out
 
 
@@ -77,3 +84,30 @@ def test_parallel_sweeps_on_sqlite_are_refused_before_they_start(workdir: Path):
     assert proc.returncode == 2
     assert "takes one writer at a time" in proc.stderr and "tracking.uri=http://127.0.0.1:5000" in proc.stderr
     assert list(workdir.iterdir()) == []
+
+
+def _infer_job(root: Path, name: str, dtype: str, decode_p50_ms: float) -> None:
+    job = root / name
+    job.mkdir(parents=True)
+    summary = {"task": "infer", "status": "finished", "settings": {"backend": "vulkan"}, "decode_p50_ms": decode_p50_ms,
+               "decode_tokens_per_s": 1000 / decode_p50_ms, "ttft_p50_ms": 3 * decode_p50_ms, "prefill_tokens_per_s": 900.0, "rel_err": 1e-3}
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def test_compare_knows_latencies_are_lower_is_better_and_shows_edge_figures(tmp_path: Path, capsys):
+    _infer_job(tmp_path, "backend=vulkan edge.batch=1 edge.dtype=fp16", "fp16", 4.0)
+    _infer_job(tmp_path, "backend=vulkan edge.batch=1 edge.dtype=fp32", "fp32", 9.0)
+    assert compare_main(["--dirs", str(tmp_path), "--metric", "decode_p50_ms", "--width", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs by decode_p50_ms (lower is better)" in out and "n/a" not in out
+    (fast,) = [line for line in out.splitlines() if "dtype=fp16" in line]
+    assert "★" in fast and "4" in fast and "250" in fast  # decode tok/s shown beside the latency
+    assert any("dtype=fp32" in line and "★" not in line for line in out.splitlines())
+
+
+def test_compare_with_no_store_creates_none_and_names_uri(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert compare_main([]) == 2
+    err = capsys.readouterr().err
+    assert "--uri" in err and "python -m src.run" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db left behind

@@ -29,7 +29,7 @@ def run_seed(nproc: int, steps: int, warmup: int) -> dict:
 def run_ours(nproc: int, steps: int, warmup: int, run_dir: Path, tracking: str, extra: list[str]) -> dict:
     cmd = [
         sys.executable, "-m", "src.run", "+exp=fsdp4", f"dist.nproc={nproc}", f"train.steps={steps}",
-        f"train.warmup_steps={warmup}", "train.progress=false", f"tracking={tracking}",
+        f"train.untimed_steps={warmup}", "train.progress=false", f"tracking={tracking}",
         f"hydra.run.dir={run_dir}", *extra,
     ]
     if tracking == "mlflow":

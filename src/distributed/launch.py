@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import re
 import uuid
@@ -86,6 +87,15 @@ def torch_logs_to(log_file: Path | None):
         handler.close()
 
 
+def _standard_start_method() -> None:
+    """A spawned child calls set_start_method(<the parent's default>) before anything else. Inside
+    a joblib (loky) worker of `hydra/launcher=joblib` that default is 'loky', which a fresh
+    interpreter does not know: every rank died with "ValueError: cannot find context for 'loky'".
+    The ranks are spawned whatever the default says, so reset it to a method every child knows."""
+    if multiprocessing.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
+        multiprocessing.set_start_method("spawn", force=True)
+
+
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "", log_dir: str | None = None, notes_dir: str | None = None) -> dict[int, Any]:
     """Run `entry(*args)` on `nproc` local ranks (times `nnodes`); returns {global rank: return value}."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
@@ -104,6 +114,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
+    _standard_start_method()
     try:
         with torch_logs_to(Path(notes_dir) / "run.log" if notes_dir else None):
             return elastic_launch(config, entry)(*args)

@@ -23,6 +23,9 @@ REMEDIES = {
     "latency": "fewer, larger launches: fuse with neighbouring ops, CUDA graphs, more work per launch",
     "occupancy": "raise occupancy: smaller blocks or fewer registers/shared memory per block, more blocks per launch",
 }
+# A GEMM below the compute roof is not helped by smaller blocks (cuBLAS picked its tiles); at
+# mini_llm's sizes they read SM 67-73% on an H200: give each call more work, or cheaper work.
+GEMM_REMEDY = "more work per GEMM (larger batch x seq, QKV / gate-up projections merged into one GEMM), FP8, shapes in multiples of 128"
 
 
 @dataclass
@@ -49,11 +52,24 @@ class Verdict:
     textbook: bool
     """both of SEED.md's readings hold, not just the dominant unit's"""
     remedy: str
+    margin_pct: float = math.nan
+    """percentage points to the nearest threshold (or SM/HBM crossover) that would change the verdict:
+    under ~1 the verdict is a coin toss between two readings of the same kernel"""
+
+
+def margin(sm_pct: float, hbm_pct: float, t: "Thresholds") -> float:
+    return min(abs(hbm_pct - t.hbm_bound_pct), abs(sm_pct - t.sm_bound_pct), abs(sm_pct - t.sm_idle_pct),
+               abs(hbm_pct - t.hbm_low_pct), abs(hbm_pct - sm_pct))
 
 
 def classify(sm_pct: float, hbm_pct: float, occupancy_pct: float | None = None, t: Thresholds = Thresholds()) -> Verdict:
     if math.isnan(sm_pct) or math.isnan(hbm_pct):
         return Verdict(NEITHER, "unknown", False, "profile with --section SpeedOfLight to get SM and DRAM throughput")
+    v = _verdict(sm_pct, hbm_pct, occupancy_pct, t)
+    return Verdict(v.bound, v.limiter, v.textbook, v.remedy, round(margin(sm_pct, hbm_pct, t), 2))
+
+
+def _verdict(sm_pct: float, hbm_pct: float, occupancy_pct: float | None, t: Thresholds) -> Verdict:
     if hbm_pct >= t.hbm_bound_pct and hbm_pct >= sm_pct:
         return Verdict(MEMORY_BOUND, "hbm", sm_pct < t.sm_idle_pct, REMEDIES[MEMORY_BOUND])
     if sm_pct < t.sm_idle_pct and hbm_pct >= t.hbm_low_pct:  # idle SMs, busy HBM: bytes are the work

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +23,8 @@ def plot_curves(steps, path: str | Path, title: str = "") -> Path:
     ax_tps.set_xlabel("step")
     ax_tps.set_ylabel("tokens/s per device")
     ax_tps.grid(alpha=0.3)
-    fig.suptitle(title)
+    # a long run name (the overrides) wrapped, not clipped at the figure's edge
+    fig.suptitle(textwrap.fill(title, 110), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 RUN_ID_FILE = ".mlflow_run_id"
 PARENT_RUN_ID_FILE = ".mlflow_parent_run_id"
+SWEEP_KEYS_FILE = ".sweep_keys"  # the keys a sweep varies, one a line: its jobs are named by them
 
 
 class TrackingUnavailable(RuntimeError):
@@ -50,6 +51,13 @@ def check_reachable(uri: str, timeout_s: float) -> None:
         raise TrackingUnavailable(f"MLflow server at {uri} did not answer ({type(err).__name__})") from None
 
 
+def ui_hint(uri: str) -> str:
+    """How to open the MLflow UI on the store a run wrote to, as a command to paste."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri.rstrip('/')} in a browser"
+    return f"see it with `mlflow ui --backend-store-uri {uri}`, then open http://127.0.0.1:5000"
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -73,15 +81,41 @@ def git_state(cwd: str | os.PathLike) -> dict[str, str]:
     return {"git.commit": commit, "git.dirty": str(dirty).lower()} if commit else {}
 
 
-def default_run_name(cfg: Any, overrides: list[str]) -> str:
-    shown = [o for o in overrides if not o.startswith(("hydra", "tracking."))]
+def varying_keys(overrides: list[str]) -> list[str]:
+    """The keys a sweep varies (`precision=fp32,bf16` -> precision), in the order given; hydra.*
+    and tracking.* are how a sweep runs, not what it compares."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([o for o in overrides if not _is_plumbing(o)])
+    except Exception:  # a sweeper's own syntax: every job is then named by all its overrides
+        return []
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
+
+
+def _is_plumbing(override: str) -> bool:
+    return override.lstrip("+~").startswith(("hydra", "tracking."))
+
+
+def default_run_name(cfg: Any, overrides: list[str], sweep_keys: list[str] | None = None) -> str:
+    """The overrides that tell this run apart: in a sweep, only the ones it varies (`precision=fp32
+    sharding=none`; two fp32 jobs must not both read `precision=fp32 ...` where the UI cuts a
+    long name), never tracking.* or hydra.*."""
+    shown = [o.lstrip("+~") for o in overrides if not _is_plumbing(o)]
+    if sweep_keys:
+        shown = [o for o in shown if o.split("=", 1)[0] in sweep_keys] or shown
     if shown:
-        return " ".join(o.lstrip("+") for o in shown)[:250]
+        return " ".join(shown)[:250]
     return f"{cfg.task.name}-{cfg.model.name}-{cfg.sharding.name}-{cfg.precision.name}"
 
 
+DEFAULT_EXPERIMENT = "perflab"
+
+
 def experiment_name(cfg: Any) -> str:
-    return cfg.tracking.experiment or cfg.exp or "default"
+    """tracking.experiment, else the +exp name, else 'perflab': never MLflow's catch-all 'Default',
+    nor a 'default' beside it that reads as the same thing."""
+    return cfg.tracking.experiment or cfg.exp or DEFAULT_EXPERIMENT
 
 
 def experiment_id(client, name: str) -> str:
@@ -233,7 +267,7 @@ def task_tracker(cfg: Any, ctx: Any, device_name: str) -> NullTracker:
         return NullTracker()
     return start_tracker(MlflowTracker(
         uri=ctx.tracking_uri or cfg.tracking.uri, experiment=experiment_name(cfg),
-        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
+        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
         params=flatten(OmegaConf.to_container(cfg, resolve=True)), tags=run_tags(ctx.overrides, 1, device_name, ctx.cwd),
         run_dir=Path(ctx.run_dir) if ctx.run_dir else None, metric_writer=False, parent_run_id=ctx.parent_run_id,
         connect_timeout_s=cfg.tracking.connect_timeout_s,

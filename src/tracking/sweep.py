@@ -19,28 +19,28 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from src.tracking.sweep_plots import plot_headline, plot_latency
+
 log = logging.getLogger("src.sweep")
 
-# The figure a sweep of each task is compared on, and whether higher is better.
-HEADLINE = {"train": ("tokens_per_s_per_device", True), "profile": ("tokens_per_s_per_device", True), "diagnose": ("share_memory_bound", False),
-            "infer": ("decode_tokens_per_s", True)}
 SETTING_COLUMNS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size", "batch_size_per_device", "seq_len")
-FIGURE_COLUMNS = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "final_loss", "step_time_s", "share_memory_bound",
-                  "device_name", "ttft_p50_ms", "ttft_p90_ms", "decode_p50_ms", "decode_p90_ms", "prefill_tokens_per_s",
-                  "decode_tokens_per_s", "rel_err", "compile_s")
 
 
-def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per job directory (multirun/DATE/TIME/N/): its overrides, settings, figures, status."""
+def collect_jobs(sweep_dir: Path, sweep_keys: list[str] | None = None) -> list[dict[str, Any]]:
+    """One row per job directory (multirun/DATE/TIME/N/): its name, settings, figures, status."""
+    from src.tracking.figures import TASK_EXTRA, TASK_FIGURES
+
     rows = []
     for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
         summary_path = job_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "failed", "error": "no summary.json"}
         overrides_path = job_dir / ".hydra" / "overrides.yaml"
         overrides = [line[2:].strip() for line in overrides_path.read_text().splitlines() if line.startswith("- ")] if overrides_path.exists() else []
-        row = {"job": int(job_dir.name), "overrides": " ".join(overrides), "status": summary.get("status", "failed"), "task": summary.get("task", "")}
+        varying = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=", 1)[0] in (sweep_keys or ())]
+        row = {"job": int(job_dir.name), "run": " ".join(varying) or f"job {job_dir.name}", "status": summary.get("status", "failed"), "task": summary.get("task", "")}
         row.update({k: summary.get("settings", {}).get(k) for k in SETTING_COLUMNS})
-        row.update({k: summary.get(k) for k in FIGURE_COLUMNS})
+        task = row["task"] or "train"
+        row.update({k: summary.get(k) for k in (*TASK_FIGURES.get(task, ()), *TASK_EXTRA.get(task, ()))})
         row["mlflow_run_id"] = summary.get("mlflow_run_id")
         row["error"] = summary.get("error", "")
         rows.append(row)
@@ -48,70 +48,54 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_table(rows: list[dict[str, Any]], path: Path) -> Path:
+    """sweep.csv: the columns of the task that ran (a training sweep has no latency columns); a
+    setting no job reports (seq_len of an inference sweep) is left out."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    columns = [k for k in columns if k not in SETTING_COLUMNS or any(r.get(k) is not None for r in rows)]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     return path
 
 
-def plot_headline(rows: list[dict[str, Any]], metric: str, path: Path) -> Path:
-    import matplotlib
+def parent_params(rows: list[dict[str, Any]], sweep_keys: list[str]) -> dict[str, str]:
+    """The parent run's params: each varied key with the values the jobs took, under the name the
+    children's params use (`precision` -> `precision.name`), so the runs table lines them up."""
+    from src.config import GROUPS
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["overrides"] or f"job {r['job']}" for r in rows]
-    values = [r[metric] if isinstance(r.get(metric), (int, float)) else 0.0 for r in rows]
-    colors = ["tab:blue" if r["status"] == "finished" else "tab:red" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4.5))
-    ax.bar(range(len(rows)), values, color=colors)
-    ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(metric)
-    ax.set_title(f"sweep: {metric} per job (red: failed)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_latency(rows: list[dict[str, Any]], path: Path) -> Path:
-    """task=infer sweeps: time to first token and decode step latency, p50 with the p90 above it, per job."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["overrides"] or f"job {r['job']}" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(rows)), 4.5))
-    for ax, (name, key) in zip(axes, (("time to first token", "ttft"), ("decode step", "decode"))):
-        p50 = [r.get(f"{key}_p50_ms") or 0.0 for r in rows]
-        p90 = [max((r.get(f"{key}_p90_ms") or 0.0) - v, 0.0) for r, v in zip(rows, p50)]
-        ax.bar(range(len(rows)), p50, label="p50", color="tab:blue")
-        ax.bar(range(len(rows)), p90, bottom=p50, label="p90", color="tab:blue", alpha=0.35)
-        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("ms")
-        ax.set_title(name)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    params = {}
+    for key in sweep_keys:
+        values = []
+        for r in rows:
+            for part in r["run"].split():
+                k, _, v = part.partition("=")
+                if k == key and v not in values:
+                    values.append(v)
+        params[f"{key}.name" if key in GROUPS else key] = ",".join(values)[:6000]
+    return params
 
 
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self.parent_run_id: str | None = None
         self.client = None
+        self.sweep_keys: list[str] = []
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # HydraConfig is not set yet at this point: read the hydra node of `config` itself.
         from src.tracking.mlflow_run import (
-            PARENT_RUN_ID_FILE, TrackingUnavailable, check_reachable, experiment_id, experiment_name, resolve_tracking_uri, run_tags,
+            PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, TrackingUnavailable, check_reachable, default_run_name, experiment_id, experiment_name,
+            resolve_tracking_uri, run_tags, varying_keys,
         )
 
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        overrides = list(config.hydra.overrides.task)
+        self.sweep_keys = varying_keys(overrides)
+        (sweep_dir / SWEEP_KEYS_FILE).write_text("\n".join(self.sweep_keys))
         if not config.tracking.enabled:
             return
         cwd = config.hydra.runtime.cwd
@@ -126,36 +110,49 @@ class MlflowSweepCallback(Callback):
         self.client = MlflowClient(tracking_uri=uri)
         name = experiment_name(config)
         exp_id = experiment_id(self.client, name)
-        overrides = list(config.hydra.overrides.task)
         tags = run_tags(overrides, config.dist.nproc * config.dist.nnodes, config.backend.name, cwd)
         tags.update({"sweep": "true", "sweep_dir": str(sweep_dir)})
-        run = self.client.create_run(exp_id, run_name=f"sweep {' '.join(overrides)}"[:250], tags=tags)
+        run = self.client.create_run(exp_id, run_name=f"sweep {default_run_name(config, overrides)}"[:250], tags=tags)
         self.parent_run_id = run.info.run_id
         (sweep_dir / PARENT_RUN_ID_FILE).write_text(self.parent_run_id)
         log.info("sweep parent run %s in experiment '%s'", self.parent_run_id, name)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from src.tracking.figures import TASK_FIGURES, best_row, headline
+
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = collect_jobs(sweep_dir) if sweep_dir.exists() else []
+        rows = collect_jobs(sweep_dir, self.sweep_keys) if sweep_dir.exists() else []
         failed = [r for r in rows if r["status"] != "finished"]
+        task = (rows[0]["task"] if rows else "") or config.task.name
+        metric = headline(task)
+        best = best_row(rows, metric)
         if rows:
-            metric, _ = HEADLINE.get(rows[0]["task"] or config.task.name, ("tokens_per_s_per_device", True))
             table = write_table(rows, sweep_dir / "sweep.csv")
-            chart = plot_headline(rows, metric, sweep_dir / "sweep.png")
-            extra = [plot_latency(rows, sweep_dir / "latency.png")] if (rows[0]["task"] or config.task.name) == "infer" else []
+            chart = plot_headline(rows, metric, sweep_dir / "sweep.png", best)
+            extra = [plot_latency(rows, sweep_dir / "latency.png")] if task == "infer" else []
             log.info("sweep: %d jobs, %d finished, %d failed -> %s", len(rows), len(rows) - len(failed), len(failed), table)
             for r in failed:
-                log.error("job %d (%s) failed: %s", r["job"], r["overrides"], r["error"])
+                log.error("job %d (%s) failed: %s", r["job"], r["run"], r["error"])
         if self.client is not None and self.parent_run_id:
-            from mlflow.entities import Metric
+            from mlflow.entities import Metric, Param
 
             if rows:
-                self.client.log_artifact(self.parent_run_id, str(table))
-                self.client.log_artifact(self.parent_run_id, str(chart))
-                for path in extra:
+                for path in (table, chart, *extra):
                     self.client.log_artifact(self.parent_run_id, str(path))
-            self.client.log_batch(self.parent_run_id, metrics=[Metric("jobs_finished", len(rows) - len(failed), 0, 0), Metric("jobs_failed", len(failed), 0, 0)])
+            metrics = [Metric("jobs_finished", len(rows) - len(failed), 0, 0), Metric("jobs_failed", len(failed), 0, 0)]
+            if best is not None:  # the best job's figures under the children's names: one chart column holds all
+                metrics += [Metric(f"summary.{k}", float(best[k]), 0, 0) for k in TASK_FIGURES.get(task, ()) if isinstance(best.get(k), (int, float))]
+                self.client.set_tag(self.parent_run_id, "best_job", f"{best['run']} ({metric} {best[metric]:.4g})")
+            params = [Param(k, v) for k, v in parent_params(rows, self.sweep_keys).items()]
+            self.client.log_batch(self.parent_run_id, metrics=metrics, params=params)
             self.client.set_tag(self.parent_run_id, "jobs", f"{len(rows) - len(failed)} finished, {len(failed)} failed")
             self.client.set_terminated(self.parent_run_id, status="FAILED" if rows and len(failed) == len(rows) else "FINISHED")
+        if rows:
+            from src.tracking.mlflow_run import ui_hint
+
+            uri = "" if self.client is None else f" --uri {config.tracking.uri}" * (config.tracking.uri != "sqlite:///mlflow.db")
+            log.info("compare the jobs: python -m src.compare --sweep latest%s", uri)
+            if self.client is not None:
+                log.info("MLflow: the sweep is run %s, its jobs are its children; %s", self.parent_run_id[:8], ui_hint(config.tracking.uri))
         if failed:
             sys.exit(1)

@@ -93,6 +93,7 @@ def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0) -
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             monitor = SystemMetricsMonitor(run_id, sampling_interval=system_metrics_interval_s, tracking_uri=uri)
+            _publish_sample(monitor)  # step 0 now: a run shorter than the interval still has a sample
             monitor.start()
         except Exception as err:  # psutil missing, no permission to read counters, ...
             print(f"system metrics off: {err}", file=sys.stderr)
@@ -121,7 +122,26 @@ def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0) -
         for i in range(0, len(metrics), _MAX_BATCH):
             client.log_batch(run_id, metrics=metrics[i : i + _MAX_BATCH])
     if monitor is not None:
-        monitor.finish()
+        _finish_with_sample(monitor)
+
+
+def _publish_sample(monitor) -> None:
+    """One sample of every system metric, logged at once (MLflow's monitor logs only after its
+    first interval, 10 s by default: a 5 s run had no system metrics at all)."""
+    monitor.collect_metrics()
+    monitor.publish_metrics(monitor.aggregate_metrics())
+
+
+def _finish_with_sample(monitor) -> None:
+    """Stop the sampler, then log a last sample: its loop drops what it gathered since its last
+    publish when told to stop, so the run's end would otherwise not show."""
+    monitor._shutdown_event.set()
+    if monitor._process is not None:
+        monitor._process.join()
+    try:
+        _publish_sample(monitor)
+    finally:
+        monitor.mlflow_logger.flush()
 
 
 if __name__ == "__main__":

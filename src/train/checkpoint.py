@@ -11,6 +11,7 @@ old ones pruned to `keep_last`) at the next save or at the end.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import time
@@ -161,6 +162,15 @@ def export_safetensors(model: nn.Module, path: Path) -> None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+        readable_like_any_file(path)
+
+
+def readable_like_any_file(path: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600): give the weights the mode any
+    new file gets here (0644 under the usual umask 022), so another user or a container can load them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def export_checkpoint(ckpt: Path, out: Path, model: nn.Module) -> None:
@@ -176,3 +186,4 @@ def export_checkpoint(ckpt: Path, out: Path, model: nn.Module) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     save_file({k: v.contiguous() for k, v in state["model"].items()}, str(out))
+    readable_like_any_file(Path(out))

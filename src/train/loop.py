@@ -35,6 +35,8 @@ class StepStats:
     peak_mem_alloc_gb: float
     peak_mem_reserved_gb: float
     rank0_peak_mem_alloc_gb: float
+    lr: float | None = None
+    """the learning rate this step's update used (optim.schedule)"""
 
     def metrics(self) -> dict[str, float | None]:
         return {k: v for k, v in asdict(self).items() if k != "step"}
@@ -146,6 +148,7 @@ def train_loop(
     checkpoint_due: Callable[[int], bool] = lambda steps_done: False,
     save_checkpoint: Callable[[int], None] | None = None,
     nonfinite: str = "fail",
+    lr_at: Callable[[int], float] | None = None,
 ) -> LoopResult:
     """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
     device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
@@ -160,6 +163,10 @@ def train_loop(
         if interval_start is None:
             interval_start = time.perf_counter()
         inputs, targets = next(batches)
+        if lr_at is not None:
+            lr = lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         hook = (lambda loss, step=step: fault(step, loss)) if fault is not None else None
         with profiled_step_range() if step == profiled_step else contextlib.nullcontext():
             loss, norm = train_step(
@@ -197,6 +204,7 @@ def train_loop(
             peak_mem_alloc_gb=mem_alloc,
             peak_mem_reserved_gb=mem_reserved,
             rank0_peak_mem_alloc_gb=mem[0],
+            lr=optimizer.param_groups[0]["lr"] if optimizer.param_groups else None,
         )
         results.append(stats)
         for callback in on_step:
@@ -211,13 +219,14 @@ def _skipped(result: LoopResult) -> dict:
     return {"skipped_steps": len(result.skipped), "skipped_at": list(result.skipped)}
 
 
-def summarize(result: LoopResult, warmup_steps: int) -> dict[str, float | None]:
-    """Headline figures: medians over the steps after warm-up (all steps when the run is shorter)."""
+def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]:
+    """Headline figures: medians over the steps after the untimed first ones (allocator warm-up,
+    compilation; all steps when the run is shorter)."""
     if not result.steps:  # resumed from a checkpoint that already covers train.steps
         return {"steps": 0, "final_loss": None, "initial_loss": None, "final_grad_norm": None, "tokens_per_s": None,
                 "tokens_per_s_per_device": None, "mfu": None, "step_time_s": None, "peak_mem_gb": None,
                 "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s, **_skipped(result)}
-    steady = result.steps[warmup_steps:] or result.steps[-1:]  # by position: a resumed run warms up again
+    steady = result.steps[untimed_steps:] or result.steps[-1:]  # by position: a resumed run warms up again
     tps_dev = statistics.median(s.tokens_per_s_per_device for s in steady)
     mfus = [s.mfu for s in steady if s.mfu is not None]
     return {

@@ -33,6 +33,7 @@ from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.torch_profile import TorchProfileSession
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
+from src.train.schedule import lr_at
 from src.train.loop import summarize, train_loop
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
 from src.train.progress import ProgressReporter
@@ -123,7 +124,7 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
     return MlflowTracker(
         uri=ctx.tracking_uri or cfg.tracking.uri,
         experiment=experiment_name(cfg),
-        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides),
+        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
         params=flatten(OmegaConf.to_container(cfg, resolve=True)),
         tags=run_tags(ctx.overrides, env.world_size, device_name, ctx.cwd),
         run_dir=run_dir,
@@ -273,6 +274,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=checkpointer.save if checkpointer is not None and ck.enabled else None,
                 nonfinite=cfg.train.nonfinite,
+                lr_at=partial(lr_at, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
+                              total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio),
             )
             if checkpointer is not None:
                 checkpointer.wait()
@@ -292,7 +295,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             "params": n_params,
             "flops_per_token": fpt,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
-            **summarize(result, cfg.train.warmup_steps),
+            **summarize(result, cfg.train.untimed_steps),
             "start_step": start_step,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "checkpoints": checkpointer.saves if checkpointer is not None else [],
@@ -306,7 +309,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         if run_dir is not None:
             write_json(run_dir / "summary.json", summary)
             history = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else result.steps
-            plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides))
+            plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides, ctx.sweep_keys))
             for name in RUN_ARTIFACTS:
                 tracker.log_artifact(run_dir / name)
         tracker.finish("FINISHED", summary)

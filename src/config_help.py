@@ -1,0 +1,80 @@
+"""`python -m src.run --help`: every option with the one-line docstring its schema gives it.
+
+The field docstrings in src/config.py are the reference; Python keeps no such strings at run time,
+so they are read from the source with `ast`. conf/config.yaml's `hydra.help.template` places this
+text under Hydra's own listing of the config groups (`${perflab_options:}`, a resolver).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import textwrap
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+WIDTH = 100
+
+
+def field_docs(source: Path | None = None) -> dict[str, dict[str, str]]:
+    """{class name: {field: docstring}} for every class in src/config.py."""
+    tree = ast.parse((source or Path(__file__).with_name("config.py")).read_text())
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields: dict[str, str] = {}
+        for stmt, nxt in zip(node.body, node.body[1:] + [None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                fields[stmt.target.id] = " ".join(nxt.value.value.split())
+        docs[node.name] = fields
+    return docs
+
+
+def _value(root, key: str) -> str:
+    """The value in the config being composed (`--help model=mini_llm` shows mini_llm's widths)."""
+    node = OmegaConf.select(root, key, throw_on_missing=False) if root is not None else None
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=False)
+        if isinstance(node, dict):
+            return "{...}"
+    if node is None or isinstance(node, bool):
+        text = {None: "null", True: "true", False: "false"}[node]
+    else:
+        text = str(node)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def options_help(*, _root_=None) -> str:
+    """The options of every group and section, one a line: `  key=value   docstring`."""
+    from src.config import GROUPS, RunConfig
+
+    docs = field_docs()
+    sections = [(name, schema) for name, schema in GROUPS.items()]
+    sections += [(f.name, f.default_factory) for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)]
+    out = []
+    for name, schema in sections:
+        what = (schema.__doc__ or "").strip().splitlines()[0] if schema.__doc__ and not schema.__doc__.startswith(schema.__name__ + "(") else ""
+        out.append(f"{name}.*" + (f"  [the group {name}=OPTION sets these]" if name in GROUPS else ""))
+        if what:
+            out.append(textwrap.fill(what, WIDTH, initial_indent="  ", subsequent_indent="  "))
+        for f in dataclasses.fields(schema):
+            if f.name == "name" and name in GROUPS:
+                continue
+            head = f"  {name}.{f.name}={_value(_root_, f'{name}.{f.name}')}"
+            doc = docs.get(schema.__name__, {}).get(f.name, "")
+            if not doc:
+                out.append(head)
+                continue
+            if len(head) >= 44:  # a long default: the docstring starts on the next line
+                out.append(head)
+                head = ""
+            out.append(textwrap.fill(doc, WIDTH, initial_indent=head.ljust(44), subsequent_indent=" " * 44))
+        out.append("")
+    return "\n".join(out).replace("$", "$$")  # Hydra fills the template with string.Template
+
+
+def register() -> None:
+    if not OmegaConf.has_resolver("perflab_options"):
+        OmegaConf.register_new_resolver("perflab_options", options_help, use_cache=False)
