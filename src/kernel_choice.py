@@ -40,7 +40,7 @@ class AutoChoice:
 
 
 def make_one(cfg: DictConfig) -> str:
-    return f"python -m src.run +exp=diagnose model={cfg.model.name} backend=cuda  (on an NVIDIA GPU with Nsight Compute)"
+    return f"python -m src.run +exp=diagnose model={cfg.model.name} backend=cuda"
 
 
 def _model_of(diagnosis: Path) -> dict | None:
@@ -58,14 +58,14 @@ def find_diagnosis(cfg: DictConfig, cwd: str | Path) -> Path:
         if path.is_dir():
             path = next((p for p in (path / "diagnose" / "diagnosis.json", path / "diagnosis.json") if p.is_file()), path)
         if not path.is_file():
-            raise ConfigError(f"kernels.diagnosis={given}: no diagnosis.json there; make one with `{make_one(cfg)}`")
+            raise ConfigError(f"kernels.diagnosis={given}: no diagnosis.json there; make one on an NVIDIA GPU with Nsight Compute: `{make_one(cfg)}`")
         return path
     want = OmegaConf.to_container(cfg.model, resolve=True)
     found = [p for root in SEARCH_ROOTS for p in (Path(cwd) / root).glob("**/diagnose/diagnosis.json") if _model_of(p) == want]
     if not found:
         raise ConfigError(
             f"kernels=auto reads a diagnosis of model={cfg.model.name}, and none is under ./outputs or ./multirun; "
-            f"make one with `{make_one(cfg)}`, or name one with kernels.diagnosis=PATH"
+            f"make one on an NVIDIA GPU with Nsight Compute: `{make_one(cfg)}`, or name one with kernels.diagnosis=PATH"
         )
     return max(found, key=lambda p: p.stat().st_mtime)
 

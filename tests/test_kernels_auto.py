@@ -50,7 +50,7 @@ def test_auto_follows_the_verdicts_not_the_op_names(tmp_path):
 
 def test_without_a_diagnosis_auto_names_the_command_that_makes_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"none is under ./outputs or ./multirun; make one with `python -m src.run \+exp=diagnose model=tiny backend=cuda"):
+    with pytest.raises(ConfigError, match=r"none is under ./outputs or ./multirun; make one on an NVIDIA GPU with Nsight Compute: `python -m src.run \+exp=diagnose model=tiny backend=cuda`"):
         auto_choice(compose_config(["kernels=auto", "model=tiny"]), tmp_path)
     proc = run_cli(["kernels=auto", *TINY], cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: kernels=auto reads a diagnosis of model=tiny")

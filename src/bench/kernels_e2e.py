@@ -26,7 +26,7 @@ def _num(value, spec: str) -> str:
 def run(setting: str, args: argparse.Namespace, run_dir: Path) -> dict:
     cmd = [
         sys.executable, "-m", "src.run", "+exp=fsdp4", f"kernels={setting}", f"dist.nproc={args.nproc}",
-        f"train.steps={args.steps}", f"train.warmup_steps={args.warmup}", "train.progress=false", "tracking=none",
+        f"train.steps={args.steps}", f"train.untimed_steps={args.warmup}", "train.progress=false", "tracking=none",
         f"hydra.run.dir={run_dir}", *args.extra,
     ]
     if setting == "auto":
