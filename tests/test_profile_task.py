@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from tests.conftest import read_summary, run_cli
-from tests.test_diagnosis import FIXTURES, needs_fixtures
+from tests.test_diagnosis import FIXTURES
 
 
 def test_profile_on_cpu_writes_traces_table_and_breakdown(workdir: Path):
@@ -39,7 +39,6 @@ def test_diagnose_without_a_gpu_says_so_and_points_elsewhere(workdir: Path):
     assert list(workdir.iterdir()) == []
 
 
-@needs_fixtures
 def test_diagnose_an_existing_report_through_the_run(workdir: Path):
     proc = run_cli(["+exp=diagnose", f"diagnose.report={FIXTURES / 'h200_ops_raw.csv'}"], cwd=workdir, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
