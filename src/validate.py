@@ -76,7 +76,8 @@ def _check_text_file(cfg: DictConfig) -> None:
     if not path:
         return
     if not os.path.isfile(path):
-        raise ConfigError(f"data.text_path={path}: no such file; give a UTF-8 text file, or leave it empty for the built-in corpus")
+        what = "not a regular file" if os.path.exists(path) else "no such file"
+        raise ConfigError(f"data.text_path={path}: {what}; give a UTF-8 text file, or leave it empty for the built-in corpus")
     # A batch reads windows of seq_len + 1 bytes from random offsets: a shorter file has none.
     size, need = os.path.getsize(path), cfg.data.seq_len + 2
     if size < need:

@@ -61,7 +61,8 @@ BAD_OVERRIDES = [
     (["sharding=hsdp", "dist.nproc=3"], "sharding.replicate=2 must divide the world size 3"),
     (["sharding=fsdp2_offload"], "sharding=fsdp2_offload offloads to host memory from a GPU; with backend=cpu use sharding=fsdp2"),
     (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
-    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, kernels, profile"),
+    (["data=text", "data.text_path=/dev"], "data.text_path=/dev: not a regular file"),
+    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, kernels, kernels_cpu, profile"),
     # issue 14: each of these used to fail inside a rank, or train nonsense, or make folders
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
     (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),
