@@ -57,22 +57,13 @@ def compiled_cross_entropy(logits, targets, label_smoothing: float = 0.0):
     return _compiled_cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
-def _swap(model: nn.Module, match, make) -> int:
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if match(child):
-                setattr(parent, name, make(child))
-                swapped += 1
-    return swapped
-
-
 COMPILABLE = ("rms_norm", "swiglu", "cross_entropy")
 
 
 def apply_compiled(model: nn.Module, ops: list[str]) -> tuple[dict[str, int], object | None]:
     """Swap the modules of `ops` for compiled ones, in place; returns (op -> modules swapped, the
     compiled loss function or None)."""
+    from kernels.triton.registry import swap_modules
     from src.models.mini_llm import SiLUMul
 
     unknown = [op for op in ops if op not in COMPILABLE]
@@ -80,7 +71,7 @@ def apply_compiled(model: nn.Module, ops: list[str]) -> tuple[dict[str, int], ob
         raise ValueError(f"kernels.compiled={unknown}: no compiled variant; there are: {', '.join(COMPILABLE)}")
     swapped: dict[str, int] = {}
     if "rms_norm" in ops:
-        swapped["rms_norm"] = _swap(model, lambda m: isinstance(m, nn.RMSNorm), CompiledRMSNorm)
+        swapped["rms_norm"] = swap_modules(model, lambda m: isinstance(m, nn.RMSNorm), CompiledRMSNorm)
     if "swiglu" in ops:
-        swapped["swiglu"] = _swap(model, lambda m: isinstance(m, SiLUMul), lambda m: CompiledSiLUMul())
+        swapped["swiglu"] = swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: CompiledSiLUMul())
     return swapped, compiled_cross_entropy if "cross_entropy" in ops else None

@@ -34,7 +34,8 @@ class FusedVariant:
     """ops this one subsumes when both are chosen"""
 
 
-def _swap_modules(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> int:
+def swap_modules(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> int:
+    """Replace every submodule that `match`es with `make(it)`, in place; returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -48,20 +49,20 @@ def _swap_rms_norm(model: nn.Module) -> int:
     from kernels.triton.rms_norm import FusedRMSNorm
 
     # FusedRMSNorm also has add_forward: the block's residual add joins its second norm.
-    return _swap_modules(model, lambda m: isinstance(m, nn.RMSNorm), FusedRMSNorm.from_module)
+    return swap_modules(model, lambda m: isinstance(m, nn.RMSNorm), FusedRMSNorm.from_module)
 
 
 def _swap_swiglu(model: nn.Module) -> int:
     from kernels.triton.swiglu import FusedSiLUMul
     from src.models.mini_llm import SiLUMul
 
-    return _swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: FusedSiLUMul())
+    return swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: FusedSiLUMul())
 
 
 def _swap_softmax(model: nn.Module) -> int:
     from kernels.triton.softmax import FusedSoftmax
 
-    return _swap_modules(model, lambda m: isinstance(m, nn.Softmax) and m.dim in (-1, None), lambda m: FusedSoftmax())
+    return swap_modules(model, lambda m: isinstance(m, nn.Softmax) and m.dim in (-1, None), lambda m: FusedSoftmax())
 
 
 def _swap_head(model: nn.Module) -> int:
