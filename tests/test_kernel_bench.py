@@ -70,5 +70,8 @@ def test_bad_bench_settings_fail_at_compose_time_with_one_line(override, message
 
 def test_exp_kernels_wants_a_gpu(tmp_path):
     proc = run_cli(["+exp=kernels"], cwd=tmp_path)
-    assert proc.returncode == 2 and "+exp=kernels needs an NVIDIA GPU" in proc.stderr
+    # one line that says why and gives a command that does run here
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: backend=cuda but no CUDA GPU is visible; +exp=kernels times kernels on an NVIDIA GPU; "
+        "on a CPU, check the plumbing with `TRITON_INTERPRET=1 python -m src.run +exp=kernels_cpu`"]
     assert not (tmp_path / "outputs").exists()
