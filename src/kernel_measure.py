@@ -129,7 +129,7 @@ def _head_loss(candidate: str, loss_fp32: bool) -> Callable:
 def gpu_timer(dtype: torch.dtype, loss_fp32: bool) -> Timer:
     """Median GPU time of forward + backward, as called (triton.testing.do_bench): the host path
     counts, as it does in the training step."""
-    from src.kernel_bench.cases import make_case, seed, variant
+    from src.kernel_bench.cases import forward_backward, make_case, seed, variant
     from src.kernel_bench.timing import median_ms
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -139,15 +139,7 @@ def gpu_timer(dtype: torch.dtype, loss_fp32: bool) -> Timer:
         fn = _head_loss(candidate, loss_fp32) if use.case == "head_loss" else variant(use.case, candidate)
         seed(device)
         inputs = case.inputs(device, dtype, True)
-        leaves = [t for t in inputs if t.requires_grad]
-        out = fn(*inputs)
-        outs = list(out) if isinstance(out, tuple) else [out]
-        grads = [torch.ones_like(o) for o in outs]
-
-        def step():
-            result = fn(*inputs)
-            torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
-
+        step = forward_backward(fn, inputs)
         return median_ms(step, device, warmup_ms=25, rep_ms=100)
 
     return time_one

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from src.kernel_bench.cases import make_case, seed, variant
+from src.kernel_bench.cases import forward_backward, make_case, seed, variant
 from src.kernel_bench.timing import graph_ms, host_us_per_call
 
 
@@ -24,15 +24,7 @@ def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16):
     seed("cuda")
     inputs = case.inputs(torch.device("cuda"), dtype, True)
     leaves = [t for t in inputs if t.requires_grad]
-    fn = variant(op, "triton")
-    first = fn(*inputs)
-    outs = list(first) if isinstance(first, tuple) else [first]
-    grads = [torch.ones_like(o) for o in outs]  # no RNG: a failed graph capture leaves the CUDA generator unusable
-
-    def run():
-        result = fn(*inputs)
-        torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
-
+    run = forward_backward(variant(op, "triton"), inputs)
     size = torch.finfo(dtype).bits // 8
     return run, leaves, case.bytes_fwd(size) + case.bytes_bwd(size)
 

@@ -192,3 +192,24 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.float()
     scale = want.abs().max().item() or 1.0
     return (got.float() - want).abs().max().item() / scale if math.isfinite(scale) else math.nan
+
+
+def forward_backward(fn: Callable, inputs: list[torch.Tensor], first=None) -> Callable[[], None]:
+    """One forward and backward of `fn(*inputs)` as a call with no arguments, for the timers.
+
+    The output gradients are ones: the kernels move the same bytes whatever the values, and a
+    CUDA graph capture that fails (eager RMSNorm's backward on torch 2.11) leaves the default CUDA
+    generator unusable, so nothing after the inputs may draw from it. autograd.grad, not backward:
+    the gradients are returned, not accumulated into .grad, so no AccumulateGrad step differs
+    between plain calls and a CUDA graph's replays. `first`: an output already computed, to shape
+    the gradients without another forward."""
+    leaves = [t for t in inputs if t.requires_grad]
+    first = fn(*inputs) if first is None else first
+    grads = [torch.ones_like(o) for o in (first if isinstance(first, tuple) else (first,))]
+
+    def run() -> None:
+        result = fn(*inputs)
+        torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
+
+    return run
+

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from src.kernel_bench.cases import Case, make_case, max_rel_err, output_of, seed, variant
+from src.kernel_bench.cases import Case, forward_backward, make_case, max_rel_err, output_of, seed, variant
 from src.kernel_bench.timing import copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
 from src.runtime import RunContext
 
@@ -48,17 +48,7 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
     first = fn(*inputs)
     err = max_rel_err(output_of(first), reference) if reference is not None else 0.0
     if grad:
-        outs = list(first) if isinstance(first, tuple) else [first]
-        # constant output gradients: the kernels move the same bytes whatever the values, and a
-        # CUDA graph capture that fails (eager RMSNorm's backward on torch 2.11) leaves the CUDA
-        # generator unusable, so nothing after the first inputs may draw from it
-        grads = [torch.ones_like(o) for o in outs]
-
-        def run():
-            # autograd.grad, not backward: the gradients are returned, not accumulated into .grad,
-            # so no AccumulateGrad step differs between plain calls and a CUDA graph's replays
-            result = fn(*inputs)
-            torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
+        run = forward_backward(fn, inputs, first)
     else:
         def run():
             with torch.no_grad():
