@@ -7,6 +7,8 @@ per-block hooks and the GEMMs as they are: the choice is about the op.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,9 +27,23 @@ def _silu_mul(g, u):
     return F.silu(g) * u
 
 
-_compiled_rms_norm = torch.compile(_rms_norm, dynamic=False)
-_compiled_add_rms_norm = torch.compile(_add_rms_norm, dynamic=False)
-_compiled_silu_mul = torch.compile(_silu_mul, dynamic=False)
+@functools.cache
+def _compiled(fn):
+    """torch.compile(fn), made on first use: importing torch._dynamo costs ~2.5 s, which every
+    run's settings check (src/validate.py reads COMPILABLE) would otherwise pay."""
+    return torch.compile(fn, dynamic=False)
+
+
+def _compiled_rms_norm(x, weight, eps):
+    return _compiled(_rms_norm)(x, weight, eps)
+
+
+def _compiled_add_rms_norm(x, residual, weight, eps):
+    return _compiled(_add_rms_norm)(x, residual, weight, eps)
+
+
+def _compiled_silu_mul(g, u):
+    return _compiled(_silu_mul)(g, u)
 
 
 class CompiledRMSNorm(nn.Module):
@@ -50,7 +66,8 @@ class CompiledSiLUMul(nn.Module):
         return _compiled_silu_mul(g, u)
 
 
-_compiled_cross_entropy = torch.compile(F.cross_entropy, dynamic=False)
+def _compiled_cross_entropy(logits, targets, label_smoothing: float = 0.0):
+    return _compiled(F.cross_entropy)(logits, targets, label_smoothing=label_smoothing)
 
 
 def compiled_cross_entropy(logits, targets, label_smoothing: float = 0.0):
