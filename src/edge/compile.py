@@ -1,6 +1,6 @@
 """Export the edge model with iree.turbine.aot and compile it with IREE, weights kept apart.
 
-One MLIR module holds both entry points (prefill, decode); the parameters are externalised, so the
+One MLIR module holds the entry points (prefill, decode, kv_cache); the parameters are externalised, so the
 compiled module (.vmfb) holds code only and the weights go out as an IREE parameter archive
 (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
 values: it is cached under `edge.cache_dir` by a key over the model config, the shapes, dtype,
@@ -8,11 +8,13 @@ target device and flags, the IREE and torch versions and the exporting source; a
 only (written in well under a second), not a new compile.
 
 Artifacts (a run directory, or `edge.artifacts` with action=compile):
-    module.vmfb, params.irpa, manifest.json (what was compiled, for what, how long it took),
+    module.vmfb, params.irpa (src/edge/params.py; left out with params=False, for a device that
+    writes its own), manifest.json (what was compiled, for what, with which variant and flags),
     msl/*.metal for Metal when compiled off macOS (MSL source; on macOS a metallib is embedded).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -33,13 +35,15 @@ log = logging.getLogger("src.edge")
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MANIFEST = "manifest.json"
-SCHEMA = "perflab.edge/1"
+SCHEMA = "perflab.edge/2"  # 2: the KV cache inside the module, greedy token out
 
 
 @dataclass
 class Artifacts:
     dir: Path
     manifest: dict[str, Any]
+    params: Path | None = None
+    """the parameter archive when it lives apart from the module (written on the device)"""
 
     @property
     def vmfb(self) -> Path:
@@ -47,7 +51,7 @@ class Artifacts:
 
     @property
     def irpa(self) -> Path:
-        return self.dir / "params.irpa"
+        return self.params or self.dir / "params.irpa"
 
 
 def compile_flags(device: str, target: str, features: str = "", msl_dir: Path | None = None) -> list[str]:
@@ -97,64 +101,74 @@ def _dist_version(name: str) -> str:
         return ""
 
 
-def export_module(lm: EdgeLM, batch: int, prompt_len: int, dtype: torch.dtype, mlir: Path, irpa: Path) -> None:
-    """prefill and decode of `lm` to one MLIR module; its parameters to an IRPA archive."""
+def export_module(lm: EdgeLM, prompt_len: int, mlir: Path) -> None:
+    """prefill, decode and kv_cache of `lm` (its cache sized for the batch) to one MLIR module, the
+    parameters and the cache named as external parameters."""
     import iree.turbine.aot as aot
 
-    tokens = torch.zeros(batch, prompt_len, dtype=torch.int32)
-    # two distinct tensors: one passed twice would be exported as one input, aliasing values to keys
-    k_cache, v_cache = lm.empty_cache(batch, dtype), lm.empty_cache(batch, dtype)
+    batch = lm.batch
     aot.externalize_module_parameters(lm)
     fxb = aot.FxProgramsBuilder(lm)
 
-    @fxb.export_program(name="prefill", args=(tokens,), strict=False)
+    @fxb.export_program(name="prefill", args=(torch.zeros(batch, prompt_len, dtype=torch.int32),), strict=False)
     def _prefill(module, tokens):
         return module.prefill(tokens)
 
-    @fxb.export_program(name="decode", args=(torch.zeros(batch, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), k_cache, v_cache), strict=False)
-    def _decode(module, token, pos, k_cache, v_cache):
-        return module.decode(token, pos, k_cache, v_cache)
+    @fxb.export_program(name="decode", args=(torch.zeros(batch, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)), strict=False)
+    def _decode(module, token, pos):
+        return module.decode(token, pos)
+
+    @fxb.export_program(name="kv_cache", args=(torch.zeros(1, dtype=torch.int32),), strict=False)
+    def _kv_cache(module, unused):  # a program needs an argument; clones, so no global is aliased out
+        return module.k_cache.clone(), module.v_cache.clone()
 
     aot.export(fxb).save_mlir(str(mlir))
-    aot.save_module_parameters(str(irpa), lm)
 
 
-def save_params(lm: EdgeLM, irpa: Path) -> None:
-    import iree.turbine.aot as aot
-
-    aot.externalize_module_parameters(lm)
-    aot.save_module_parameters(str(irpa), lm)
+# OpCapability CooperativeMatrixKHR (6022) as SPIR-V words: what the driver must support to load it
+_COOP_CAPABILITY = (0x00020011).to_bytes(4, "little") + (6022).to_bytes(4, "little")
 
 
-def build(lm: EdgeLM, model_cfg: dict, batch: int, prompt_len: int, dtype: str, device: str, target: str, features: str,
-          out_dir: Path, cache_dir: Path, weights: dict | None = None) -> Artifacts:
-    """Compile (or take from the cache) the module for `device`/`target`, write it and the
-    parameters of `lm` to `out_dir`; returns the artifacts with their manifest, which records
-    `weights` (where the parameters came from) so a later `action=run` rebuilds the reference."""
+def uses_cooperative_matrix(binaries: Path) -> bool:
+    """Whether any SPIR-V executable IREE wrote under `binaries` declares cooperative matrices."""
+    return any(_COOP_CAPABILITY in f.read_bytes() for f in binaries.rglob("*.spv"))
+
+
+def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str, target: str, features: str,
+          out_dir: Path, cache_dir: Path, weights: dict | None = None, extra_flags: tuple[str, ...] = (), variant: str = "",
+          params: bool = True) -> Artifacts:
+    """Compile (or take from the cache) the module for `device`/`target` and `lm`'s batch, write it
+    (and with `params` the parameters of `lm`) to `out_dir`; returns the artifacts with their
+    manifest, which records `weights` (where the parameters came from) so a later `action=run`
+    rebuilds the reference and the archive, and `variant` with the flags that make it."""
     import iree.compiler as ic
 
+    from src.edge.params import write_params
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    flags = compile_flags(device, target, features)
-    key = module_key(model_cfg, batch, prompt_len, lm.max_seq, dtype, device, flags)
+    flags = compile_flags(device, target, features) + list(extra_flags)
+    key = module_key(model_cfg, lm.batch, prompt_len, lm.max_seq, dtype, device, flags)
     cached = cache_dir / key
     t0 = time.perf_counter()
     if (cached / "module.vmfb").is_file():
         hit, compile_s = True, 0.0
-        save_params(lm, out_dir / "params.irpa")
         log.info("compiled module from the cache: %s", cached)
     else:
         hit = False
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             mlir = Path(tmp) / "module.mlir"
-            export_module(lm, batch, prompt_len, TORCH_DTYPES[dtype], mlir, out_dir / "params.irpa")
+            export_module(copy.deepcopy(lm), prompt_len, mlir)
             export_s = time.perf_counter() - t0
             staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_ensure(cache_dir)))
             msl = staging / "msl" if device == "metal" else None
+            binaries = Path(tmp) / "binaries"
+            dump = [f"--iree-hal-dump-executable-binaries-to={binaries}"] if device == "vulkan" else []
             t1 = time.perf_counter()
-            ic.compile_file(str(mlir), output_file=str(staging / "module.vmfb"), extra_args=compile_flags(device, target, features, msl))
+            ic.compile_file(str(mlir), output_file=str(staging / "module.vmfb"), extra_args=compile_flags(device, target, features, msl) + list(extra_flags) + dump)
             compile_s = time.perf_counter() - t1
-            log.info("exported in %.1f s, compiled for %s %s in %.1f s", export_s, device, target, compile_s)
-            (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": flags}))
+            coop = uses_cooperative_matrix(binaries) if device == "vulkan" else False
+            log.info("exported in %.1f s, compiled for %s %s %s in %.1f s", export_s, device, target, " ".join(extra_flags), compile_s)
+            (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": flags, "cooperative_matrix": coop}))
             try:
                 staging.rename(cached)  # atomic: a concurrent job that got there first wins
             except OSError:
@@ -162,16 +176,25 @@ def build(lm: EdgeLM, model_cfg: dict, batch: int, prompt_len: int, dtype: str, 
     shutil.copyfile(cached / "module.vmfb", out_dir / "module.vmfb")
     if (cached / "msl").is_dir():
         shutil.copytree(cached / "msl", out_dir / "msl", dirs_exist_ok=True)
+    params_bytes = write_params(lm, out_dir / "params.irpa") if params else None
     compiled = json.loads((cached / "compile.json").read_text())
     manifest = {
         "schema": SCHEMA, "key": key, "cache": "hit" if hit else "miss", "device": device, "target": target, "flags": flags,
-        "model": model_cfg, "weights": weights or {}, "batch": batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
-        "functions": ["prefill", "decode"], "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],
-        "module_bytes": (out_dir / "module.vmfb").stat().st_size, "params_bytes": (out_dir / "params.irpa").stat().st_size,
+        "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags),
+        "cooperative_matrix": compiled.get("cooperative_matrix", False),
+        "model": model_cfg, "weights": weights or {}, "batch": lm.batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
+        "functions": ["prefill", "decode", "kv_cache"], "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],
+        "module_bytes": (out_dir / "module.vmfb").stat().st_size, "params_bytes": params_bytes,
         "msl_files": sorted(p.name for p in (out_dir / "msl").glob("*.metal")) if (out_dir / "msl").is_dir() else [],
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return Artifacts(out_dir, manifest)
+
+
+def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[str, ...] | list[str] = ()) -> str:
+    """A short name for how a module was compiled: target, coop or nocoop, then any extra flags."""
+    extras = [f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
+    return "-".join([target, "coop" if cooperative_matrix else "nocoop", *extras])
 
 
 def _ensure(path: Path) -> Path:

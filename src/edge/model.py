@@ -1,4 +1,5 @@
-"""MiniLLM for inference on edge runtimes: prefill and decode over a static-size KV cache.
+"""MiniLLM for inference on edge runtimes: prefill and greedy decode over a KV cache that lives in
+the model, so a compiled module keeps it on the device.
 
 The same parameters as src/models/mini_llm.py (it wraps the trained modules, so a checkpoint or a
 safetensors export loads unchanged), with what ahead-of-time compilers need:
@@ -6,14 +7,19 @@ safetensors export loads unchanged), with what ahead-of-time compilers need:
 - Attention written as matmul -> masked softmax -> matmul. IREE 3.13 fails to compile its fused
   attention op for SPIR-V (`iree_linalg_ext.online_attention` bufferization), which is what
   `scaled_dot_product_attention` lowers to; the explicit form compiles for every target.
-- Static shapes: the cache holds `max_seq` positions for every layer, (L, B, heads, max_seq,
-  head_dim) for keys and for values, passed in and returned by each call, so one compiled module
-  serves every step. Decode writes position `pos` with a one-hot select instead of an indexed
-  store (a dynamic scatter costs more than the select on these sizes and some SPIR-V targets
-  lack it) and masks the positions past `pos`.
+- The cache is two persistent buffers, `k_cache` and `v_cache`, (L, B, heads, max_seq, head_dim)
+  each. iree.turbine exports a mutated buffer as a mutable module global, and an externalised one
+  as a parameter (zeros in the .irpa) rather than constants in the .vmfb: inlined zeros made a
+  16 MiB module for a 16 MiB cache. So no cache tensor crosses the module boundary: a decode call
+  takes one token per sequence and a position, and writes that position of every layer with one
+  `index_copy_` (a scatter into the global, done in place by IREE). Attention reads the position
+  being written through a one-hot select, so each layer needs only the old cache.
+- Greedy sampling inside the module: each call returns the argmax token (int32, one per sequence)
+  for the host to read, and the logits as a device buffer the host reads only to check them.
 
-prefill(tokens[B, T]) -> (logits of the last position [B, V], k_cache, v_cache)
-decode(token[B, 1], pos[1] int64, k_cache, v_cache) -> (logits [B, V], k_cache, v_cache)
+prefill(tokens[B, T] int32) -> (next token [B] int32, logits of the last position [B, V])
+decode(token[B] int32, pos[1] int32) -> (next token [B] int32, logits [B, V])
+kv_cache(unused[1]) -> (k_cache, v_cache), for tests and checks
 """
 from __future__ import annotations
 
@@ -21,7 +27,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from src.models.mini_llm import MiniLLM, add_norm
 
@@ -35,15 +40,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 class EdgeLM(nn.Module):
-    def __init__(self, model: MiniLLM, max_seq: int):
+    def __init__(self, model: MiniLLM, max_seq: int, batch: int = 1):
         super().__init__()
         self.model = model
         self.max_seq = max_seq
         self.n_heads = model.n_heads
         self.head_dim = model.dim // model.n_heads
+        self.resize_cache(batch)
 
-    def empty_cache(self, batch: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        return torch.zeros(len(self.model.layers), batch, self.n_heads, self.max_seq, self.head_dim, dtype=dtype, device=device)
+    def resize_cache(self, batch: int) -> "EdgeLM":
+        """Zeroed caches for `batch` sequences, in the dtype and on the device of the weights."""
+        w = self.model.embed.weight
+        shape = (len(self.model.layers), batch, self.n_heads, self.max_seq, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device))
+        return self
+
+    @property
+    def batch(self) -> int:
+        return self.k_cache.shape[1]
 
     def _qkv(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
@@ -57,41 +72,50 @@ class EdgeLM(nn.Module):
         h, normed = add_norm(block.norm2, x, y)
         return h + block.ffn(normed)
 
-    def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _sample(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.head(x[:, -1])  # (B, V)
+        return logits.argmax(-1).to(torch.int32), logits
+
+    def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = tokens.shape
         x = self.model.embed(tokens)
         causal = torch.full((T, T), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
-        pad = (0, 0, 0, self.max_seq - T)  # (hs left/right, positions left/right)
         ks, vs = [], []
         for block in self.model.layers:
             q, k, v = self._qkv(block, x)
-            ks.append(F.pad(k, pad))
-            vs.append(F.pad(v, pad))
+            ks.append(k)
+            vs.append(v)
             x = self._finish(block, x, _attend(q, k, v, causal))
-        return self.model.head(x[:, -1]), torch.stack(ks), torch.stack(vs)
+        # positions T.. keep what an earlier generation left: decode masks every position past its
+        # own and writes each before reading it. (A whole-cache copy_ would also never read the
+        # buffer, and iree.turbine cannot store to a global that no program has loaded.)
+        self.k_cache[:, :, :, :T] = torch.stack(ks)
+        self.v_cache[:, :, :, :T] = torch.stack(vs)
+        return self._sample(x)
 
-    def decode(self, token: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self.model.embed(token)  # (B, 1, C)
+    def decode(self, token: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.model.embed(token.view(-1, 1))  # (B, 1, C)
         positions = torch.arange(self.max_seq, device=x.device)
         here = (positions == pos).view(1, 1, self.max_seq, 1)  # the slot this token writes
         mask = torch.where(positions <= pos, 0.0, float("-inf")).to(x.dtype).view(1, 1, 1, self.max_seq)
         ks, vs = [], []
         for i, block in enumerate(self.model.layers):
             q, k, v = self._qkv(block, x)  # (B, nh, 1, hs)
-            k_all = torch.where(here, k, k_cache[i])
-            v_all = torch.where(here, v, v_cache[i])
-            ks.append(k_all)
-            vs.append(v_all)
-            x = self._finish(block, x, _attend(q, k_all, v_all, mask))
-        return self.model.head(x[:, -1]), torch.stack(ks), torch.stack(vs)
+            ks.append(k)
+            vs.append(v)
+            x = self._finish(block, x, _attend(q, torch.where(here, k, self.k_cache[i]), torch.where(here, v, self.v_cache[i]), mask))
+        index = pos.to(torch.int64)
+        self.k_cache.index_copy_(3, index, torch.stack(ks))  # (L, B, nh, 1, hs) into position pos
+        self.v_cache.index_copy_(3, index, torch.stack(vs))
+        return self._sample(x)
 
 
+@torch.no_grad()
 def generate_greedy(lm: EdgeLM, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Reference loop in torch: the prefill logits, then `steps` decode logits, feeding the argmax."""
-    logits, kc, vc = lm.prefill(tokens)
+    nxt, logits = lm.prefill(tokens)
     out = [logits]
     for i in range(steps):
-        nxt = logits.argmax(-1, keepdim=True)
-        logits, kc, vc = lm.decode(nxt, torch.tensor([tokens.shape[1] + i]), kc, vc)
+        nxt, logits = lm.decode(nxt, torch.tensor([tokens.shape[1] + i], dtype=torch.int32))
         out.append(logits)
     return out

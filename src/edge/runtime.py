@@ -1,15 +1,22 @@
 """Run compiled edge modules through iree.runtime, and the same model through torch, behind one
-interface: prefill(tokens) -> (logits, state), decode(token, pos, state) -> (logits, state).
+interface: prefill(tokens) -> (token, logits), decode(token, pos) -> (token, logits), both handles
+to device memory; tokens(handle) reads the greedy tokens (B int32) to the host, logits(handle) the
+logits (only to check them against torch).
+
+Decode on a GPU (issue 13): the KV cache is module state (src/edge/model.py), the token chosen on
+the device goes straight back in as the next call's input, and the position is a device array made
+once per position, so a step moves B int32s to the host and nothing else.
 
 Reading results back on Vulkan: `DeviceArray.to_host()` imports a host pointer into the driver,
 which Vulkan allows only for 4096-byte aligned pointers and sizes (minImportedHostPointerAlignment),
-so it fails for ordinary arrays. Results are copied instead into a host-visible staging buffer
-allocated by the driver (queue_copy, then map). The KV cache never leaves the device: each call's
-cache outputs are the next call's inputs.
+so it fails for ordinary arrays. `Readback` keeps one target per size for the whole run: the
+output mapped where the driver made it host-visible and mappable, else a page-aligned host array
+imported once (VK_EXT_external_memory_host; the copy lands in it, no staging buffer), else one
+staging buffer allocated once and mapped once. Each read is then one small DMA and one wait.
 
 Zero-copy (SEED.md section 3): on unified-memory devices the driver can import page-aligned host
 memory as a device buffer. `transfer_times` measures both paths for a buffer the size of the KV
-cache: a copy into device memory against importing the host pages, and the staging readback.
+cache: a copy into device memory against importing the host pages, and the readback.
 """
 from __future__ import annotations
 
@@ -30,8 +37,73 @@ from src.edge.model import EdgeLM
 PAGE = 4096
 
 
+READBACK_MODES = ("mapped", "imported", "staging")
+
+
+class Readback:
+    """Device buffers to numpy through targets made once per byte size (see the module docstring).
+    `modes` are the ways it may take, in order of preference; a test names one to run that path
+    where the driver would choose another (lavapipe imports, NVIDIA's driver took staging)."""
+
+    def __init__(self, rt: Any, device: Any, modes: tuple[str, ...] = READBACK_MODES):
+        unknown = set(modes) - set(READBACK_MODES)
+        if unknown or not modes:
+            raise ValueError(f"readback modes {modes}: use some of {READBACK_MODES}")
+        self.rt, self.device, self.modes = rt, device, modes
+        self.targets: dict[int, tuple[Any, np.ndarray]] = {}
+        self.mode = ""
+
+    def _target(self, nbytes: int) -> tuple[Any, np.ndarray]:
+        rt, alloc = self.rt, self.device.allocator
+        size = -(-nbytes // PAGE) * PAGE
+        if "imported" in self.modes:
+            raw = np.empty(size + PAGE, dtype=np.uint8)
+            host = raw[(-raw.ctypes.data) % PAGE:][:size]
+            try:
+                buffer = alloc.import_host_allocation(host, rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE,
+                                                      rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_PERSISTENT)
+                self.mode = self.mode or "imported"
+                return buffer, host
+            except (RuntimeError, ValueError):  # no VK_EXT_external_memory_host
+                if "staging" not in self.modes:
+                    raise
+        staging = alloc.allocate_buffer(memory_type=rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE,
+                                        allowed_usage=rt.BufferUsage.TRANSFER | rt.BufferUsage.MAPPING, allocation_size=size)
+        self.mode = self.mode or "staging"
+        # a dtype instance, not the scalar type: MappedMemory.asarray(shape, np.uint8) raises
+        # `RuntimeError: std::bad_cast` (iree-base-runtime 3.13), what ended every NVIDIA Vulkan job
+        return staging, staging.map().asarray((size,), np.dtype(np.uint8))
+
+    def read(self, array: Any) -> np.ndarray:
+        rt = self.rt
+        buffer = array._buffer_view.get_buffer()
+        mappable = buffer.memory_type() & int(rt.MemoryType.HOST_VISIBLE) and buffer.allowed_usage() & int(rt.BufferUsage.MAPPING_SCOPED)
+        if mappable and "mapped" in self.modes:
+            self.mode = self.mode or "mapped"
+            return np.array(array._buffer_view.map().asarray(array.shape, array.dtype))
+        nbytes = buffer.byte_length()
+        if nbytes not in self.targets:
+            self.targets[nbytes] = self._target(nbytes)
+        target, host = self.targets[nbytes]
+        done = self.device.create_semaphore(0)
+        self.device.queue_copy(buffer, target, [], [(done, 1)])
+        done.wait(1)
+        return host[:nbytes].view(array.dtype).reshape(array.shape).copy()
+
+
+class ModuleLoadFailed(RuntimeError):
+    """The driver refused the compiled module (pipeline creation) or failed running it."""
+
+
 class IreeRunner:
-    def __init__(self, artifacts: Artifacts, driver: str):
+    """A compiled module on one IREE device. One per process: iree-base-runtime 3.13 on Mesa's
+    lavapipe loses the device (VK_ERROR_DEVICE_LOST at `hal.fence.await`) when a second context
+    is made on it in the same process after the first has run and read back, in 1 to 39 of 40
+    tries (a runner that holds a device of its own segfaults on release instead); one context
+    runs 100 prefill + decode loops with identical tokens. So the campaign runs each module in a
+    process of its own (src/bench/edge_vs_torch.py) and the tests do too."""
+
+    def __init__(self, artifacts: Artifacts, driver: str, readback: tuple[str, ...] = READBACK_MODES):
         import iree.runtime as rt
 
         self.rt = rt
@@ -40,37 +112,37 @@ class IreeRunner:
         index = rt.ParameterIndex()
         index.load(str(artifacts.irpa))
         instance = self.config.vm_instance
-        modules = [
-            rt.create_hal_module(instance, self.device),
-            rt.create_io_parameters_module(instance, index.create_provider(scope="model")),
-            rt.VmModule.mmap(instance, str(artifacts.vmfb)),
-        ]
-        self.context = rt.VmContext(instance, modules=modules)
-        main = modules[-1]
-        self._prefill = rt.FunctionInvoker(self.context, self.device, main.lookup_function("prefill"))
-        self._decode = rt.FunctionInvoker(self.context, self.device, main.lookup_function("decode"))
+        try:  # the driver builds every pipeline when the context is made: where an unsupported dispatch fails
+            modules = [
+                rt.create_hal_module(instance, self.device),
+                rt.create_io_parameters_module(instance, index.create_provider(scope="model")),
+                rt.VmModule.mmap(instance, str(artifacts.vmfb)),
+            ]
+            self.context = rt.VmContext(instance, modules=modules)
+        except (RuntimeError, ValueError) as err:
+            raise ModuleLoadFailed(one_line(err)) from None
+        main = self.module = modules[-1]
+        self._prefill, self._decode, self._kv = (rt.FunctionInvoker(self.context, self.device, main.lookup_function(name))
+                                                 for name in ("prefill", "decode", "kv_cache"))
+        self.positions = [rt.asdevicearray(self.device, np.array([p], dtype=np.int32)) for p in range(artifacts.manifest["max_seq"])]
+        self.readback = Readback(rt, self.device, readback)
         self.driver = driver
 
-    def read(self, array: Any) -> np.ndarray:
-        """A device array to numpy through a driver-allocated host-visible staging buffer."""
-        rt = self.rt
-        buffer = array._buffer_view.get_buffer()
-        staging = self.device.allocator.allocate_buffer(
-            memory_type=rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE,
-            allowed_usage=rt.BufferUsage.TRANSFER | rt.BufferUsage.MAPPING, allocation_size=buffer.byte_length(),
-        )
-        done = self.device.create_semaphore(0)
-        self.device.queue_copy(buffer, staging, [], [(done, 1)])
-        done.wait(1)
-        return np.array(staging.map().asarray(array.shape, array.dtype))  # copy out before the staging buffer goes
+    def prefill(self, tokens: np.ndarray) -> tuple[Any, Any]:
+        return self._prefill(tokens.astype(np.int32))
 
-    def prefill(self, tokens: np.ndarray) -> tuple[np.ndarray, Any]:
-        logits, k, v = self._prefill(tokens.astype(np.int32))
-        return self.read(logits), (k, v)
+    def decode(self, token: Any, pos: int) -> tuple[Any, Any]:
+        return self._decode(token, self.positions[pos])
 
-    def decode(self, token: np.ndarray, pos: int, state: Any) -> tuple[np.ndarray, Any]:
-        logits, k, v = self._decode(token.astype(np.int32), np.array([pos], dtype=np.int32), *state)
-        return self.read(logits), (k, v)
+    def tokens(self, handle: Any) -> np.ndarray:
+        return self.readback.read(handle)
+
+    def logits(self, handle: Any) -> np.ndarray:
+        return self.readback.read(handle)
+
+    def kv_cache(self) -> tuple[np.ndarray, np.ndarray]:
+        k, v = self._kv(np.zeros(1, dtype=np.int32))
+        return self.readback.read(k), self.readback.read(v)
 
     def transfer_times(self, nbytes: int, repeats: int = 5) -> dict[str, float | None]:
         """Median ms to put `nbytes` of host data on the device by copy and by importing page-aligned
@@ -99,32 +171,41 @@ class IreeRunner:
         view = self.device.allocator.allocate_buffer_copy(
             memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=usage, device=self.device, buffer=host, element_type=rt.HalElementType.UINT_8)
         device_array = rt.DeviceArray(self.device, view)
-        readback_ms = timed(lambda: self.read(device_array))
-        return {"transfer_bytes": size, "h2d_copy_ms": copy_ms, "h2d_import_ms": import_ms, "d2h_staging_ms": readback_ms}
+        readback_ms = timed(lambda: self.readback.read(device_array))
+        return {"transfer_bytes": size, "h2d_copy_ms": copy_ms, "h2d_import_ms": import_ms, "d2h_readback_ms": readback_ms}
 
 
 class TorchRunner:
-    """EdgeLM in torch on cpu, cuda or mps: the baselines, and the MPS backend itself."""
+    """EdgeLM in torch on cpu, cuda or mps: the baselines, and the MPS backend itself. The same
+    loop as on IREE: the cache in the module, the greedy token fed back on the device."""
 
-    def __init__(self, lm: EdgeLM, device: str, dtype: str):
+    def __init__(self, lm: EdgeLM, device: str, dtype: str, batch: int):
         self.device = torch.device(device)
-        self.lm = lm.to(device=self.device, dtype=TORCH_DTYPES[dtype]).eval()
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elif self.device.type == "mps":
-            torch.mps.synchronize()
+        self.lm = lm.to(device=self.device, dtype=TORCH_DTYPES[dtype]).resize_cache(batch).eval()
+        self.positions = torch.arange(lm.max_seq, dtype=torch.int32, device=self.device).view(-1, 1)
 
     @torch.no_grad()
-    def prefill(self, tokens: np.ndarray) -> tuple[np.ndarray, Any]:
-        logits, k, v = self.lm.prefill(torch.from_numpy(tokens).to(self.device))
-        return logits.float().cpu().numpy(), (k, v)  # .cpu() waits for the device
+    def prefill(self, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lm.prefill(torch.from_numpy(tokens).to(self.device))
 
     @torch.no_grad()
-    def decode(self, token: np.ndarray, pos: int, state: Any) -> tuple[np.ndarray, Any]:
-        logits, k, v = self.lm.decode(torch.from_numpy(token).to(self.device), torch.tensor([pos], device=self.device), *state)
-        return logits.float().cpu().numpy(), (k, v)
+    def decode(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lm.decode(token, self.positions[pos])
+
+    def tokens(self, handle: torch.Tensor) -> np.ndarray:
+        return handle.cpu().numpy()  # .cpu() waits for the device
+
+    def logits(self, handle: torch.Tensor) -> np.ndarray:
+        return handle.float().cpu().numpy()
+
+    def kv_cache(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.lm.k_cache.float().cpu().numpy(), self.lm.v_cache.float().cpu().numpy()
+
+
+def one_line(err: BaseException, limit: int = 400) -> str:
+    """An IREE error (a status chain over several lines) as one line for the run's last word."""
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def vulkan_devices() -> list[dict[str, Any]]:

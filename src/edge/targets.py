@@ -52,3 +52,36 @@ def vulkan_target(name: str) -> VulkanTarget | None:
 
 def known_targets() -> str:
     return ", ".join(VULKAN_TARGETS) + ", or sm_XX / gfxNNNN"
+
+
+# Words in a Vulkan device name (VkPhysicalDeviceProperties::deviceName) that say who made it
+_VENDOR_WORDS = {
+    "mesa": ("llvmpipe",),
+    "nvidia": ("nvidia", "geforce", "quadro", "tesla", "rtx"),
+    "amd": ("amd", "radeon"),
+    "arm": ("mali",),
+    "qualcomm": ("adreno",),
+}
+# What to compile with instead, by the vendor of the device found
+_TARGET_FOR = {"mesa": "llvmpipe", "nvidia": "ampere (or pascal: no cooperative matrices)", "amd": "rdna3", "arm": "valhall", "qualcomm": "adreno"}
+
+
+def target_mismatch(target: str, device_name: str) -> str | None:
+    """Why a module compiled for `target` must not run on the Vulkan device `device_name`, or None.
+
+    SPIR-V from IREE is tuned to its target and only as portable as the driver's checks. The case
+    in issue 13: `edge.target=adreno` on lavapipe loads and runs, and its logits are off by a
+    relative 1.09 (2.0 for model=tiny at dim 64 now; rdna2 on lavapipe 1.05; llvmpipe 5e-7). The
+    adreno target promises 64-lane subgroups (`subgroup_size_choices = [64]`, rdna2 [32, 64]) and
+    its reductions (RMSNorm, softmax, the argmax) are laid out for them; lavapipe runs 8-lane
+    subgroups (`vulkaninfo`: subgroupSize = 8; its own target says [8]) and never refuses the
+    pipeline, so each reduction sums a part of its row. Nothing fails, the numbers are wrong:
+    refuse before running. NVIDIA targets (subgroup 32) match NVIDIA's driver (32)."""
+    spec = vulkan_target(target)
+    name = device_name.lower()
+    found = next((vendor for vendor, words in _VENDOR_WORDS.items() if any(w in name for w in words)), None)
+    if spec is None or found is None or found == spec.vendor:
+        return None
+    return (f"edge.target={target} artifacts are for {spec.vendor} GPUs and this Vulkan device is {device_name}: the "
+            f"module would run with wrong results (issue 13: adreno on lavapipe, relative error 1.09); "
+            f"compile with edge.target={_TARGET_FOR[found]}")

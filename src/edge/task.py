@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from src.edge.bench import measure
+from src.distributed.launch import RankFailed
+from src.edge.bench import measure, tolerance_error
 from src.edge.compile import TORCH_DTYPES, Artifacts, build, cache_root, load_artifacts
 from src.edge.model import EdgeLM
 from src.runtime import RunContext
@@ -23,11 +24,27 @@ log = logging.getLogger("src.run")
 IREE_DEVICE = {"vulkan": "vulkan", "mps": "metal"}
 
 
+class EdgeRunFailed(RankFailed):
+    """A run that ended with a reason already said in one line (module refused by the driver, wrong
+    numbers, a target that does not match the device): run_job prints a RankFailed without a
+    traceback, exits 1, and the summary and the MLflow run were recorded FAILED before raising."""
+
+
+def load_hint(manifest: dict) -> str:
+    """What to try when the driver refuses a module."""
+    if manifest.get("cooperative_matrix"):
+        return ("the variant without cooperative matrices: edge.target=pascal for NVIDIA (the same code without "
+                "VK_KHR_cooperative_matrix), or variant nocoop in `python -m src.bench.edge_vs_torch`")
+    if manifest.get("dtype") != "fp32":
+        return "edge.dtype=fp32, or a driver that computes in " + manifest.get("dtype", "this dtype")
+    return "edge.target matching the device, and the driver's own `vulkaninfo` for what it supports"
+
+
 def default_target(backend: str, target: str) -> str:
     return target or {"vulkan": "llvmpipe", "mps": "macos"}.get(backend, "")
 
 
-def reference_model(model_cfg: dict, weights: dict, max_seq: int) -> EdgeLM:
+def reference_model(model_cfg: dict, weights: dict, max_seq: int, batch: int = 1) -> EdgeLM:
     """The model in fp32 on the CPU: seeded initialisation (src/distributed/parallelize.py, as
     training starts from), or a safetensors export of a trained one."""
     from src.distributed.parallelize import materialize_and_init
@@ -41,7 +58,7 @@ def reference_model(model_cfg: dict, weights: dict, max_seq: int) -> EdgeLM:
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(weights["safetensors"]))
-    return EdgeLM(model.eval(), max_seq).eval()
+    return EdgeLM(model.eval(), max_seq, batch).eval()
 
 
 def _weights(cfg: DictConfig) -> dict:
@@ -70,11 +87,12 @@ def table(summary: dict[str, Any]) -> str:
         value = summary.get(key)
         return "n/a" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
 
-    head = "| backend | device | batch | dtype | compile s | first ms | TTFT p50/p90 ms | decode p50/p90 ms | prefill tok/s | decode tok/s | rel err |"
-    row = (f"| {summary['backend']} | {summary['device_name']} | {summary['batch']} | {summary['dtype']} | {f('compile_s')} | "
-           f"{f('first_run_ms')} | {f('ttft_p50_ms')} / {f('ttft_p90_ms')} | {f('decode_p50_ms', 3)} / {f('decode_p90_ms', 3)} | "
-           f"{f('prefill_tokens_per_s', 0)} | {f('decode_tokens_per_s', 0)} | {summary['rel_err']:.2e} |")
-    return "\n".join([head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|", row])
+    head = ("| backend | device | variant | batch | dtype | compile s | first ms | TTFT p50/p90 ms | decode p50/p90 ms | prefill tok/s | "
+            "decode tok/s | rel err | status |")
+    row = (f"| {summary['backend']} | {summary['device_name']} | {summary.get('variant') or '-'} | {summary['batch']} | {summary['dtype']} | "
+           f"{f('compile_s')} | {f('first_run_ms')} | {f('ttft_p50_ms')} / {f('ttft_p90_ms')} | {f('decode_p50_ms', 3)} / {f('decode_p90_ms', 3)} | "
+           f"{f('prefill_tokens_per_s', 0)} | {f('decode_tokens_per_s', 0)} | {summary['rel_err']:.2e} | {summary['status']} |")
+    return "\n".join([head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|", row])
 
 
 def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -95,39 +113,34 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         m = artifacts.manifest
         settings.update(batch=m["batch"], prompt_len=m["prompt_len"], max_seq=m["max_seq"], dtype=m["dtype"], weights=m["weights"], model=m["model"])
         target = m["target"]
-    reference = reference_model(settings["model"], settings["weights"], settings["max_seq"])
+    reference = reference_model(settings["model"], settings["weights"], settings["max_seq"], settings["batch"])
     summary: dict[str, Any] = {"task": "infer", "status": "finished", "action": e.action, "backend": backend, "target": target or None,
                                "device_name": "cpu", "cooperative_matrix": None, "compile_s": None, "module_bytes": None, "params_bytes": None,
                                **{k: settings[k] for k in ("batch", "prompt_len", "decode_steps", "dtype", "max_seq")}, "model": settings["model"]["name"],
                                "settings": {"model": settings["model"]["name"], "backend": backend}}
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):
         out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
-        artifacts = build(copy.deepcopy(reference).to(TORCH_DTYPES[settings["dtype"]]), settings["model"], settings["batch"], settings["prompt_len"],
+        artifacts = build(copy.deepcopy(reference).to(TORCH_DTYPES[settings["dtype"]]), settings["model"], settings["prompt_len"],
                           settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir), settings["weights"])
     if artifacts is not None:
-        summary.update(compile_s=artifacts.manifest["compile_s"], module_bytes=artifacts.manifest["module_bytes"],
-                       params_bytes=artifacts.manifest["params_bytes"], artifacts=str(artifacts.dir), cache=artifacts.manifest["cache"],
-                       msl_files=len(artifacts.manifest.get("msl_files", [])))
-    if e.action == "compile":
-        log.info("compiled for %s %s: %s (module %d bytes, parameters %d bytes)", IREE_DEVICE[backend], target, artifacts.dir,
-                 artifacts.manifest["module_bytes"], artifacts.manifest["params_bytes"])
-    else:
-        runner = _runner(backend, artifacts, reference, settings["dtype"])
-        summary["device_name"] = _device_name(backend, runner)
-        if backend == "vulkan":
-            from src.edge.runtime import vulkan_devices
+        m = artifacts.manifest
+        if not artifacts.irpa.is_file():  # compiled elsewhere without parameters: the seeded or exported weights, written here
+            from src.edge.params import write_params
 
-            devices = vulkan_devices()
-            summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
-            dtype = TORCH_DTYPES[settings["dtype"]]
-            cache_bytes = 2 * reference.empty_cache(settings["batch"], dtype, "meta").numel() * dtype.itemsize  # keys and values
-            summary.update(runner.transfer_times(cache_bytes))
-        rng = np.random.default_rng(e.seed)
-        tokens = rng.integers(0, settings["model"]["vocab_size"], (settings["batch"], settings["prompt_len"]), dtype=np.int64).astype(np.int32)
-        summary.update(measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats))
-        log.info("edge inference:\n%s", table(summary))
-        latency_chart(summary, run_dir / "edge_latency.png")
-
+            write_params(copy.deepcopy(reference).to(TORCH_DTYPES[settings["dtype"]]), artifacts.irpa)
+        summary.update(compile_s=m["compile_s"], module_bytes=m["module_bytes"], params_bytes=artifacts.irpa.stat().st_size,
+                       artifacts=str(artifacts.dir), cache=m["cache"], msl_files=len(m.get("msl_files", [])), variant=m.get("variant"),
+                       module_cooperative_matrix=m.get("cooperative_matrix"), flags=" ".join(m["flags"]))
+    try:
+        if e.action == "compile":
+            log.info("compiled for %s %s (%s): %s (module %d bytes, parameters %d bytes)", IREE_DEVICE[backend], target, summary["variant"],
+                     artifacts.dir, summary["module_bytes"], summary["params_bytes"])
+        else:
+            _run(backend, artifacts, reference, settings, e, summary)
+            log.info("edge inference:\n%s", table(summary))
+            latency_chart(summary, run_dir / "edge_latency.png")
+    except EdgeRunFailed as err:
+        summary.update(status="failed", error=str(err))
     tracker = task_tracker(cfg, ctx, summary["device_name"])
     summary["mlflow_run_id"] = tracker.run_id
     write_json(run_dir / "summary.json", summary)
@@ -137,24 +150,63 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         tracker.log_artifact(artifacts.dir / "manifest.json", "edge")
         if (artifacts.dir / "msl").is_dir():
             tracker.log_artifact(artifacts.dir / "msl", "edge/msl")
-    tracker.finish("FINISHED", {k: v for k, v in summary.items() if k not in ("batch", "prompt_len", "decode_steps", "max_seq")})
+    if summary["status"] == "failed":
+        write_json(run_dir / "edge_summary.json", summary)  # run_job's failure record replaces summary.json with the error alone
+        tracker.set_tags({"variant": str(summary.get("variant")), "status": "failed"})
+        tracker.finish("FAILED", _metrics(summary), error=summary["error"])
+        raise EdgeRunFailed(summary["error"])
+    tracker.finish("FINISHED", _metrics(summary))
     return summary
 
 
-def _runner(backend: str, artifacts: Artifacts | None, reference: EdgeLM, dtype: str):
-    from src.edge.runtime import IreeRunner, TorchRunner
+def _metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k not in ("batch", "prompt_len", "decode_steps", "max_seq")}
 
+
+def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings: dict, e: DictConfig, summary: dict[str, Any]) -> None:
+    """Time and check the model on `backend`; raises EdgeRunFailed with the one line that ends the run."""
+    from src.edge.runtime import IreeRunner, ModuleLoadFailed, TorchRunner, one_line, vulkan_devices
+
+    dtype = settings["dtype"]
     if backend == "vulkan":
-        return IreeRunner(artifacts, "vulkan")
-    return TorchRunner(copy.deepcopy(reference), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype)
-
-
-def _device_name(backend: str, runner: Any) -> str:
-    if backend == "vulkan":
-        from src.edge.runtime import vulkan_devices
-
         devices = vulkan_devices()
-        return devices[0]["name"] if devices else "vulkan"
-    if backend == "cuda":
-        return torch.cuda.get_device_name(0)
-    return backend
+        summary["device_name"] = devices[0]["name"] if devices else "vulkan"
+        summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
+        summary.update(check_device(artifacts.manifest, summary["device_name"]))
+        try:
+            runner = IreeRunner(artifacts, "vulkan")
+        except ModuleLoadFailed as err:
+            raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
+        cache_bytes = 2 * reference.k_cache.numel() * TORCH_DTYPES[dtype].itemsize  # keys and values
+        summary.update(runner.transfer_times(cache_bytes))
+    else:
+        runner = TorchRunner(copy.deepcopy(reference), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype, settings["batch"])
+        summary["device_name"] = torch.cuda.get_device_name(0) if backend == "cuda" else backend
+    rng = np.random.default_rng(e.seed)
+    tokens = rng.integers(0, settings["model"]["vocab_size"], (settings["batch"], settings["prompt_len"]), dtype=np.int64).astype(np.int32)
+    try:
+        summary.update(measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats))
+    except RuntimeError as err:  # the driver took the module but failed a dispatch
+        if backend != "vulkan":
+            raise
+        raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], one_line(err))) from None
+    summary["readback"] = getattr(getattr(runner, "readback", None), "mode", None)
+    wrong = tolerance_error(summary)
+    if wrong:
+        log.info("edge inference:\n%s", table({**summary, "status": "failed"}))
+        raise EdgeRunFailed(wrong)
+
+
+def check_device(manifest: dict, device_name: str) -> dict[str, Any]:
+    """Refuse artifacts compiled for another kind of GPU than this one (see targets.target_mismatch)."""
+    from src.edge.targets import target_mismatch
+
+    why = target_mismatch(manifest["target"], device_name)
+    if why:
+        raise EdgeRunFailed(why)
+    return {"target_matches_device": True}
+
+
+def load_failure(manifest: dict, device_name: str, error: str) -> str:
+    return (f"target {manifest['target']} {manifest['dtype']} module ({manifest.get('variant')}) failed on {device_name}: {error}; "
+            f"try {load_hint(manifest)}")

@@ -1,0 +1,277 @@
+"""Vulkan (IREE) against torch CUDA eager on one GPU, side by side, from modules compiled elsewhere.
+
+    # here, on the CPU machine (IREE compiler): code only, no parameters, a few MiB in all
+    python -m src.bench.edge_vs_torch compile --out edge_artifacts
+    # on the GPU machine (iree-base-runtime, torch; no compiler): parameters written there
+    python -m src.bench.edge_vs_torch run --artifacts edge_artifacts --out OUT
+
+The grid (issue 13): model=tiny at dim 256 / 2 layers / vocab 4096 / 4 heads and model=small,
+fp32 and fp16, batch 1 and 4, prompt 32 then 32 greedy decode steps. fp16 comes in the variants
+that separate the failing dispatch on NVIDIA's driver: `ampere` (cooperative matrices, tiles sized
+for 163 KiB of shared memory), `turing` (cooperative matrices, 64 KiB), `pascal` (no cooperative
+matrices, 48 KiB, the budget NVIDIA's Vulkan driver reports as maxComputeSharedMemorySize). Which
+of them load says whether the matrix units or the tile sizes are what the driver refuses. Each
+module records whether its SPIR-V declares CooperativeMatrixKHR (manifest `cooperative_matrix`).
+
+`run` times every module on Vulkan and every (model, dtype, batch) on torch eager, each in its own
+process under a timeout, so a module that hangs or crashes the driver is one row marked failed and
+the rest go on; it prints one markdown table and writes table.md and results.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+PROMPT, STEPS = 32, 32
+MODELS = {  # the shapes of issue 13; the rest of each config from src/config.py's ModelConfig
+    "tiny": {"name": "tiny", "vocab_size": 4096, "dim": 256, "n_layers": 2, "n_heads": 4},
+    "small": {"name": "small", "vocab_size": 32000, "dim": 512, "n_layers": 4, "n_heads": 8},
+}
+# (dtype, target, extra flags, batches): what each variant is for is in the module docstring
+VARIANTS = [
+    ("fp32", "ampere", (), (1, 4)),
+    ("fp16", "ampere", (), (1,)),  # the recorded failure: NVIDIA 580.159.04 refuses its pipelines (turing, 64 KiB tiles, too)
+    ("fp16", "pascal", (), (1, 4)),
+    ("fp32", "ampere", ("--iree-opt-level=O3",), (1,)),
+    ("fp16", "pascal", ("--iree-opt-level=O3",), (1,)),
+    ("fp16", "pascal", ("--iree-vulkan-dispatch-abi=bda",), (1,)),
+]
+COMPILE_FAILURES = "compile_failures.json"
+COLUMNS = ["backend", "device", "model", "dtype", "batch", "variant", "TTFT p50 ms", "decode p50 ms", "prefill tok/s", "decode tok/s",
+           "max rel err", "status"]
+
+
+def model_config(name: str, overrides: dict | None = None) -> dict:
+    from dataclasses import asdict
+
+    from src.config import ModelConfig
+
+    return asdict(ModelConfig(**{**MODELS[name], **(overrides or {})}))
+
+
+def compile_grid(out: Path, target_map: dict[str, str], models: list[str], variants: list, cache_dir: Path) -> list[Path]:
+    """Every module of the grid under `out`, one directory each, without parameters."""
+    from iree.compiler.tools.binaries import CompilerToolError
+
+    from src.edge.compile import TORCH_DTYPES, build, default_variant
+    from src.edge.task import reference_model
+
+    made, failures = [], []
+    for model in models:
+        cfg = model_config(model)
+        for dtype, target, flags, batches in variants:
+            target = target_map.get(target, target)
+            for batch in batches:
+                lm = reference_model(cfg, {"seed": 0}, PROMPT + STEPS, batch).to(TORCH_DTYPES[dtype])
+                t0 = time.perf_counter()
+                try:
+                    art = build(lm, cfg, PROMPT, dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, tuple(flags), params=False)
+                except CompilerToolError as err:  # a row of its own in the run's table, not the end of the grid
+                    error = next((line.strip() for line in str(err).splitlines() if "error:" in line), "iree-compile failed")
+                    variant = default_variant(target, False, flags).replace("-nocoop", "")
+                    failures.append({"backend": "vulkan", "model": model, "dtype": dtype, "batch": batch, "variant": variant,
+                                     "status": "failed", "error": f"does not compile: {error[:300]}"})
+                    print(f"{model}-{dtype}-b{batch}-{variant}: does not compile: {error[:200]}", flush=True)
+                    continue
+                name = f"{model}-{dtype}-b{batch}-{art.manifest['variant']}"
+                dest = out / name
+                dest.mkdir(parents=True, exist_ok=True)
+                for f in ("module.vmfb", "manifest.json"):
+                    (art.dir / f).replace(dest / f)
+                print(f"{name}: {art.manifest['module_bytes'] / 1e6:.2f} MB, coop={art.manifest['cooperative_matrix']}, "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+                made.append(dest)
+    (out / COMPILE_FAILURES).write_text(json.dumps(failures, indent=2))
+    (out / "_staging").rmdir() if (out / "_staging").is_dir() and not any((out / "_staging").iterdir()) else None
+    return made
+
+
+def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int) -> dict[str, Any]:
+    """One combination in this process: the summary dict (status finished or failed, error)."""
+    from src.edge.compile import TORCH_DTYPES, load_artifacts
+    from src.edge.params import write_params
+    from src.edge.task import EdgeRunFailed, _run, reference_model
+
+    art = load_artifacts(module)
+    m = art.manifest
+    settings = {k: m[k] for k in ("batch", "prompt_len", "max_seq", "dtype", "model", "weights")}
+    reference = reference_model(m["model"], m["weights"], m["max_seq"], m["batch"])
+    summary: dict[str, Any] = {"backend": backend, "model": m["model"]["name"], "dtype": m["dtype"], "batch": m["batch"],
+                               "variant": m["variant"] if backend == "vulkan" else "eager", "target": m["target"] if backend == "vulkan" else None,
+                               "device_name": backend, "status": "finished"}
+    if backend == "vulkan":
+        art.params = work / f"{module.name}.irpa"
+        t0 = time.perf_counter()
+        write_params(copy.deepcopy(reference).to(TORCH_DTYPES[m["dtype"]]), art.params)
+        summary["params_write_s"] = time.perf_counter() - t0
+    e = SimpleNamespace(seed=0, decode_steps=m["max_seq"] - m["prompt_len"], warmup=warmup, repeats=repeats)
+    try:
+        _run(backend, art, reference, settings, e, summary)
+    except EdgeRunFailed as err:
+        summary.update(status="failed", error=str(err))
+    finally:
+        if art.params is not None:
+            art.params.unlink(missing_ok=True)
+    summary.pop("rel_err_per_step", None)
+    return summary
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def row(r: dict[str, Any]) -> str:
+    status = r["status"] if r["status"] == "finished" else f"FAILED: {r.get('error', '')[:160]}"
+    cells = [r["backend"], r.get("device_name", "?"), r["model"], r["dtype"], str(r["batch"]), r["variant"], _fmt(r.get("ttft_p50_ms"), ".3f"),
+             _fmt(r.get("decode_p50_ms"), ".3f"), _fmt(r.get("prefill_tokens_per_s"), ",.0f"), _fmt(r.get("decode_tokens_per_s"), ",.0f"),
+             _fmt(r.get("rel_err"), ".2e"), status.replace("|", "/")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---:" if c.endswith(("ms", "tok/s", "err")) or c == "batch" else "---" for c in COLUMNS) + "|"]
+    lines += [row(r) for r in results]
+    ratios = []
+    for r in results:  # Vulkan decode p50 over torch eager's, same model, dtype and batch
+        base = next((b for b in results if b["backend"] != "vulkan" and (b["model"], b["dtype"], b["batch"]) == (r["model"], r["dtype"], r["batch"])), None)
+        if r["backend"] == "vulkan" and base and r.get("decode_p50_ms") and base.get("decode_p50_ms"):
+            ratios.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['variant']} | {r['decode_p50_ms'] / base['decode_p50_ms']:.2f}x |")
+    if ratios:
+        lines += ["", "| model | dtype | batch | variant | Vulkan / torch decode p50 |", "|---|---|---:|---|---:|", *ratios]
+    return "\n".join(lines)
+
+
+def crash_line(stderr: str, limit: int = 400) -> str:
+    """Where a `one` process died and why, in one line, from its stderr: the error with the
+    innermost frame of its traceback (or of faulthandler's dump after a fatal signal), so the row
+    says `RuntimeError: std::bad_cast at src/edge/runtime.py:62 in _target`, not the error alone."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if not lines:
+        return "no output"
+    fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    if fatal is not None:  # faulthandler: the innermost frame is the first after the header
+        frame = next((line for line in lines[fatal:] if line.startswith("File ")), "")
+        error = lines[fatal]
+    else:
+        frame = next((line for line in reversed(lines) if line.startswith("File ")), "")
+        error = lines[-1]
+    where = re.match(r'File "(.+?)", line (\d+),? in (\S+)', frame)
+    text = error + (f" at {_repo_relative(where[1])}:{where[2]} in {where[3]}" if where else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _repo_relative(path: str) -> str:
+    root = str(Path(__file__).resolve().parents[2]) + "/"
+    return path.removeprefix(root)
+
+
+def run_grid(artifacts: Path, out: Path, torch_backend: str, timeout_s: float, budget_s: float, repeats: int, warmup: int) -> list[dict[str, Any]]:
+    modules = sorted(p.parent for p in artifacts.glob("*/manifest.json"))
+    if not modules:
+        raise SystemExit(f"error: --artifacts {artifacts}: no module directories with a manifest.json; make them with `compile --out {artifacts}`")
+    jobs: list[tuple[Path, str]] = []
+    seen = set()
+    for module in modules:
+        m = json.loads((module / "manifest.json").read_text())
+        key = (m["model"]["name"], m["dtype"], m["batch"])
+        if torch_backend != "none" and key not in seen:
+            seen.add(key)
+            jobs.append((module, torch_backend))
+        jobs.append((module, "vulkan"))
+    out.mkdir(parents=True, exist_ok=True)
+    results, start = [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        for module, backend in jobs:
+            m = json.loads((module / "manifest.json").read_text())
+            base = {"backend": backend, "model": m["model"]["name"], "dtype": m["dtype"], "batch": m["batch"],
+                    "variant": m["variant"] if backend == "vulkan" else "eager", "status": "failed"}
+            left = budget_s - (time.perf_counter() - start)
+            if left < 10:
+                results.append({**base, "error": f"skipped: the {budget_s:.0f} s budget is spent"})
+                continue
+            result_file = Path(work) / "result.json"
+            result_file.unlink(missing_ok=True)
+            cmd = [sys.executable, "-X", "faulthandler", "-m", "src.bench.edge_vs_torch", "one", "--module", str(module), "--backend", backend,
+                   "--work", work, "--json", str(result_file), "--repeats", str(repeats), "--warmup", str(warmup)]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=min(timeout_s, left))
+                if result_file.is_file():
+                    result = {**base, **json.loads(result_file.read_text())}
+                else:
+                    result = {**base, "error": f"exit {proc.returncode}: {crash_line(proc.stderr or proc.stdout)}"}
+            except subprocess.TimeoutExpired:
+                result = {**base, "error": f"timed out after {min(timeout_s, left):.0f} s"}
+            result["wall_s"] = time.perf_counter() - t0
+            results.append(result)
+            print(row(result), flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=2, default=str))  # kept as it grows: a killed call still leaves rows
+    failed_compiles = artifacts / COMPILE_FAILURES
+    results += json.loads(failed_compiles.read_text()) if failed_compiles.is_file() else []
+    table = markdown(results)
+    (out / "table.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    c = sub.add_parser("compile", help="compile the grid's modules (CPU machine, IREE compiler)")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--models", default="tiny,small")
+    c.add_argument("--target", default="", help="one Vulkan target for every variant (llvmpipe: the grid for lavapipe, to prove the run step)")
+    c.add_argument("--quick", action="store_true", help="two modules: fp32 at batch 1 and fp16 at batch 2, the first variant of each")
+    c.add_argument("--model-overrides", default="{}", help="JSON merged into every model config, e.g. smaller shapes for a check on lavapipe")
+    c.add_argument("--cache-dir", type=Path, default=Path("~/.cache/perflab/edge").expanduser())
+    r = sub.add_parser("run", help="time every module on Vulkan and on torch (the GPU machine)")
+    r.add_argument("--artifacts", type=Path, required=True)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--torch", default="cuda", choices=["cuda", "cpu", "none"], help="the torch eager baseline's device")
+    r.add_argument("--timeout-s", type=float, default=120.0, help="per combination")
+    r.add_argument("--budget-s", type=float, default=540.0, help="for the whole grid: what is left is recorded as skipped")
+    r.add_argument("--repeats", type=int, default=10)
+    r.add_argument("--warmup", type=int, default=2)
+    o = sub.add_parser("one", help="one combination (what run starts in a subprocess)")
+    o.add_argument("--module", type=Path, required=True)
+    o.add_argument("--backend", required=True)
+    o.add_argument("--work", type=Path, required=True)
+    o.add_argument("--json", type=Path, required=True)
+    o.add_argument("--repeats", type=int, default=10)
+    o.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.step == "compile":
+        variants = VARIANTS
+        if args.quick:
+            variants = [("fp32", "ampere", (), (1,)), ("fp16", "ampere", (), (2,))]
+        target_map = {t: args.target for _, t, _, _ in VARIANTS} if args.target else {}
+        overrides = json.loads(args.model_overrides)
+        if overrides:
+            for name in MODELS:
+                MODELS[name] = {**MODELS[name], **overrides}
+        if args.target:  # one target: the variants that differ only by target collapse into one
+            variants = list({(d, args.target, f, b): None for d, _, f, b in variants})
+        made = compile_grid(args.out, target_map, args.models.split(","), variants, args.cache_dir)
+        total = sum(f.stat().st_size for d in made for f in d.iterdir())
+        print(f"{len(made)} modules in {args.out}, {total / 2**20:.1f} MiB")
+    elif args.step == "run":
+        results = run_grid(args.artifacts, args.out, args.torch, args.timeout_s, args.budget_s, args.repeats, args.warmup)
+        print(markdown(results))
+    else:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        args.json.write_text(json.dumps(run_one(args.module, args.backend, args.work, args.repeats, args.warmup), default=str))
+
+
+if __name__ == "__main__":
+    main()
