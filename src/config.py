@@ -357,6 +357,8 @@ class EdgeConfig:
     repeats: int = 10
     """timed generations (prefill + decode_steps) after the first"""
     seed: int = 0
+    runtime_flags: list[str] = field(default_factory=list)
+    """backend=vulkan: IREE runtime flags, e.g. [--vulkan_tracing=false]"""
 
 
 @dataclass

@@ -206,13 +206,17 @@ def test_the_gpu_campaign_compiles_and_runs_side_by_side_on_lavapipe(tmp_path, c
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in art.iterdir() if p.is_dir()) == ["tiny-fp16-b2-llvmpipe-nocoop", "tiny-fp32-b1-llvmpipe-nocoop"]
     assert not list(art.rglob("*.irpa"))  # parameters are written on the device, only code travels
-    proc = run_cli(["run", "--artifacts", str(art), "--out", str(out), "--torch", "cpu", "--repeats", "2", "--warmup", "1"],
+    proc = run_cli(["run", "--artifacts", str(art), "--out", str(out), "--torch", "cpu", "--repeats", "2", "--warmup", "1",
+                    "--runtime-flags=--vulkan_tracing=false"],
                    cwd=tmp_path, module="src.bench.edge_vs_torch")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = (out / "table.md").read_text().splitlines()
-    assert lines[0] == ("| backend | device | model | dtype | batch | variant | TTFT p50 ms | decode p50 ms | prefill tok/s | decode tok/s "
-                        "| max rel err | status |")
+    assert lines[0] == ("| backend | device | model | dtype | batch | variant | TTFT p50 ms | decode p50 ms | call ms | read ms | prefill tok/s "
+                        "| decode tok/s | max rel err | status |")
     results = json.loads((out / "results.json").read_text())
     assert sorted((r["backend"], r["dtype"], r["batch"]) for r in results) == [("cpu", "fp16", 2), ("cpu", "fp32", 1), ("vulkan", "fp16", 2), ("vulkan", "fp32", 1)]
     assert all(r["status"] == "finished" and r["decode_p50_ms"] > 0 and r["greedy_mismatches"] == 0 for r in results), results
+    # the step split in two, and the runtime flags the Vulkan rows ran under, in their variant's name
+    assert all(r["decode_call_ms"] > 0 and r["token_read_ms"] > 0 for r in results)
+    assert sorted(r["variant"] for r in results if r["backend"] == "vulkan") == ["llvmpipe-nocoop+vulkan_tracing=false"] * 2
     assert "Vulkan / torch decode p50" in (out / "table.md").read_text()

@@ -41,13 +41,15 @@ VARIANTS = [
     ("fp32", "ampere", (), (1, 4)),
     ("fp16", "ampere", (), (1,)),  # the recorded failure: NVIDIA 580.159.04 refuses its pipelines (turing, 64 KiB tiles, too)
     ("fp16", "pascal", (), (1, 4)),
-    ("fp32", "ampere", ("--iree-opt-level=O3",), (1,)),
-    ("fp16", "pascal", ("--iree-opt-level=O3",), (1,)),
-    ("fp16", "pascal", ("--iree-vulkan-dispatch-abi=bda",), (1,)),
 ]
+# Left out after the 2026-11-30 run (docs/PERFORMANCE.md 6b): --iree-opt-level=O3 does not compile
+# in IREE 3.13, --iree-vulkan-dispatch-abi=bda gives wrong numbers on NVIDIA's driver.
+# IREE runtime flag sets each Vulkan module also runs under (`run --runtime-flags`): the
+# per-call event timestamps (vulkan_tracing) and the queue choice are host costs per submit.
+RUNTIME_FLAGS = ["", "--vulkan_tracing=false", "--vulkan_tracing=false --vulkan_dedicated_compute_queue=false"]
 COMPILE_FAILURES = "compile_failures.json"
-COLUMNS = ["backend", "device", "model", "dtype", "batch", "variant", "TTFT p50 ms", "decode p50 ms", "prefill tok/s", "decode tok/s",
-           "max rel err", "status"]
+COLUMNS = ["backend", "device", "model", "dtype", "batch", "variant", "TTFT p50 ms", "decode p50 ms", "call ms", "read ms", "prefill tok/s",
+           "decode tok/s", "max rel err", "status"]
 
 
 def model_config(name: str, overrides: dict | None = None) -> dict:
@@ -95,7 +97,7 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
     return made
 
 
-def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int) -> dict[str, Any]:
+def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int, flags: tuple[str, ...] = ()) -> dict[str, Any]:
     """One combination in this process: the summary dict (status finished or failed, error)."""
     from src.edge.compile import TORCH_DTYPES, load_artifacts
     from src.edge.params import write_params
@@ -106,14 +108,14 @@ def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int) -
     settings = {k: m[k] for k in ("batch", "prompt_len", "max_seq", "dtype", "model", "weights")}
     reference = reference_model(m["model"], m["weights"], m["max_seq"], m["batch"])
     summary: dict[str, Any] = {"backend": backend, "model": m["model"]["name"], "dtype": m["dtype"], "batch": m["batch"],
-                               "variant": m["variant"] if backend == "vulkan" else "eager", "target": m["target"] if backend == "vulkan" else None,
+                               "variant": flagged(m["variant"], flags) if backend == "vulkan" else "eager", "target": m["target"] if backend == "vulkan" else None,
                                "device_name": backend, "status": "finished"}
     if backend == "vulkan":
         art.params = work / f"{module.name}.irpa"
         t0 = time.perf_counter()
         write_params(copy.deepcopy(reference).to(TORCH_DTYPES[m["dtype"]]), art.params)
         summary["params_write_s"] = time.perf_counter() - t0
-    e = SimpleNamespace(seed=0, decode_steps=m["max_seq"] - m["prompt_len"], warmup=warmup, repeats=repeats)
+    e = SimpleNamespace(seed=0, decode_steps=m["max_seq"] - m["prompt_len"], warmup=warmup, repeats=repeats, runtime_flags=flags)
     try:
         _run(backend, art, reference, settings, e, summary)
     except EdgeRunFailed as err:
@@ -125,6 +127,11 @@ def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int) -
     return summary
 
 
+def flagged(variant: str, flags: tuple[str, ...] | list[str]) -> str:
+    """The variant's name with its runtime flags: `pascal-nocoop+vulkan_tracing=false`."""
+    return "+".join([variant, *(f.removeprefix("--") for f in flags)])
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -132,7 +139,8 @@ def _fmt(value: Any, spec: str) -> str:
 def row(r: dict[str, Any]) -> str:
     status = r["status"] if r["status"] == "finished" else f"FAILED: {r.get('error', '')[:160]}"
     cells = [r["backend"], r.get("device_name", "?"), r["model"], r["dtype"], str(r["batch"]), r["variant"], _fmt(r.get("ttft_p50_ms"), ".3f"),
-             _fmt(r.get("decode_p50_ms"), ".3f"), _fmt(r.get("prefill_tokens_per_s"), ",.0f"), _fmt(r.get("decode_tokens_per_s"), ",.0f"),
+             _fmt(r.get("decode_p50_ms"), ".3f"), _fmt(r.get("decode_call_ms"), ".3f"), _fmt(r.get("token_read_ms"), ".3f"),
+             _fmt(r.get("prefill_tokens_per_s"), ",.0f"), _fmt(r.get("decode_tokens_per_s"), ",.0f"),
              _fmt(r.get("rel_err"), ".2e"), status.replace("|", "/")]
     return "| " + " | ".join(cells) + " |"
 
@@ -174,26 +182,27 @@ def _repo_relative(path: str) -> str:
     return path.removeprefix(root)
 
 
-def run_grid(artifacts: Path, out: Path, torch_backend: str, timeout_s: float, budget_s: float, repeats: int, warmup: int) -> list[dict[str, Any]]:
+def run_grid(artifacts: Path, out: Path, torch_backend: str, timeout_s: float, budget_s: float, repeats: int, warmup: int,
+             runtime_flags: list[str] = ("",)) -> list[dict[str, Any]]:
     modules = sorted(p.parent for p in artifacts.glob("*/manifest.json"))
     if not modules:
         raise SystemExit(f"error: --artifacts {artifacts}: no module directories with a manifest.json; make them with `compile --out {artifacts}`")
-    jobs: list[tuple[Path, str]] = []
+    jobs: list[tuple[Path, str, tuple[str, ...]]] = []
     seen = set()
     for module in modules:
         m = json.loads((module / "manifest.json").read_text())
         key = (m["model"]["name"], m["dtype"], m["batch"])
         if torch_backend != "none" and key not in seen:
             seen.add(key)
-            jobs.append((module, torch_backend))
-        jobs.append((module, "vulkan"))
+            jobs.append((module, torch_backend, ()))
+        jobs += [(module, "vulkan", tuple(flags.split())) for flags in runtime_flags]
     out.mkdir(parents=True, exist_ok=True)
     results, start = [], time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
-        for module, backend in jobs:
+        for module, backend, flags in jobs:
             m = json.loads((module / "manifest.json").read_text())
             base = {"backend": backend, "model": m["model"]["name"], "dtype": m["dtype"], "batch": m["batch"],
-                    "variant": m["variant"] if backend == "vulkan" else "eager", "status": "failed"}
+                    "variant": flagged(m["variant"], flags) if backend == "vulkan" else "eager", "status": "failed"}
             left = budget_s - (time.perf_counter() - start)
             if left < 10:
                 results.append({**base, "error": f"skipped: the {budget_s:.0f} s budget is spent"})
@@ -201,7 +210,7 @@ def run_grid(artifacts: Path, out: Path, torch_backend: str, timeout_s: float, b
             result_file = Path(work) / "result.json"
             result_file.unlink(missing_ok=True)
             cmd = [sys.executable, "-X", "faulthandler", "-m", "src.bench.edge_vs_torch", "one", "--module", str(module), "--backend", backend,
-                   "--work", work, "--json", str(result_file), "--repeats", str(repeats), "--warmup", str(warmup)]
+                   "--work", work, "--json", str(result_file), "--repeats", str(repeats), "--warmup", str(warmup), *(f"--flag={f}" for f in flags)]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=min(timeout_s, left))
@@ -241,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--budget-s", type=float, default=540.0, help="for the whole grid: what is left is recorded as skipped")
     r.add_argument("--repeats", type=int, default=10)
     r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--runtime-flags", action="append", default=None, metavar="'FLAG ...'",
+                   help="an IREE runtime flag set, space-separated, '' for none (repeat; each Vulkan module runs under each; "
+                        "write --runtime-flags='--vulkan_tracing=false'); default: RUNTIME_FLAGS")
     o = sub.add_parser("one", help="one combination (what run starts in a subprocess)")
     o.add_argument("--module", type=Path, required=True)
     o.add_argument("--backend", required=True)
@@ -248,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     o.add_argument("--json", type=Path, required=True)
     o.add_argument("--repeats", type=int, default=10)
     o.add_argument("--warmup", type=int, default=2)
+    o.add_argument("--flag", action="append", default=[], help="an IREE runtime flag (repeat)")
     args = parser.parse_args(argv)
     if args.step == "compile":
         variants = VARIANTS
@@ -264,13 +277,13 @@ def main(argv: list[str] | None = None) -> None:
         total = sum(f.stat().st_size for d in made for f in d.iterdir())
         print(f"{len(made)} modules in {args.out}, {total / 2**20:.1f} MiB")
     elif args.step == "run":
-        results = run_grid(args.artifacts, args.out, args.torch, args.timeout_s, args.budget_s, args.repeats, args.warmup)
+        results = run_grid(args.artifacts, args.out, args.torch, args.timeout_s, args.budget_s, args.repeats, args.warmup, args.runtime_flags or RUNTIME_FLAGS)
         print(markdown(results))
     else:
         import logging
 
         logging.basicConfig(level=logging.WARNING)
-        args.json.write_text(json.dumps(run_one(args.module, args.backend, args.work, args.repeats, args.warmup), default=str))
+        args.json.write_text(json.dumps(run_one(args.module, args.backend, args.work, args.repeats, args.warmup, tuple(args.flag)), default=str))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ decode step latency (one call until its token is on the host, p50/p90 over every
 every timed generation), prefill and decode tokens/s (batch x tokens / p50), the largest relative
 error over the prefill and decode logits (max |a - b| / max |b| per step), and how many of the
 tokens chosen on the device differ from the argmax of the reference's logits. Timed generations
-never read the logits: a step moves one int32 per sequence to the host.
+never read the logits: a step moves one int32 per sequence to the host. And the step split in two
+(`split_step`): the decode call alone and the read of its token, so per-step overhead shows apart.
 """
 from __future__ import annotations
 
@@ -71,6 +72,25 @@ def relative_errors(got: list[np.ndarray], want: list[np.ndarray]) -> list[float
     return [float(np.abs(g.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30)) for g, w in zip(got, want)]
 
 
+def split_step(runner: Any, tokens: np.ndarray, steps: int, reads: int = 10) -> tuple[float, float]:
+    """A decode step in its two parts, p50 ms each: the call alone, its token left on the device
+    (IREE's calls return when the device is done; torch's when the kernels are queued), and one
+    read of a token already computed (a copy to the host and a wait: the host round trip)."""
+    token, _ = runner.prefill(tokens)
+    calls = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        token, _ = runner.decode(token, tokens.shape[1] + i)
+        calls.append(1e3 * (time.perf_counter() - t0))
+    runner.tokens(token)  # the device idle: each read below is the round trip alone
+    read = []
+    for _ in range(reads):
+        t0 = time.perf_counter()
+        runner.tokens(token)
+        read.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(calls), statistics.median(read)
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -83,6 +103,7 @@ def measure(runner: Any, reference: EdgeLM, tokens: np.ndarray, steps: int, warm
     for _ in range(warmup):
         generate(runner, tokens, steps)
     timed = [generate(runner, tokens, steps) for _ in range(repeats)]
+    call_ms, read_ms = split_step(runner, tokens, steps)
     prefill = [g.prefill_ms for g in timed]
     decode = [t for g in timed for t in g.decode_ms]
     batch, prompt = tokens.shape
@@ -94,6 +115,7 @@ def measure(runner: Any, reference: EdgeLM, tokens: np.ndarray, steps: int, warm
         "decode_p50_ms": step, "decode_p90_ms": _pct(decode, 90),
         "prefill_tokens_per_s": batch * prompt / (ttft / 1e3),
         "decode_tokens_per_s": batch / (step / 1e3) if decode else None,
+        "decode_call_ms": call_ms, "token_read_ms": read_ms,
         "rel_err": max(errors), "rel_err_prefill": errors[0], "rel_err_per_step": errors,
         "greedy_mismatches": mismatches,
         "generated": np.stack(first.tokens, axis=1).tolist(),

@@ -174,7 +174,7 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
         summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
         summary.update(check_device(artifacts.manifest, summary["device_name"]))
         try:
-            runner = IreeRunner(artifacts, "vulkan")
+            runner = IreeRunner(artifacts, "vulkan", flags=tuple(getattr(e, "runtime_flags", ()) or ()))
         except ModuleLoadFailed as err:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
         cache_bytes = 2 * reference.k_cache.numel() * TORCH_DTYPES[dtype].itemsize  # keys and values
