@@ -30,11 +30,13 @@ from src.tracking.mlflow_run import (
     RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
 )
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
+from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.torch_profile import TorchProfileSession
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
 from src.train.schedule import lr_at
 from src.train.loop import summarize, train_loop
+from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
 from src.train.progress import ProgressReporter
 
@@ -47,23 +49,10 @@ def build_model(model_cfg: DictConfig) -> MiniLLM:
     return MiniLLM(**kwargs)
 
 
-def optimizer_impl(impl: str, device_type: str, cpu_offload: bool) -> str:
-    """optim.impl=auto: fused on CUDA (one kernel for every parameter's update), foreach elsewhere
-    and under CPU offload (the parameters live in host memory, where fused AdamW has no kernel)."""
-    if impl != "auto":
-        return impl
-    return "fused" if device_type == "cuda" and not cpu_offload else "foreach"
-
-
-def build_optimizer(params, o: DictConfig, device_type: str, cpu_offload: bool) -> torch.optim.AdamW:
-    impl = optimizer_impl(o.impl, device_type, cpu_offload)
-    kernels = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **kernels)
-
-
-def profile_session(cfg: DictConfig) -> TorchProfileSession:
+def profile_session(cfg: DictConfig, flops_per_step: float) -> TorchProfileSession:
     p = cfg.profile
-    return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit)
+    return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit,
+                               flops_per_step, p.gemm_peak_tflops)
 
 
 def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
@@ -275,7 +264,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             if run_dir is not None:
                 metrics_file = MetricsFile(run_dir / "metrics.jsonl", start_step)
                 callbacks.append(metrics_file)
-        session = profile_session(cfg) if cfg.task.name == "profile" else None
+        session = profile_session(cfg, fpt * cfg.data.batch_size * cfg.data.seq_len) if cfg.task.name == "profile" else None
         if session is not None:
             session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
         reset_peak_memory(env.device)
@@ -335,7 +324,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides, ctx.sweep_keys))
             for name in RUN_ARTIFACTS:
                 tracker.log_artifact(run_dir / name)
-        tracker.finish("FINISHED", summary)
+        anatomy = session.anatomy if session is not None and env.is_main else None
+        tracker.finish("FINISHED", {**summary, **(anatomy_metrics(anatomy) if anatomy else {})})
         if env.is_main:
             if summary["skipped_steps"]:
                 log.info("train.nonfinite=skip dropped the optimizer update of %d step(s): %s", summary["skipped_steps"], summary["skipped_at"])
