@@ -7,7 +7,9 @@ in one call on the same GPUs, so every ratio is measured side by side.
 
 Each round runs, for each GPU count, the seed's script (and with --seed-compile its per-block
 torch.compile), then every variant: NAME=OVERRIDES, the overrides added to +exp=fsdp4 (empty: the
-experiment as it is; `tracking=mlflow` tracks into OUT/mlflow.db). A run that fails is recorded
+experiment as it is; `tracking=mlflow` tracks into OUT/mlflow.db), where an upper-case KEY=VALUE is
+an environment variable of that run instead (NCCL_ALGO=Tree, PYTORCH_CUDA_ALLOC_CONF=..., the
+communication knobs that live outside the config). A run that fails is recorded
 with its error and the call goes on. rows.json is rewritten after every run, so a call cut off
 keeps what ran; past --budget-s no new run starts (nor one that the longest run so far would
 carry past it). At the end, one median row per (impl, GPUs): tokens/s per GPU, MFU, peak memory
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 SEED_SCRIPT = Path(__file__).with_name("seed_fsdp.py")
+ENV_VAR = re.compile(r"^[A-Z][A-Z0-9_]*=")
 FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "final_loss", "host_rss_growth_mb")
 
 
@@ -57,9 +62,11 @@ def run_ours(nproc: int, args: argparse.Namespace, overrides: list[str], run_dir
     cmd = [sys.executable, "-m", "src.run", "+exp=fsdp4", f"dist.nproc={nproc}", f"train.steps={args.steps}",
            f"train.untimed_steps={args.warmup}", "train.progress=false", "tracking=none",
            f"hydra.run.dir={run_dir}", *overrides]
+    env = dict(os.environ, **dict(o.split("=", 1) for o in overrides if ENV_VAR.match(o)))
+    cmd = [c for c in cmd if not ENV_VAR.match(c)]
     if "tracking=mlflow" in overrides:
         cmd.append(f"tracking.uri=sqlite:///{(args.out / 'mlflow.db').resolve()}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     summary_file = run_dir / "summary.json"
     if proc.returncode or not summary_file.exists():
         return {"error": _tail(proc)}
