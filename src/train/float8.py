@@ -65,7 +65,6 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     `emulate` runs the float8 GEMMs as casts + a high-precision matmul (tests on a CPU only)."""
     import dataclasses
 
-    import torch._inductor.config as inductor_config
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
@@ -76,6 +75,8 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
         # torchtitan's workaround for pytorch/pytorch#150859: Inductor must round its casts as
         # eager does, or rowwise scales computed in a fused kernel differ from eager's
+        import torch._inductor.config as inductor_config
+
         inductor_config.emulate_precision_casts = True
     convert_to_float8_training(model, module_filter_fn=is_block_linear, config=config)
     return sum(isinstance(m, Float8Linear) for m in model.modules())
