@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,22 @@ from src.train.optimizer import build_optimizer, optimizer_impl
 SMALL = ["dist.nproc=1", "precision=fp32", "train.steps=4", "data.seq_len=64", "data.batch_size=4", "tracking=none", "train.progress=false"]
 
 
+@pytest.fixture
+def in_process_runs():
+    """train() sets up a rank's logging (handlers on the root logger) and Dynamo keeps what it
+    compiled: both are put back after the test, for the tests that share this process."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    root.__dict__.pop("_perflab_configured", None)
+    torch._dynamo.reset()
+
+
 def _losses(tmp_path: Path, name: str, overrides: list[str]) -> list[float]:
     from src.train.worker import train
 
@@ -26,7 +43,7 @@ def _losses(tmp_path: Path, name: str, overrides: list[str]) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_compiled_blocks_give_the_eager_fp32_losses(tmp_path: Path):
+def test_compiled_blocks_give_the_eager_fp32_losses(tmp_path: Path, in_process_runs):
     """Our kernels=compile (each block compiled in place, then fully_shard) against eager, 4 steps in
     fp32: equal within 1e-5 relative. The graphs go through Dynamo and AOTAutograd (backend
     aot_eager), as with Inductor; Inductor's own code generation is left out here because its
