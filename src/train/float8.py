@@ -3,8 +3,8 @@
 Order (torchtitan's parallelize_llama): convert the plain model (on the meta device) first, then
 torch.compile each block, then fully_shard. `convert_to_float8_training` swaps the transformer
 blocks' nn.Linear for Float8Linear: their three GEMMs (output, grad input, grad weight) run as
-float8 `torch._scaled_mm` with dynamic scales; the output head stays bf16 (its grad feeds the loss
-directly: float8 there costs accuracy for one GEMM of 12 x 4 per block). Under FSDP2 with the
+float8 `torch._scaled_mm` with dynamic scales; the output head stays bf16, as torchtitan leaves
+it (its logits go straight into the softmax, and it is 1 of the 49 linears of mini_llm). Under FSDP2 with the
 tensorwise recipe the weights are all-gathered in float8 (`enable_fsdp_float8_all_gather`), and
 their scales for the next step come from one all-reduce of every weight's amax right after the
 optimizer step (`precompute_float8_dynamic_scale_for_fsdp`) instead of one per weight in forward.
@@ -73,8 +73,8 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     else:
         # torchao gathers float8 only for tensorwise scales; rowwise weights are gathered in bf16
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-        # torchtitan's workaround for pytorch/pytorch#150859: Inductor must round its casts as
-        # eager does, or rowwise scales computed in a fused kernel differ from eager's
+        # what torchtitan sets for rowwise, its short-term fix of pytorch/pytorch#150859 (Inductor's
+        # low-precision casts rounding unlike eager's)
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = True
