@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from src.config_help import register as register_help
-from src.profiling.classify import Thresholds
+from src.config_tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
 
 
 # String choices are StrEnums (OmegaConf 2.3 has no Literal): `sharding.strategy=fsdp` fails when
@@ -64,6 +64,17 @@ class NonFinite(StrEnum):
     skip = "skip"
 
 
+class Fp8Recipe(StrEnum):
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
+class OptimImpl(StrEnum):
+    auto = "auto"
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
 
 @dataclass
 class ModelConfig:
@@ -106,6 +117,12 @@ class PrecisionConfig:
     """dtype of the gathered parameters that compute runs in"""
     reduce_dtype: Dtype = Dtype.float32
     """dtype of the gradient reduce-scatter / all-reduce"""
+    float8: bool = False
+    """float8 GEMMs in the transformer blocks' nn.Linear layers (torchao Float8Linear; not the head); CUDA, capability 8.9+"""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """float8 scaling: tensorwise (one scale a tensor, cuBLAS; the fastest) or rowwise (a scale per row, CUTLASS)"""
+    fp8_all_gather: bool = True
+    """tensorwise under FSDP2: all-gather the weights in float8 (half bf16's bytes); rowwise gathers bf16"""
 
 
 @dataclass
@@ -122,6 +139,8 @@ class KernelsConfig:
     name: str = MISSING
     compile: bool = False
     """torch.compile each transformer block before sharding"""
+    compile_backend: str = "inductor"
+    """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
     fused: Optional[list[str]] = field(default_factory=list)
     """fused Triton variants to swap in (kernels/triton/registry.py); null means every one"""
     auto: bool = False
@@ -191,8 +210,8 @@ class OptimConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     """clip the global gradient norm to this; 0 disables clipping (the norm is still reported)"""
-    fused: Optional[bool] = None
-    """fused AdamW kernel; empty means on for CUDA, off elsewhere"""
+    impl: OptimImpl = OptimImpl.auto
+    """AdamW's kernels: fused (one kernel per step), foreach (multi-tensor), for_loop; auto: fused on CUDA, else foreach"""
     schedule: Schedule = Schedule.constant
     """learning rate per step: constant (the seed's) or cosine (down to min_lr_ratio * lr at the last step)"""
     warmup_steps: int = 0
@@ -221,46 +240,6 @@ class TrainConfig:
     """cross-entropy on fp32 logits (torchtitan's choice); the seed's script uses the bf16 logits as they come"""
     label_smoothing: float = 0.0
     """cross-entropy against (1 - e) on the target + e / vocab everywhere, as F.cross_entropy; the fused losses too"""
-
-
-@dataclass
-class ProfileConfig:
-    """task=profile: torch.profiler over the training loop; and NVTX annotation for ncu / nsys."""
-
-    wait: int = 1
-    """steps skipped before the profiler starts"""
-    warmup: int = 1
-    """steps traced but discarded (profiler warm-up)"""
-    active: int = 3
-    """steps recorded"""
-    record_shapes: bool = True
-    profile_memory: bool = True
-    with_stack: bool = False
-    """Python stacks in the trace: much larger traces"""
-    row_limit: int = 25
-    """rows of the key_averages table"""
-    nvtx: bool = False
-    """push an NVTX range per module (fwd/layers.3.ffn) and around loss, backward, optimizer"""
-    nvtx_step: int = -1
-    """the step wrapped in the NVTX range 'profiled_step' (what task=diagnose gives ncu); -1: none"""
-
-
-@dataclass
-class DiagnoseConfig:
-    """task=diagnose: one training step under Nsight Compute, then the bound verdict per op."""
-
-    step: int = 2
-    """the step that ncu profiles; earlier ones warm up allocator and autotuning"""
-    sections: list[str] = field(default_factory=lambda: ["SpeedOfLight", "SpeedOfLight_RooflineChart", "Occupancy", "LaunchStats"])
-    ncu: str = ""
-    """path to ncu; empty finds it on PATH or under /opt/nvidia/nsight-compute"""
-    timeout_s: int = 3600
-    launch_count: int = 0
-    """profile at most this many kernels of the step (0: all)"""
-    report: str = ""
-    """diagnose this existing report instead of running ncu"""
-    classifier: Thresholds = field(default_factory=Thresholds)
-    """SEED.md's readings for the bound verdict (src/profiling/classify.py explains the rule)"""
 
 
 @dataclass
@@ -294,71 +273,6 @@ class CheckpointConfig:
     none: start fresh; or a step_NNNNNNNN folder to resume from (any world size)"""
     export_safetensors: bool = False
     """at the end, write the full weights to <run_dir>/model.safetensors (plain state_dict)"""
-
-
-def _bench_shapes() -> dict[str, list[list[int]]]:
-    # LLM shapes: 8192 tokens at LLaMA-7B/mini_llm widths; the SwiGLU hidden 11008 is LLaMA-7B's,
-    # 32000 the seed's vocabulary; softmax over 4096 keys (attention scores written out).
-    return {
-        "rms_norm": [[8192, 2048], [8192, 4096]],
-        "add_rms_norm": [[8192, 2048]],
-        "swiglu": [[8192, 8192], [8192, 11008]],
-        "softmax": [[8192, 4096]],
-        "cross_entropy": [[8192, 32000]],
-        "linear_cross_entropy": [[8192, 2048, 32000]],
-    }
-
-
-@dataclass
-class KernelBenchConfig:
-    """task=kernel_bench (+exp=kernels): the fused kernels against eager, torch.compile and Liger."""
-
-    ops: list[str] = field(default_factory=lambda: ["rms_norm", "add_rms_norm", "swiglu", "softmax", "cross_entropy", "linear_cross_entropy"])
-    shapes: dict[str, list[list[int]]] = field(default_factory=_bench_shapes)
-    """op -> shapes: [rows, width], or [tokens, dim, vocab] for linear_cross_entropy"""
-    providers: list[str] = field(default_factory=lambda: ["eager", "compile", "triton", "liger"])
-    """liger runs only where Liger-Kernel is installed"""
-    modes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
-    dtype: str = "bfloat16"
-    warmup_ms: int = 25
-    rep_ms: int = 100
-    """do_bench's budget per measurement (its defaults)"""
-    copy_mb: int = 1024
-    """buffer copied to measure the device's copy ceiling"""
-
-
-@dataclass
-class EdgeConfig:
-    """task=infer (+exp=edge): prefill + decode on an edge backend against torch on the CPU."""
-
-    action: str = "bench"
-    """bench: compile (cached) and time here; compile: write artifacts for another device; run: time compiled artifacts"""
-    target: str = ""
-    """backend=vulkan: --iree-vulkan-target (llvmpipe, ampere, rdna3, valhall, adreno, sm_XX, gfxNNNN; empty: llvmpipe);
-    backend=mps with action=compile: the Metal platform (macos, ios; empty: macos)"""
-    target_features: str = ""
-    """backend=vulkan: --iree-vulkan-target-features, replacing the target's defaults (e.g. to drop cooperative matrices)"""
-    artifacts: str = ""
-    """action=run: a directory that action=compile wrote; action=compile: where to write (default: the run directory)"""
-    cache_dir: str = "~/.cache/perflab/edge"
-    """compiled modules, keyed by model config, shapes, dtype, target and flags"""
-    batch: int = 1
-    prompt_len: int = 32
-    """tokens in the prompt (the prefill)"""
-    decode_steps: int = 16
-    """tokens generated after the prompt, one decode call each"""
-    max_seq: int = 0
-    """KV-cache positions; 0: prompt_len + decode_steps"""
-    dtype: str = "fp32"
-    """fp32, fp16, or bf16 (where the device computes in it)"""
-    weights: str = ""
-    """a safetensors export of a trained model (python -m src.export); empty: the seeded initialisation"""
-    warmup: int = 2
-    repeats: int = 10
-    """timed generations (prefill + decode_steps) after the first"""
-    seed: int = 0
-    runtime_flags: list[str] = field(default_factory=list)
-    """backend=vulkan: IREE runtime flags, e.g. [--vulkan_tracing=false]"""
 
 
 @dataclass

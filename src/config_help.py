@@ -1,7 +1,7 @@
 """`python -m src.run --help`: every option with the one-line docstring its schema gives it.
 
-The field docstrings in src/config.py are the reference; Python keeps no such strings at run time,
-so they are read from the source with `ast`. conf/config.yaml's `hydra.help.template` places this
+The field docstrings in src/config.py and src/config_tasks.py are the reference; Python keeps no
+such strings at run time, so they are read from the source with `ast`. conf/config.yaml's `hydra.help.template` places this
 text under Hydra's own listing of the config groups (`${perflab_options:}`, a resolver).
 """
 from __future__ import annotations
@@ -16,11 +16,15 @@ from omegaconf import OmegaConf
 WIDTH = 100
 
 
+SCHEMA_FILES = ("config.py", "config_tasks.py")
+
+
 def field_docs(source: Path | None = None) -> dict[str, dict[str, str]]:
-    """{class name: {field: docstring}} for every class in src/config.py."""
-    tree = ast.parse((source or Path(__file__).with_name("config.py")).read_text())
+    """{class name: {field: docstring}} for every class in the schema files (or in `source`)."""
+    sources = [source] if source else [Path(__file__).with_name(name) for name in SCHEMA_FILES]
+    nodes = [node for path in sources for node in ast.parse(path.read_text()).body]
     docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         fields: dict[str, str] = {}

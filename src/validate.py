@@ -202,9 +202,23 @@ def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -
                               f"(LLM sizes: 2 rows in 180 s); use the small sizes of `{KERNELS_ON_CPU}`")
 
 
-def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False) -> None:
+def _lowest_capability(cuda_device_count: int) -> tuple[tuple[int, int] | None, str]:
+    """The lowest compute capability among the visible GPUs and that GPU's name; probed only for
+    precision=fp8, the one setting that needs it."""
+    if cuda_device_count == 0:
+        return None, ""
+    caps = sorted((torch.cuda.get_device_capability(i), i) for i in range(cuda_device_count))
+    return caps[0][0], torch.cuda.get_device_name(caps[0][1])
+
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False,
+             cuda_capability: tuple[tuple[int, int] | None, str] | None = None) -> None:
     """Raise ConfigError for the first impossible combination. Device facts are probed unless given
-    (tests pass them to check the messages for hardware this machine lacks)."""
+    (tests pass them to check the messages for hardware this machine lacks): `cuda_capability` is
+    (the lowest compute capability of the visible GPUs, that GPU's name)."""
     _check_group_keys(cfg)
     _check_tracking_uri(cfg)
     backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding
@@ -242,6 +256,16 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"dist.nproc={nproc} dist.nnodes={cfg.dist.nnodes}: both must be at least 1")
     if backend == "cuda" and not as_worker and nproc > cuda_device_count:
         raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less")
+
+    if cfg.precision.float8 and task in TRAINING_TASKS:
+        from src.train.float8 import float8_dims, float8_refusal
+
+        capability, device_name = cuda_capability or _lowest_capability(cuda_device_count if backend == "cuda" else 0)
+        why_not = float8_refusal(backend, capability, device_name, float8_dims(cfg.model, cfg.data))
+        if why_not:
+            raise ConfigError(why_not)
+    if cfg.kernels.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
 
     fused = selected_ops(cfg.kernels.fused)
     if cfg.kernels.auto:

@@ -4,13 +4,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import read_summary, run_cli
 from tests.test_diagnosis import FIXTURES
 
 
-def test_profile_on_cpu_writes_traces_table_and_breakdown(workdir: Path):
-    proc = run_cli(["+exp=profile", "tracking=none"], cwd=workdir)
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory) -> tuple[Path, str]:
+    """One +exp=profile run on 2 CPU ranks, tracked in a private MLflow store; (cwd, console)."""
+    cwd = tmp_path_factory.mktemp("profile")
+    proc = run_cli(["+exp=profile"], cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return cwd, proc.stdout
+
+
+def test_profile_on_cpu_writes_traces_table_and_breakdown(cpu_profile):
+    workdir = cpu_profile[0]
     (run_dir,) = list(workdir.glob("outputs/*/*"))
     profile = run_dir / "profile"
     for rank in (0, 1):  # one Chrome/Perfetto trace per rank
@@ -25,6 +35,44 @@ def test_profile_on_cpu_writes_traces_table_and_breakdown(workdir: Path):
     assert abs(sum(breakdown["breakdown_share"].values()) - 1) < 1e-6
     summary = read_summary(workdir)
     assert summary["task"] == "profile" and summary["profile"]["breakdown_s"]["gemm"] > 0
+
+
+def test_profile_on_cpu_writes_the_step_anatomy_and_logs_it(cpu_profile):
+    """anatomy.json, its table on the console and its figures in MLflow; on a CPU the categories are
+    CPU-op self time and the device figures (exposed communication, idle, GEMM floor) are absent.
+    The same run carries the host RSS per step (metrics.jsonl, MLflow) and its growth (summary.json)."""
+    workdir, console = cpu_profile
+    (run_dir,) = list(workdir.glob("outputs/*/*"))
+    anatomy = json.loads((run_dir / "profile" / "anatomy.json").read_text())
+    assert anatomy["source"] == "cpu ops (self time)" and anatomy["profiled_steps"] == 3
+    cats = anatomy["categories_ms"]
+    assert cats["gemm"] > 0 and cats["attention"] > 0 and cats["communication"] > 0 and cats["fsdp_copy"] > 0 and cats["optimizer"] > 0
+    assert anatomy["communication_exposed_ms"] is None and anatomy["idle_ms"] is None and anatomy["gemm_floor_ms"] is None
+    summary = read_summary(workdir)
+    tokens = summary["settings"]["batch_size_per_device"] * summary["settings"]["seq_len"]
+    assert anatomy["model_flops_per_step"] == summary["flops_per_token"] * tokens and anatomy["gemm_peak_tflops"] == 790.0
+    # the step as the profiler saw it against the loop's own timing of the same steps (profiling slows it)
+    assert 0.5 * summary["step_time_s"] * 1e3 < anatomy["step_ms"] < 5 * summary["step_time_s"] * 1e3
+    assert "step anatomy: 3 profiled steps" in console and "FSDP2 copy-in/out" in console and "device figures, absent" in console
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(s["host_rss_mb"] > 50 for s in steps)
+    assert summary["host_rss_growth_mb"] == steps[-1]["host_rss_mb"] - steps[summary_untimed(run_dir)]["host_rss_mb"]
+    assert summary["optim_impl"] == "foreach"  # optim.impl=auto off CUDA
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.metrics["summary.anatomy.gemm_ms"] == pytest.approx(cats["gemm"])
+    assert "summary.anatomy.idle_ms" not in run.data.metrics and "summary.host_rss_growth_mb" in run.data.metrics
+    assert len(client.get_metric_history(run.info.run_id, "host_rss_mb")) == len(steps)
+    assert "profile/anatomy.json" in {a.path for a in client.list_artifacts(run.info.run_id, "profile")}
+
+
+def summary_untimed(run_dir: Path) -> int:
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["untimed_steps"]
 
 
 def test_profile_schedule_longer_than_the_run_is_refused(workdir: Path):

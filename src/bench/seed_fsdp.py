@@ -4,7 +4,12 @@ compared with `python -m src.run +exp=fsdp4`:
     torchrun --standalone --nproc_per_node=N src/bench/seed_fsdp.py --steps 20
 
 Additions (marked `# bench:`): a --steps argument (the seed runs 5), a device sync and a timer
-around each step on every rank, and a last JSON line with tokens/s per GPU, MFU and peak memory.
+around each step on every rank, the host memory (RSS) after each step, a --compile option
+(torch.compile each block before fully_shard, as torchtitan does: the compiled block is a wrapper
+module that FSDP2 shards, its hooks outside the graph), a --profile DIR option (a torch.profiler
+trace per rank of steps 2-4, for `python -m src.profiling.anatomy DIR/trace_rank0.json
+--flops-per-step F`), and a last JSON line with tokens/s per GPU, MFU, peak memory, the growth of
+host memory after the warm-up steps, and the model FLOPs per step (F).
 """
 import argparse  # bench:
 import json  # bench:
@@ -59,6 +64,8 @@ def main():
     parser = argparse.ArgumentParser()  # bench:
     parser.add_argument("--steps", type=int, default=5)  # bench:
     parser.add_argument("--warmup", type=int, default=2)  # bench: steps left out of the medians
+    parser.add_argument("--compile", action="store_true")  # bench: torch.compile each block (torchtitan's order)
+    parser.add_argument("--profile", default="")  # bench: a folder for torch.profiler traces of steps 2-4
     args = parser.parse_args()  # bench:
 
     # 1. Initialize NCCL process group
@@ -74,6 +81,9 @@ def main():
         param_dtype=torch.bfloat16,
         reduce_dtype=torch.float32,
     )
+    if args.compile:  # bench:
+        for i, layer in enumerate(model.layers):  # bench:
+            model.layers.register_module(str(i), torch.compile(layer))  # bench:
     # Shard each TransformerBlock independently to prefetch weights on the fly
     for layer in model.layers:
         fully_shard(layer, mp_policy=mp_policy)
@@ -82,6 +92,14 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
     step_times = []  # bench:
+    rss_mb = []  # bench: resident host memory after each step (/proc/self/statm: pages)
+    prof = None  # bench:
+    if args.profile:  # bench: wait 1, warmup 1, active 3: task=profile's schedule
+        from torch.profiler import ProfilerActivity, profile, schedule  # bench:
+        os.makedirs(args.profile, exist_ok=True)  # bench:
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=1, active=3, repeat=1),  # bench:
+                       on_trace_ready=lambda p: p.export_chrome_trace(f"{args.profile}/trace_rank{dist.get_rank()}.json"))  # bench:
+        prof.start()  # bench:
     # 3. Distributed Training Step (All-Gather -> Compute -> Reduce-Scatter)
     for step in range(args.steps):
         torch.cuda.synchronize()  # bench:
@@ -98,6 +116,12 @@ def main():
             print(f"Step {step} | Loss: {loss.item():.4f} | Peak VRAM/GPU: {mem_gb:.2f} GB")
         torch.cuda.synchronize()  # bench:
         step_times.append(time.perf_counter() - t0)  # bench:
+        with open("/proc/self/statm") as f:  # bench:
+            rss_mb.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6)  # bench:
+        if prof is not None:  # bench:
+            prof.step()  # bench:
+    if prof is not None:  # bench:
+        prof.stop()  # bench:
 
     if local_rank == 0:  # bench: the figures src.run reports, by the same formulas
         steady = step_times[args.warmup:] or step_times[-1:]
@@ -111,6 +135,10 @@ def main():
             "step_time_s": statistics.median(steady),
             "final_loss": loss.item(),
             "world_size": dist.get_world_size(),
+            "host_rss_mb": rss_mb[-1],
+            "host_rss_growth_mb": rss_mb[-1] - rss_mb[min(args.warmup, len(rss_mb) - 1)],
+            "compile": args.compile,
+            "flops_per_step": fpt * 8 * 1024,
         }))
     dist.destroy_process_group()
 

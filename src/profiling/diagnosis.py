@@ -46,7 +46,7 @@ FUSIONS = {
     "add": ("rms_norm", "residual add fused into Triton RMSNorm"),
     "softmax": ("softmax", "fused Triton softmax"),
     "cross_entropy": ("cross_entropy", "fused Triton cross-entropy (loss and gradient in one pass)"),
-    "adamw": (None, "fused AdamW (optim.fused=true)"),
+    "adamw": (None, "fused AdamW (optim.impl=fused)"),
     "copy": (None, "drop the cast: fuse it into its producer"),
 }
 

@@ -4,7 +4,8 @@ A wait / warmup / active schedule skips the first steps (allocator warm-up, comp
 `active` steps once, and then writes, per rank: a Chrome/Perfetto trace (ui.perfetto.dev) and,
 on rank 0, the key_averages table sorted by device time (CPU time on a CPU run), a memory
 timeline, and the step's time broken down by category (GEMM, attention, norm, elementwise, loss,
-optimizer, communication). Everything lands in <run_dir>/profile/ and in MLflow.
+optimizer, communication), and the step's anatomy from the trace (src/profiling/anatomy.py:
+exposed communication, idle time, the GEMM floor). Everything lands in <run_dir>/profile/ and in MLflow.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from src.profiling.anatomy import anatomy_from_trace, format_table
 from src.profiling.categories import CATEGORIES, classify_op
 
 log = logging.getLogger("src.profile")
@@ -45,8 +47,11 @@ def time_breakdown(events, on_device: bool) -> dict[str, float]:
 
 
 class TorchProfileSession:
-    def __init__(self, wait: int, warmup: int, active: int, record_shapes: bool, profile_memory: bool, with_stack: bool, row_limit: int):
+    def __init__(self, wait: int, warmup: int, active: int, record_shapes: bool, profile_memory: bool, with_stack: bool, row_limit: int,
+                 flops_per_step: float | None = None, gemm_peak_tflops: float = 790.0):
         self.wait, self.warmup, self.active = wait, warmup, active
+        self.flops_per_step, self.gemm_peak_tflops = flops_per_step, gemm_peak_tflops
+        self.anatomy: dict[str, Any] | None = None
         self.record_shapes, self.profile_memory, self.with_stack = record_shapes, profile_memory, with_stack
         self.row_limit = row_limit
         self.results: dict[str, Any] = {}
@@ -110,6 +115,11 @@ class TorchProfileSession:
         }
         (self.out_dir / "breakdown.json").write_text(json.dumps(self.results, indent=2))
         self.artifacts += [self.out_dir / "key_averages.txt", self.out_dir / "breakdown.json"]
+        # read back from the trace just written: the same numbers `python -m src.profiling.anatomy TRACE` gives
+        self.anatomy = anatomy_from_trace(json.loads(trace.read_text()), self.flops_per_step, self.gemm_peak_tflops)
+        self.results["anatomy"] = self.anatomy
+        (self.out_dir / "anatomy.json").write_text(json.dumps(self.anatomy, indent=2))
+        self.artifacts.append(self.out_dir / "anatomy.json")
         if self.profile_memory and on_device:
             snapshot = self.out_dir / "memory_snapshot_rank0.pickle"  # drag into pytorch.org/memory_viz
             torch.cuda.memory._dump_snapshot(str(snapshot))
@@ -125,3 +135,4 @@ class TorchProfileSession:
             log.info("a CPU memory timeline needs the allocation stacks: add profile.with_stack=true (traces grow ~10x)")
         log.info("profile: %d steps recorded; %s", self.active, ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.results["breakdown_share"].items()))
         log.info("key averages (by %s):\n%s", sort, table)
+        log.info("%s", format_table(self.anatomy))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.train.metrics import mfu_percent, peak_memory_gb
+from src.train.metrics import host_rss_mb, mfu_percent, peak_memory_gb
 
 log = logging.getLogger("src.train")
 
@@ -37,6 +37,8 @@ class StepStats:
     rank0_peak_mem_alloc_gb: float
     lr: float | None = None
     """the learning rate this step's update used (optim.schedule)"""
+    host_rss_mb: float | None = None
+    """this rank's resident host memory after the step (rank 0's is the one logged)"""
 
     def metrics(self) -> dict[str, float | None]:
         return {k: v for k, v in asdict(self).items() if k != "step"}
@@ -56,10 +58,12 @@ def train_step(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     loss_in_model: bool = False,
     label_smoothing: float = 0.0,
+    after_optimizer: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced.
     `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked.
-    `skip_nonfinite` drops the optimizer step when the gradient norm is NaN/inf (a device sync)."""
+    `skip_nonfinite` drops the optimizer step when the gradient norm is NaN/inf (a device sync).
+    `after_optimizer` runs after the update (float8: the next step's weight scales)."""
     optimizer.zero_grad(set_to_none=True)
     autocast = (
         torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
@@ -91,6 +95,8 @@ def train_step(
         if grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
         optimizer.step()
+        if after_optimizer is not None:
+            after_optimizer()
     return loss.detach(), norm.detach()
 
 
@@ -149,6 +155,7 @@ def train_loop(
     save_checkpoint: Callable[[int], None] | None = None,
     nonfinite: str = "fail",
     lr_at: Callable[[int], float] | None = None,
+    after_optimizer: Callable[[], None] | None = None,
 ) -> LoopResult:
     """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
     device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
@@ -172,6 +179,7 @@ def train_loop(
             loss, norm = train_step(
                 model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32,
                 **({"mark": mark} if mark else {}), loss_hook=hook, skip_nonfinite=nonfinite == "skip", loss_fn=loss_fn, loss_in_model=loss_in_model, label_smoothing=label_smoothing,
+                after_optimizer=after_optimizer,
             )
         if after_step is not None:
             after_step()
@@ -205,6 +213,7 @@ def train_loop(
             peak_mem_reserved_gb=mem_reserved,
             rank0_peak_mem_alloc_gb=mem[0],
             lr=optimizer.param_groups[0]["lr"] if optimizer.param_groups else None,
+            host_rss_mb=host_rss_mb(),
         )
         results.append(stats)
         for callback in on_step:
@@ -225,7 +234,8 @@ def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]
     if not result.steps:  # resumed from a checkpoint that already covers train.steps
         return {"steps": 0, "final_loss": None, "initial_loss": None, "final_grad_norm": None, "tokens_per_s": None,
                 "tokens_per_s_per_device": None, "mfu": None, "step_time_s": None, "peak_mem_gb": None,
-                "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s, **_skipped(result)}
+                "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s, "host_rss_mb": None,
+                "host_rss_growth_mb": None, **_skipped(result)}
     steady = result.steps[untimed_steps:] or result.steps[-1:]  # by position: a resumed run warms up again
     tps_dev = statistics.median(s.tokens_per_s_per_device for s in steady)
     mfus = [s.mfu for s in steady if s.mfu is not None]
@@ -242,5 +252,9 @@ def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]
         "peak_mem_reserved_gb": max(s.peak_mem_reserved_gb for s in result.steps),
         "overhead_frac": result.overhead_s / max(result.wall_s, 1e-9),
         "wall_s": result.wall_s,
+        # host memory that grows step after step is a leak (fused AdamW over DTensor parameters
+        # on torch 2.10/2.11 was reported to): the last step's RSS minus the first timed step's
+        "host_rss_mb": result.steps[-1].host_rss_mb,
+        "host_rss_growth_mb": result.steps[-1].host_rss_mb - steady[0].host_rss_mb if steady[0].host_rss_mb is not None else None,
         **_skipped(result),
     }

@@ -7,6 +7,7 @@ unlisted GPU) MFU is None and shows as "n/a": a made-up denominator would make i
 """
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -62,6 +63,24 @@ def peak_memory_gb(device: torch.device) -> tuple[float, float]:
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     rss = rss_kb if sys.platform == "darwin" else rss_kb * 1024
     return rss / 1e9, rss / 1e9
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def host_rss_mb() -> float | None:
+    """This process's resident set size now, in MB (1e6 bytes). /proc/self/statm is one read of
+    ~50 bytes (~10 us); elsewhere (macOS) psutil, where installed."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE / 1e6
+    except OSError:
+        try:
+            import psutil
+
+            return psutil.Process().memory_info().rss / 1e6
+        except ImportError:
+            return None
 
 
 def format_metric(value: float | None, fmt: str = "{:.1f}") -> str:

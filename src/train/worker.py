@@ -30,11 +30,13 @@ from src.tracking.mlflow_run import (
     RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
 )
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
+from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.torch_profile import TorchProfileSession
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
 from src.train.schedule import lr_at
 from src.train.loop import summarize, train_loop
+from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
 from src.train.progress import ProgressReporter
 
@@ -47,9 +49,10 @@ def build_model(model_cfg: DictConfig) -> MiniLLM:
     return MiniLLM(**kwargs)
 
 
-def profile_session(cfg: DictConfig) -> TorchProfileSession:
+def profile_session(cfg: DictConfig, flops_per_step: float) -> TorchProfileSession:
     p = cfg.profile
-    return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit)
+    return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit,
+                               flops_per_step, p.gemm_peak_tflops)
 
 
 def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
@@ -194,11 +197,22 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 kernels.loss_fn = compiled_loss
             if env.is_main:
                 log.info("ops under torch.compile: %s", ", ".join(f"{op} x{n}" for op, n in compiled_swapped.items()) + (" cross_entropy" if compiled_loss else ""))
+        after_optimizer = None
+        if cfg.precision.float8:  # torchtitan's order: float8 swap, then compile, then fully_shard
+            from src.train.float8 import convert_blocks_to_float8, scale_precompute
+
+            gather_fp8 = cfg.precision.fp8_all_gather and cfg.precision.fp8_recipe == "tensorwise" and strategy in ("fsdp2", "hsdp")
+            n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8)
+            after_optimizer = scale_precompute(model) if gather_fp8 else None
+            if env.is_main:
+                log.info("float8 (%s scales): %d block linears, weights all-gathered in %s", cfg.precision.fp8_recipe, n_fp8, "float8" if gather_fp8 else "bf16")
         if cfg.profile.nvtx:
             module_ranges(model)  # before compile and sharding: hooks on the plain modules
         if cfg.kernels.compile:
+            # in place (nn.Module.compile), so parameter names and checkpoints stay those of eager;
+            # torchtitan wraps instead (torch.compile(block)): the same graph, one per block
             for block in model.layers:
-                block.compile()
+                block.compile(backend=cfg.kernels.compile_backend)
 
         autocast_dtype = None
         dp_rank, dp_world = env.rank, env.world_size
@@ -215,11 +229,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         if strategy == "none" and env.world_size > 1:
             model = DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
 
-        fused = cfg.optim.fused if cfg.optim.fused is not None else (env.device.type == "cuda" and not cfg.sharding.cpu_offload)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay, fused=fused,
-        )
+        optimizer = build_optimizer(model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload)
         checkpointer, start_step, resumed_from = None, 0, None
         ck = cfg.checkpoint
         folder = Path(ck.folder) if ck.folder else (Path(ctx.run_dir) / "checkpoints" if ctx.run_dir else None)
@@ -254,7 +264,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             if run_dir is not None:
                 metrics_file = MetricsFile(run_dir / "metrics.jsonl", start_step)
                 callbacks.append(metrics_file)
-        session = profile_session(cfg) if cfg.task.name == "profile" else None
+        session = profile_session(cfg, fpt * cfg.data.batch_size * cfg.data.seq_len) if cfg.task.name == "profile" else None
         if session is not None:
             session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
         reset_peak_memory(env.device)
@@ -274,6 +284,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=checkpointer.save if checkpointer is not None and ck.enabled else None,
                 nonfinite=cfg.train.nonfinite,
+                after_optimizer=after_optimizer,
                 lr_at=partial(lr_at, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
                               total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio),
             )
@@ -294,6 +305,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             "settings": settings(cfg, env.world_size),
             "params": n_params,
             "flops_per_token": fpt,
+            "optim_impl": optimizer_impl(cfg.optim.impl, env.device.type, cfg.sharding.cpu_offload),
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
             **summarize(result, cfg.train.untimed_steps),
             "start_step": start_step,
@@ -312,7 +324,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides, ctx.sweep_keys))
             for name in RUN_ARTIFACTS:
                 tracker.log_artifact(run_dir / name)
-        tracker.finish("FINISHED", summary)
+        anatomy = session.anatomy if session is not None and env.is_main else None
+        tracker.finish("FINISHED", {**summary, **(anatomy_metrics(anatomy) if anatomy else {})})
         if env.is_main:
             if summary["skipped_steps"]:
                 log.info("train.nonfinite=skip dropped the optimizer update of %d step(s): %s", summary["skipped_steps"], summary["skipped_at"])

@@ -1,0 +1,117 @@
+"""Schemas of the per-task sections of the run config: profile, diagnose, kernel_bench, edge.
+
+Apart from src/config.py so each file stays one screenful of schemas; src/config.py imports them
+into RunConfig, and `--help` reads the field docstrings of both files (src/config_help.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from src.profiling.classify import Thresholds
+
+
+@dataclass
+class ProfileConfig:
+    """task=profile: torch.profiler over the training loop; and NVTX annotation for ncu / nsys."""
+
+    wait: int = 1
+    """steps skipped before the profiler starts"""
+    warmup: int = 1
+    """steps traced but discarded (profiler warm-up)"""
+    active: int = 3
+    """steps recorded"""
+    record_shapes: bool = True
+    profile_memory: bool = True
+    with_stack: bool = False
+    """Python stacks in the trace: much larger traces"""
+    row_limit: int = 25
+    """rows of the key_averages table"""
+    nvtx: bool = False
+    """push an NVTX range per module (fwd/layers.3.ffn) and around loss, backward, optimizer"""
+    nvtx_step: int = -1
+    """the step wrapped in the NVTX range 'profiled_step' (what task=diagnose gives ncu); -1: none"""
+    gemm_peak_tflops: float = 790.0
+    """the GEMM floor's rate in anatomy.json: model FLOPs per step / this (790: bf16 dense GEMM measured on H200)"""
+
+
+@dataclass
+class DiagnoseConfig:
+    """task=diagnose: one training step under Nsight Compute, then the bound verdict per op."""
+
+    step: int = 2
+    """the step that ncu profiles; earlier ones warm up allocator and autotuning"""
+    sections: list[str] = field(default_factory=lambda: ["SpeedOfLight", "SpeedOfLight_RooflineChart", "Occupancy", "LaunchStats"])
+    ncu: str = ""
+    """path to ncu; empty finds it on PATH or under /opt/nvidia/nsight-compute"""
+    timeout_s: int = 3600
+    launch_count: int = 0
+    """profile at most this many kernels of the step (0: all)"""
+    report: str = ""
+    """diagnose this existing report instead of running ncu"""
+    classifier: Thresholds = field(default_factory=Thresholds)
+    """SEED.md's readings for the bound verdict (src/profiling/classify.py explains the rule)"""
+
+
+def _bench_shapes() -> dict[str, list[list[int]]]:
+    # LLM shapes: 8192 tokens at LLaMA-7B/mini_llm widths; the SwiGLU hidden 11008 is LLaMA-7B's,
+    # 32000 the seed's vocabulary; softmax over 4096 keys (attention scores written out).
+    return {
+        "rms_norm": [[8192, 2048], [8192, 4096]],
+        "add_rms_norm": [[8192, 2048]],
+        "swiglu": [[8192, 8192], [8192, 11008]],
+        "softmax": [[8192, 4096]],
+        "cross_entropy": [[8192, 32000]],
+        "linear_cross_entropy": [[8192, 2048, 32000]],
+    }
+
+
+@dataclass
+class KernelBenchConfig:
+    """task=kernel_bench (+exp=kernels): the fused kernels against eager, torch.compile and Liger."""
+
+    ops: list[str] = field(default_factory=lambda: ["rms_norm", "add_rms_norm", "swiglu", "softmax", "cross_entropy", "linear_cross_entropy"])
+    shapes: dict[str, list[list[int]]] = field(default_factory=_bench_shapes)
+    """op -> shapes: [rows, width], or [tokens, dim, vocab] for linear_cross_entropy"""
+    providers: list[str] = field(default_factory=lambda: ["eager", "compile", "triton", "liger"])
+    """liger runs only where Liger-Kernel is installed"""
+    modes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
+    dtype: str = "bfloat16"
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    """do_bench's budget per measurement (its defaults)"""
+    copy_mb: int = 1024
+    """buffer copied to measure the device's copy ceiling"""
+
+
+@dataclass
+class EdgeConfig:
+    """task=infer (+exp=edge): prefill + decode on an edge backend against torch on the CPU."""
+
+    action: str = "bench"
+    """bench: compile (cached) and time here; compile: write artifacts for another device; run: time compiled artifacts"""
+    target: str = ""
+    """backend=vulkan: --iree-vulkan-target (llvmpipe, ampere, rdna3, valhall, adreno, sm_XX, gfxNNNN; empty: llvmpipe);
+    backend=mps with action=compile: the Metal platform (macos, ios; empty: macos)"""
+    target_features: str = ""
+    """backend=vulkan: --iree-vulkan-target-features, replacing the target's defaults (e.g. to drop cooperative matrices)"""
+    artifacts: str = ""
+    """action=run: a directory that action=compile wrote; action=compile: where to write (default: the run directory)"""
+    cache_dir: str = "~/.cache/perflab/edge"
+    """compiled modules, keyed by model config, shapes, dtype, target and flags"""
+    batch: int = 1
+    prompt_len: int = 32
+    """tokens in the prompt (the prefill)"""
+    decode_steps: int = 16
+    """tokens generated after the prompt, one decode call each"""
+    max_seq: int = 0
+    """KV-cache positions; 0: prompt_len + decode_steps"""
+    dtype: str = "fp32"
+    """fp32, fp16, or bf16 (where the device computes in it)"""
+    weights: str = ""
+    """a safetensors export of a trained model (python -m src.export); empty: the seeded initialisation"""
+    warmup: int = 2
+    repeats: int = 10
+    """timed generations (prefill + decode_steps) after the first"""
+    seed: int = 0
+    runtime_flags: list[str] = field(default_factory=list)
+    """backend=vulkan: IREE runtime flags, e.g. [--vulkan_tracing=false]"""

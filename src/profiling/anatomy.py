@@ -1,0 +1,250 @@
+"""Step anatomy: where a training step's time goes, from the torch.profiler trace of task=profile.
+
+Per profiled step (averaged): device time by category (GEMM, attention, norm/elementwise/cast,
+optimizer, FSDP2's copy-in/out, communication, other), the communication that nothing hides
+(NCCL kernel time while no other kernel runs on any stream), idle time (no kernel at all), the
+step's device time, and the GEMM floor: model FLOPs per step at a stated GEMM rate (790 TFLOP/s,
+bf16 dense GEMMs measured on an H200), the time the step would take if it were only its GEMMs at
+full speed. Category times overlap (NCCL runs beside compute), so they add up to more than the
+step. On a CPU there are no device kernels: the same categories are CPU-op self time, and the
+device figures are absent.
+
+    python -m src.profiling.anatomy outputs/DATE/TIME/profile/trace_rank0.json --flops-per-step 5.9e13
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from src.profiling.categories import classify_op
+
+CATEGORIES = ("gemm", "attention", "norm_elementwise_cast", "optimizer", "fsdp_copy", "communication", "other")
+LABELS = {
+    "gemm": "GEMM", "attention": "attention", "norm_elementwise_cast": "norm/elementwise/cast", "optimizer": "optimizer",
+    "fsdp_copy": "FSDP2 copy-in/out", "communication": "communication (all)", "other": "other",
+}
+# FSDP2's own work by name, for what runs outside its record_function ranges: the all-gather's
+# copy-out (split_with_sizes_copy), the reduce-scatter's copy-in (_chunk_cat, torch.cat), and on a
+# CPU its post-backward autograd node
+_FSDP_KERNELS = re.compile(r"chunk_cat|CatArrayBatchedCopy|split_with_sizes_copy|RegisterPostBackwardFunction", re.I)
+_COMM_OPS = re.compile(r"_c10d_functional::|wait_tensor")
+# aten's pointwise ops by name on a CPU trace (categories.py names kernels, whose names differ)
+_ATEN_POINTWISE = re.compile(r"^aten::(add|sub|mul|div|pow|neg|exp|log|rsqrt|sqrt|silu|clamp|where|fill|zero|copy|to|_to_copy|clone|cat|lerp|addcmul|addcdiv)_?$")
+# Inductor's fused pointwise / reduction / persistent-reduction kernels (kernels=compile)
+_TRITON_FUSED = re.compile(r"^triton_(poi|red|per)_")
+_MERGED = {"norm": "norm_elementwise_cast", "softmax": "norm_elementwise_cast", "elementwise": "norm_elementwise_cast",
+           "loss": "norm_elementwise_cast", "reduction": "norm_elementwise_cast", "gather": "norm_elementwise_cast"}
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+COMM_RANGE = re.compile(r"^(gloo|nccl):")  # the process group's collective, a range on its own thread
+
+
+def category(name: str, in_fsdp: bool = False, in_optimizer: bool = False) -> str:
+    """The anatomy category of a kernel or op; `in_fsdp` / `in_optimizer`: launched inside one of
+    FSDP2's ranges (FSDP::all_gather, ...) or inside optimizer.step / zero_grad."""
+    cat = classify_op(name)[1]
+    if cat == "communication" or _COMM_OPS.search(name):
+        return "communication"
+    if in_fsdp or _FSDP_KERNELS.search(name):
+        return "fsdp_copy"
+    if in_optimizer:
+        return "optimizer"
+    if cat == "other" and (_TRITON_FUSED.search(name) or _ATEN_POINTWISE.search(name)):
+        return "norm_elementwise_cast"
+    return _MERGED.get(cat, cat)
+
+
+# ---- interval arithmetic on one timeline (microseconds) ----
+
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s, e) for s, e in out]
+
+
+def length(merged: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in merged)
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Time covered by both of two merged interval lists (a two-pointer sweep)."""
+    i = j = 0
+    both = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        both += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both
+
+
+def _inside(merged: list[tuple[float, float]], t: float) -> bool:
+    k = bisect.bisect_right(merged, (t, float("inf"))) - 1
+    return k >= 0 and merged[k][0] <= t < merged[k][1]
+
+
+@dataclass
+class Kernel:
+    name: str
+    ts: float
+    """start, microseconds"""
+    dur: float
+    stream: int = 0
+    category: str = ""
+
+
+def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
+    """Per-step device figures from one device's kernels (each with its category set)."""
+    steps = max(steps, 1)
+    by_cat: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        by_cat[k.category] += k.dur
+    comm = merge((k.ts, k.ts + k.dur) for k in kernels if k.category == "communication")
+    compute = merge((k.ts, k.ts + k.dur) for k in kernels if k.category != "communication")
+    busy = merge((k.ts, k.ts + k.dur) for k in kernels)
+    window = (busy[-1][1] - busy[0][0]) if busy else 0.0
+    ms = 1e-3 / steps
+    return {
+        "categories_ms": {c: by_cat.get(c, 0.0) * ms for c in CATEGORIES},
+        "communication_exposed_ms": (length(comm) - overlap(comm, compute)) * ms,
+        "idle_ms": (window - length(busy)) * ms,
+        "busy_ms": length(busy) * ms,
+        "step_ms": window * ms,
+    }
+
+
+def _self_times(ops: list[dict]) -> list[float]:
+    """Self time of each op on one thread: its duration less its direct children's."""
+    order = sorted(range(len(ops)), key=lambda i: (ops[i]["ts"], -ops[i]["dur"]))
+    own = [float(op["dur"]) for op in ops]
+    stack: list[int] = []
+    for i in order:
+        while stack and ops[i]["ts"] >= ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"]:
+            stack.pop()
+        if stack:
+            own[stack[-1]] -= ops[i]["dur"]
+        stack.append(i)
+    return [max(0.0, t) for t in own]
+
+
+def _ranges(events: list[dict], pattern: re.Pattern) -> dict[Any, list[tuple[float, float]]]:
+    by_tid: dict[Any, list] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "user_annotation" and pattern.search(e.get("name", "")):
+            by_tid[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    return {tid: merge(v) for tid, v in by_tid.items()}
+
+
+def anatomy_from_trace(trace: dict, flops_per_step: float | None = None, gemm_peak_tflops: float = 790.0) -> dict[str, Any]:
+    """The step anatomy of one rank's Chrome trace (torch.profiler's export_chrome_trace)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    step_spans = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    steps = len({e["name"] for e in step_spans}) or 1
+    fsdp = _ranges(events, re.compile(r"^FSDP::"))
+    optim = _ranges(events, re.compile(r"^Optimizer\.(step|zero_grad)#"))
+    device = [e for e in events if str(e.get("cat", "")).lower() in DEVICE_CATS]
+    out: dict[str, Any] = {"profiled_steps": steps}
+    if device:
+        launches = {e["args"]["correlation"]: e for e in events
+                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        devices = defaultdict(int)
+        for e in device:
+            devices[e.get("args", {}).get("device")] += 1
+        mine = max(devices, key=devices.get)  # a rank's own GPU; a stray event of another is left out
+        kernels = []
+        for e in device:
+            args = e.get("args", {})
+            if args.get("device") != mine:
+                continue
+            launch = launches.get(args.get("correlation"))
+            tid, ts = (launch["tid"], launch["ts"]) if launch is not None else (None, 0.0)
+            kernels.append(Kernel(e["name"], e["ts"], e["dur"], args.get("stream", 0),
+                                  category(e["name"], _inside(fsdp.get(tid, []), ts), _inside(optim.get(tid, []), ts))))
+        out.update(source="device kernels", **device_anatomy(kernels, steps))
+    else:
+        comm = _ranges(events, COMM_RANGE)
+        by_cat: dict[str, float] = defaultdict(float)
+        by_tid: dict[Any, list] = defaultdict(list)
+        for e in events:
+            if e.get("cat") == "cpu_op":
+                by_tid[e["tid"]].append(e)
+        for tid, ops in by_tid.items():
+            for op, own in zip(ops, _self_times(ops)):
+                if not _inside(comm.get(tid, []), op["ts"]):  # ops of a collective count as communication
+                    by_cat[category(op["name"], _inside(fsdp.get(tid, []), op["ts"]), _inside(optim.get(tid, []), op["ts"]))] += own
+        by_cat["communication"] += sum(length(v) for v in comm.values())
+        ms = 1e-3 / steps
+        out.update(
+            source="cpu ops (self time)",
+            note="no device kernels in this trace (a CPU run): categories are CPU-op self time; exposed communication, idle and the GEMM floor are device figures, absent",
+            categories_ms={c: by_cat.get(c, 0.0) * ms for c in CATEGORIES},
+            communication_exposed_ms=None, idle_ms=None, busy_ms=None,
+            step_ms=sum(e["dur"] for e in step_spans) * 1e-3 / steps if step_spans else None,
+        )
+    out["gemm_peak_tflops"] = gemm_peak_tflops
+    out["model_flops_per_step"] = flops_per_step
+    # a GPU's GEMM rate says nothing of a CPU run: the floor is a device figure
+    floor = flops_per_step / (gemm_peak_tflops * 1e12) * 1e3 if (device and flops_per_step and gemm_peak_tflops > 0) else None
+    out["gemm_floor_ms"] = floor
+    out["step_over_floor"] = out["step_ms"] / floor if floor and out.get("step_ms") else None
+    return out
+
+
+def format_table(a: dict[str, Any]) -> str:
+    """The anatomy as a text table: ms per step and share of the step."""
+    step = a.get("step_ms")
+
+    def row(label: str, ms: float | None) -> str:
+        share = f"{100 * ms / step:7.1f}" if (ms is not None and step) else "      -"
+        return f"{label:<28} {'n/a' if ms is None else f'{ms:9.2f}':>9} {share}"
+
+    lines = [f"step anatomy: {a['profiled_steps']} profiled steps, {a['source']}; ms per step", f"{'':<28} {'ms':>9} {'% step':>7}"]
+    lines += [row(LABELS[c], a["categories_ms"][c]) for c in CATEGORIES]
+    lines += [row("  communication exposed", a["communication_exposed_ms"]), row("idle (no kernel)", a["idle_ms"]),
+              row("step" + (" (device)" if a["idle_ms"] is not None else " (CPU)"), step)]
+    if a["gemm_floor_ms"] is not None:
+        ratio = f"   step = {a['step_over_floor']:.2f}x floor" if a["step_over_floor"] else ""
+        lines.append(row(f"GEMM floor @{a['gemm_peak_tflops']:g} TFLOP/s", a["gemm_floor_ms"]) + ratio)
+    if a.get("note"):
+        lines.append(a["note"])
+    return "\n".join(lines)
+
+
+def metrics(a: dict[str, Any]) -> dict[str, float]:
+    """Flat numeric figures for MLflow (`anatomy.gemm_ms`, `anatomy.idle_ms`, ...)."""
+    flat = {f"anatomy.{c}_ms": v for c, v in a["categories_ms"].items()}
+    for key in ("communication_exposed_ms", "idle_ms", "step_ms", "gemm_floor_ms", "step_over_floor"):
+        if a.get(key) is not None:
+            flat[f"anatomy.{key}"] = a[key]
+    return flat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", type=Path, help="a Chrome trace from task=profile (profile/trace_rank0.json)")
+    ap.add_argument("--flops-per-step", type=float, default=None, help="model FLOPs per step per device (summary.json: flops_per_token x batch x seq_len)")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="the GEMM floor's rate")
+    ap.add_argument("--out", type=Path, default=None, help="write anatomy.json here")
+    args = ap.parse_args()
+    a = anatomy_from_trace(json.loads(args.trace.read_text()), args.flops_per_step, args.peak_tflops)
+    print(format_table(a))
+    if args.out:
+        args.out.write_text(json.dumps(a, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""precision=fp8: float8 training through torchao (`torchao.float8`), the way torchtitan applies it.
+
+Order (torchtitan's parallelize_llama): convert the plain model (on the meta device) first, then
+torch.compile each block, then fully_shard. `convert_to_float8_training` swaps the transformer
+blocks' nn.Linear for Float8Linear: their three GEMMs (output, grad input, grad weight) run as
+float8 `torch._scaled_mm` with dynamic scales; the output head stays bf16, as torchtitan leaves
+it (its logits go straight into the softmax, and it is 1 of the 49 linears of mini_llm). Under FSDP2 with the
+tensorwise recipe the weights are all-gathered in float8 (`enable_fsdp_float8_all_gather`), and
+their scales for the next step come from one all-reduce of every weight's amax right after the
+optimizer step (`precompute_float8_dynamic_scale_for_fsdp`) instead of one per weight in forward.
+
+torchao's float8 training is Python over torch._scaled_mm, so its C++ extensions (which warn when
+built for another torch) are not needed. Without torch.compile each scale and cast is a separate
+kernel: use kernels=compile for speed.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch.nn as nn
+
+TORCHAO_INSTALL = "pip install torchao==0.17.0 (or pip install -e \".[fp8]\")"
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
+_ALIGN = 16  # torch._scaled_mm needs every GEMM dimension a multiple of 16
+
+
+def float8_dims(model_cfg, data_cfg) -> dict[str, int]:
+    """Every size that reaches a float8 GEMM in a block: the width and the MLP's hidden width (both
+    sides of every Linear; qkv's 3 * dim follows) and the token count, the inner dimension of the
+    grad-weight GEMM (grad_out^T @ input)."""
+    return {
+        "model.dim": model_cfg.dim,
+        "the MLP's hidden width (model.ffn_hidden, or dim * ffn_mult)": model_cfg.ffn_hidden or model_cfg.dim * model_cfg.ffn_mult,
+        "data.batch_size x data.seq_len": data_cfg.batch_size * data_cfg.seq_len,
+    }
+
+
+def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name: str, dims: dict[str, int]) -> str | None:
+    """Why precision=fp8 cannot run here, in one line naming the fix; None when it can.
+    `capability` is the lowest compute capability among the visible GPUs (None: no GPU)."""
+    if backend != "cuda":
+        return (f"precision=fp8 runs float8 GEMMs on an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper, Blackwell), "
+                f"not on backend={backend}; use precision=bf16 here")
+    if capability is not None and capability < MIN_CAPABILITY:
+        return (f"precision=fp8 needs compute capability 8.9+ for float8 tensor cores; {device_name} is "
+                f"{capability[0]}.{capability[1]}: use precision=bf16")
+    if importlib.util.find_spec("torchao") is None:
+        return f"precision=fp8 trains through torchao's float8, which is not installed: {TORCHAO_INSTALL}"
+    for what, size in dims.items():
+        if size % _ALIGN:
+            return (f"precision=fp8: {what} is {size}, not a multiple of {_ALIGN} (float8 GEMMs need every dimension a multiple of 16); "
+                    f"pick a size that is, or use precision=bf16")
+    return None
+
+
+def is_block_linear(module: nn.Module, fqn: str) -> bool:
+    """The module filter: nn.Linear inside `layers.N` (the transformer blocks); the head and any
+    fused head (kernels.fused linear_cross_entropy) stay as they are."""
+    return isinstance(module, nn.Linear) and fqn.startswith("layers.")
+
+
+def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: bool, emulate: bool = False) -> int:
+    """Swap the blocks' nn.Linear for torchao's Float8Linear in place; returns how many were swapped.
+    `emulate` runs the float8 GEMMs as casts + a high-precision matmul (tests on a CPU only)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulate)
+    else:
+        # torchao gathers float8 only for tensorwise scales; rowwise weights are gathered in bf16
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+        # what torchtitan sets for rowwise, its short-term fix of pytorch/pytorch#150859 (Inductor's
+        # low-precision casts rounding unlike eager's)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
+    convert_to_float8_training(model, module_filter_fn=is_block_linear, config=config)
+    return sum(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def scale_precompute(model: nn.Module) -> Callable[[], None]:
+    """What runs after each optimizer step when FSDP2 gathers float8 weights: the next step's
+    weight scales from one all-reduce of the amaxes (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,0 +1,26 @@
+"""AdamW as optim.impl asks: fused, foreach or for_loop kernels (the same update, other launches).
+
+AdamW took 7% of device kernel time in the seed's step on 2 H200s and 9.5% of one H200's in its
+diagnosis (docs/PERFORMANCE.md section 2): for_loop launches each elementwise op of the update per
+parameter, foreach per batch of parameters (multi_tensor_apply), fused the whole update in one
+kernel per batch. Each rank's host memory is logged per step (host_rss_mb), so a leak of one
+implementation (fused AdamW over DTensor parameters on torch 2.10/2.11) shows as host_rss_growth_mb.
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+
+def optimizer_impl(impl: str, device_type: str, cpu_offload: bool) -> str:
+    """optim.impl=auto: fused on CUDA; foreach elsewhere, and for parameters offloaded to host
+    memory (what the default was before optim.impl: fused only for CUDA parameters)."""
+    if impl != "auto":
+        return impl
+    return "fused" if device_type == "cuda" and not cpu_offload else "foreach"
+
+
+def build_optimizer(params, o: DictConfig, device_type: str, cpu_offload: bool) -> torch.optim.AdamW:
+    impl = optimizer_impl(o.impl, device_type, cpu_offload)
+    kernels = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **kernels)

@@ -1,0 +1,84 @@
+"""Step anatomy (src/profiling/anatomy.py): interval arithmetic on hand-built kernel timelines, and a
+hand-built GPU trace read the way torch.profiler writes one (kernels tied to their launches)."""
+from __future__ import annotations
+
+import pytest
+
+from src.profiling.anatomy import Kernel, anatomy_from_trace, category, device_anatomy, format_table, merge, metrics, overlap
+
+
+def test_merge_and_overlap_of_intervals():
+    assert merge([(5, 9), (0, 2), (1, 3), (9, 10), (4, 4)]) == [(0, 3), (5, 10)]  # touching joins; empty dropped
+    assert overlap(merge([(0, 10), (20, 30)]), merge([(5, 25)])) == 10
+    assert overlap([(0, 1)], [(2, 3)]) == 0
+
+
+def test_exposed_communication_and_idle_on_a_hand_built_timeline():
+    """Two steps. Compute on stream 7: [0, 10) GEMM, [12, 20) elementwise, [22, 25) GEMM; on stream 8 an
+    optimizer kernel [18, 21) beside them; NCCL on stream 20: [5, 15) and [30, 34).
+    Exposed NCCL: [10, 12) (2 us) and [30, 34) (4 us, nothing else runs) = 6 us.
+    Busy: [0, 21) + [22, 25) + [30, 34) = 28 us of the window [0, 34): idle 6 us."""
+    ks = [
+        Kernel("nvjet_tst_gemm", 0, 10, 7, "gemm"), Kernel("vectorized_elementwise", 12, 8, 7, "norm_elementwise_cast"),
+        Kernel("nvjet_tst_gemm", 22, 3, 7, "gemm"), Kernel("multi_tensor_apply_kernel", 18, 3, 8, "optimizer"),
+        Kernel("ncclDevKernel_AllGather_RING_LL", 5, 10, 20, "communication"),
+        Kernel("ncclDevKernel_ReduceScatter_RING_LL", 30, 4, 20, "communication"),
+    ]
+    a = device_anatomy(ks, steps=2)
+    ms = 1e-3 / 2  # microseconds over two steps, in ms per step
+    assert a["communication_exposed_ms"] == pytest.approx(6 * ms)
+    assert a["idle_ms"] == pytest.approx(6 * ms) and a["busy_ms"] == pytest.approx(28 * ms)
+    assert a["step_ms"] == pytest.approx(34 * ms)
+    assert a["categories_ms"]["gemm"] == pytest.approx(13 * ms) and a["categories_ms"]["communication"] == pytest.approx(14 * ms)
+    assert a["categories_ms"]["attention"] == 0 and set(a["categories_ms"]) >= {"fsdp_copy", "other"}
+
+
+def test_nccl_fully_hidden_under_compute_is_not_exposed():
+    ks = [Kernel("gemm", 0, 100, 7, "gemm"), Kernel("nccl", 10, 50, 20, "communication"), Kernel("nccl", 60, 40, 21, "communication")]
+    a = device_anatomy(ks, steps=1)
+    assert a["communication_exposed_ms"] == 0 and a["idle_ms"] == 0 and a["step_ms"] == pytest.approx(0.1)
+
+
+def test_categories_by_name_and_by_the_range_a_kernel_was_launched_in():
+    assert category("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>") == "fsdp_copy"
+    assert category("void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel") == "fsdp_copy"
+    assert category("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", in_fsdp=True) == "communication"
+    assert category("void at::native::vectorized_elementwise_kernel<4, CopyFunctor>", in_fsdp=True) == "fsdp_copy"
+    assert category("void at::native::vectorized_elementwise_kernel<4, AUnaryFunctor>", in_optimizer=True) == "optimizer"
+    assert category("triton_poi_fused__to_copy_mul_silu_0") == "norm_elementwise_cast"
+    assert category("nvjet_tst_192x192_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert category("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+
+
+def _x(name, cat, ts, dur, tid=1, pid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def test_a_gpu_trace_ties_kernels_to_the_fsdp_and_optimizer_ranges_they_were_launched_in():
+    """One step: FSDP's all-gather range launches its copy-in and NCCL; the forward a GEMM; the
+    optimizer step a kernel. Device 0's kernels on streams 7 and 20, a stray one on device 1."""
+    events = [
+        _x("ProfilerStep#3", "user_annotation", 0, 500),
+        _x("FSDP::all_gather (layers.0)", "user_annotation", 10, 30),
+        _x("cudaLaunchKernel", "cuda_runtime", 12, 2, correlation=1),
+        _x("cuLaunchKernelEx", "cuda_driver", 20, 2, correlation=2),
+        _x("cudaLaunchKernel", "cuda_runtime", 50, 2, correlation=3),
+        _x("Optimizer.step#AdamW.step", "user_annotation", 300, 100),
+        _x("cudaLaunchKernel", "cuda_runtime", 310, 2, correlation=4),
+        _x("vectorized_elementwise_kernel<CopyFunctor>", "kernel", 100, 20, pid=0, tid=7, device=0, stream=7, correlation=1),
+        _x("ncclDevKernel_AllGather_RING_LL", "kernel", 120, 60, pid=0, tid=20, device=0, stream=20, correlation=2),
+        _x("nvjet_tst_gemm", "kernel", 120, 220, pid=0, tid=7, device=0, stream=7, correlation=3),
+        _x("vectorized_elementwise_kernel<CopyFunctor>", "kernel", 360, 40, pid=0, tid=7, device=0, stream=7, correlation=4),
+        _x("nvjet_tst_gemm", "kernel", 0, 999, pid=1, tid=7, device=1, stream=7, correlation=9),
+    ]
+    a = anatomy_from_trace({"traceEvents": events}, flops_per_step=790e12 * 0.2e-3, gemm_peak_tflops=790)
+    cats = a["categories_ms"]
+    assert a["source"] == "device kernels" and a["profiled_steps"] == 1
+    assert cats["fsdp_copy"] == pytest.approx(0.020) and cats["optimizer"] == pytest.approx(0.040)
+    assert cats["gemm"] == pytest.approx(0.220) and cats["communication"] == pytest.approx(0.060)
+    assert a["communication_exposed_ms"] == pytest.approx(0.0)  # [120, 180) lies under the GEMM and the copy
+    assert a["step_ms"] == pytest.approx(0.300) and a["idle_ms"] == pytest.approx(0.020)  # [340, 360)
+    assert a["gemm_floor_ms"] == pytest.approx(0.200) and a["step_over_floor"] == pytest.approx(1.5)
+    table = format_table(a)
+    assert "FSDP2 copy-in/out" in table and "communication exposed" in table and "GEMM floor @790 TFLOP/s" in table
+    assert metrics(a)["anatomy.step_over_floor"] == pytest.approx(1.5)

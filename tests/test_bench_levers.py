@@ -1,0 +1,69 @@
+"""src.bench.fsdp_vs_seed: variants side by side with the seed, rows.json after every run, the
+wall-clock budget, failures recorded; one real variant run of +exp=fsdp4 on a CPU; the fp8 loss gap."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from src.bench import fsdp_vs_seed as bench
+from src.bench.fp8_loss import compare
+
+FIGS = {"mfu": 40.0, "peak_mem_gb": 30.0, "step_time_s": 0.08, "final_loss": 10.4, "host_rss_growth_mb": 1.0}
+
+
+def test_variants_alternate_with_the_seed_and_each_row_is_saved_as_it_runs(tmp_path, monkeypatch, capsys):
+    clock = [0.0]
+    seen = []
+
+    def fake_seed(nproc, args, compile_blocks, timeout):
+        clock[0] += 60
+        seen.append("seed+compile" if compile_blocks else "seed")
+        return {"tokens_per_s_per_device": 100.0 if not compile_blocks else 106.0, **FIGS}
+
+    def fake_ours(nproc, args, overrides, run_dir, timeout):
+        clock[0] += 100
+        seen.append(run_dir.name)
+        assert len(json.loads((tmp_path / "rows.json").read_text())) == len(seen) - 1  # every earlier run already saved
+        if overrides == ["precision=fp8"]:
+            return {"error": "error: precision=fp8 needs compute capability 8.9+"}
+        return {"tokens_per_s_per_device": 120.0, **FIGS}
+
+    monkeypatch.setattr(bench, "run_seed", fake_seed)
+    monkeypatch.setattr(bench, "run_ours", fake_ours)
+    rows = bench.main(["--nproc", "2", "--rounds", "3", "--seed-compile", "--budget-s", "700", "--out", str(tmp_path),
+                       "--variant", "eager=", "--variant", "fp8=precision=fp8"], clock=lambda: clock[0])
+    # round 0: seed 60 + seed+compile 60 + eager 100 + fp8 100 = 320 s; round 1 ends at 640 s; no run of 100 s fits after
+    assert seen == ["seed", "seed+compile", "eager-n2-r0", "fp8-n2-r0", "seed", "seed+compile", "eager-n2-r1", "fp8-n2-r1"]
+    saved = json.loads((tmp_path / "rows.json").read_text())
+    assert saved == rows and len(rows) == 8 and rows[3]["error"].startswith("error: precision=fp8")
+    out = capsys.readouterr().out
+    assert "--budget-s 700: no new run after 640 s (8 runs)" in out
+    header, *lines = (tmp_path / "table.txt").read_text().splitlines()
+    assert header.split()[:2] == ["impl", "GPUs"] and "MFU %" in header and "RSS +MB" in header
+    by_impl = {line.split()[0]: line for line in lines}
+    assert by_impl["seed+compile"].split()[-2] == "1.060x" and by_impl["eager"].split()[-2] == "1.200x"
+    assert "failed: error: precision=fp8" in by_impl["fp8"]
+
+
+def test_a_variant_runs_the_experiment_with_its_overrides_on_a_cpu(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(steps=3, warmup=1, out=tmp_path)
+    # an upper-case KEY=VALUE goes to the run's environment, not to Hydra (which would refuse it as an unknown key)
+    fig = bench.run_ours(1, args, ["backend=cpu", "model=tiny", "data.seq_len=32", "data.batch_size=2", "TORCH_CPP_LOG_LEVEL=ERROR"],
+                         tmp_path / "cpu-n1-r0", timeout=300)
+    assert set(fig) == set(bench.FIGURES) and fig["tokens_per_s_per_device"] > 0 and fig["host_rss_growth_mb"] is not None
+    bad = bench.run_ours(1, args, ["backend=cpu", "model=tiny", "optim.lr=-1"], tmp_path / "bad", timeout=300)
+    assert bad == {"error": "error: optim.lr=-1.0: must be a positive finite learning rate, e.g. optim.lr=3e-4"}
+
+
+def test_variant_names_and_the_fp8_loss_gap():
+    assert bench.parse_variant('fp8=precision=fp8 "kernels=compile"') == ("fp8", ["precision=fp8", "kernels=compile"])
+    assert bench.parse_variant("eager=") == ("eager", [])
+    for bad in ("nameless", "=x", "seed2=x"):
+        with pytest.raises(Exception, match="NAME=OVERRIDES"):
+            bench.parse_variant(bad)
+    gap = compare([3.0, 2.5, 2.4, 2.3], [3.1, 2.6, 2.43, 2.28], last=2)
+    assert gap["steps_compared"] == 2 and gap["max_abs_gap"] == pytest.approx(0.03) and gap["mean_gap"] == pytest.approx(0.005)
