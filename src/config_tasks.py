@@ -114,4 +114,4 @@ class EdgeConfig:
     """timed generations (prefill + decode_steps) after the first"""
     seed: int = 0
     runtime_flags: list[str] = field(default_factory=list)
-    """backend=vulkan: IREE runtime flags, e.g. [--vulkan_tracing=false]"""
+    """backend=vulkan: IREE runtime flags, e.g. edge.runtime_flags='["--vulkan_tracing=false"]'"""
