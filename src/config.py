@@ -163,6 +163,9 @@ class TrackingConfig:
     system_metrics_interval_s: float = 10.0
     connect_timeout_s: float = 5.0
     """how long to wait for a tracking server before the run goes on without it"""
+    retry_s: float = 60.0
+    """a server that stops answering mid-run: step metrics are retried with backoff while training
+    runs, and for this long after it ends; what is not stored by then stays in metrics.jsonl"""
 
 
 @dataclass

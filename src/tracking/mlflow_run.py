@@ -51,6 +51,25 @@ def check_reachable(uri: str, timeout_s: float) -> None:
         raise TrackingUnavailable(f"MLflow server at {uri} did not answer ({type(err).__name__})") from None
 
 
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def wait_for_server(uri: str, within_s: float) -> bool:
+    """Poll /health with backoff (0.5 s doubling to 5 s) until the server answers or `within_s`
+    passes: a server restarted mid-run answers again in about 5 s."""
+    deadline, delay = time.monotonic() + within_s, 0.5
+    while True:
+        try:
+            check_reachable(uri, min(5.0, max(0.5, deadline - time.monotonic())))
+            return True
+        except TrackingUnavailable:
+            if time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+
 def ui_hint(uri: str) -> str:
     """How to open the MLflow UI on the store a run wrote to, as a command to paste."""
     if uri.startswith(("http://", "https://")):
@@ -171,6 +190,7 @@ class MlflowTracker(NullTracker):
         system_metrics_interval_s: float = 0.0,
         connect_timeout_s: float = 5.0,
         continue_run_id: str | None = None,
+        retry_s: float = 60.0,
     ):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.params, self.tags, self.run_dir = dict(params), dict(tags), run_dir
@@ -181,12 +201,38 @@ class MlflowTracker(NullTracker):
         self.writer = None
         self.continue_run_id = continue_run_id
         self.logged_steps: set[int] = set()
+        self.retry_s = retry_s
+        self.server_lost = False
+
+    def _server_call(self, what: str, call):
+        """`call()` against the store; a server that stopped answering gets `retry_s` to come back
+        (one more try then), else the rest of the run's record is skipped with one warning: the
+        run's files stay in its directory. MLflow's own retries (7, backing off to about 4 minutes
+        a call) are off for a server URI (start()), so a dead server costs retry_s once, not
+        minutes per artifact."""
+        if self.server_lost:
+            return None
+        try:
+            return call()
+        except Exception as err:
+            if is_server(self.uri) and wait_for_server(self.uri, self.retry_s):
+                try:
+                    return call()
+                except Exception as again:
+                    err = again
+            self.server_lost = True
+            where = f" in {self.run_dir}" if self.run_dir is not None else ""
+            log.warning("MLflow store at %s did not take %s (%s: %s); the rest of this run's MLflow record is skipped, its files stay%s",
+                        self.uri, what, type(err).__name__, (str(err).splitlines() or [""])[0][:200], where)
+            return None
 
     def start(self) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         check_reachable(self.uri, self.connect_timeout_s)
+        if is_server(self.uri):  # _server_call retries, bounded by tracking.retry_s
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         self.client = MlflowClient(tracking_uri=self.uri)
         if self.continue_run_id:  # an elastic restart: the same run goes on, its curves continue
             self.run_id = self.continue_run_id
@@ -200,7 +246,7 @@ class MlflowTracker(NullTracker):
             # Steps after the last checkpoint run again, bit for bit: log each step once.
             self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
             if self.use_writer:
-                self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
+                self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s, self.retry_s)
             log.info("MLflow run %s continues after restart %s", self.run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
             return
         exp_id = experiment_id(self.client, self.experiment)
@@ -216,7 +262,7 @@ class MlflowTracker(NullTracker):
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         if self.use_writer:  # runs that log step metrics; one-shot runs (diagnose) log directly
-            self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
+            self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s, self.retry_s)
         log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
@@ -225,11 +271,11 @@ class MlflowTracker(NullTracker):
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
+            self._server_call(f"tag {k}", lambda k=k, v=v: self.client.set_tag(self.run_id, k, v))
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if Path(path).exists():
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+            self._server_call(f"artifact {Path(path).name}", lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
 
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
         try:
@@ -241,11 +287,11 @@ class MlflowTracker(NullTracker):
 
                 now = int(time.time() * 1000)
                 headline = [Metric(f"summary.{k}", float(v), now, 0) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-                self.client.log_batch(self.run_id, metrics=headline)
+                self._server_call("the summary metrics", lambda: self.client.log_batch(self.run_id, metrics=headline))
             if error:
-                self.client.set_tag(self.run_id, "error", error[:5000])
+                self._server_call("the error tag", lambda: self.client.set_tag(self.run_id, "error", error[:5000]))
         finally:
-            self.client.set_terminated(self.run_id, status=status)
+            self._server_call(f"the run's end ({status})", lambda: self.client.set_terminated(self.run_id, status=status))
 
 
 def start_tracker(tracker: NullTracker) -> NullTracker:
@@ -270,7 +316,7 @@ def task_tracker(cfg: Any, ctx: Any, device_name: str) -> NullTracker:
         run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
         params=flatten(OmegaConf.to_container(cfg, resolve=True)), tags=run_tags(ctx.overrides, 1, device_name, ctx.cwd),
         run_dir=Path(ctx.run_dir) if ctx.run_dir else None, metric_writer=False, parent_run_id=ctx.parent_run_id,
-        connect_timeout_s=cfg.tracking.connect_timeout_s,
+        connect_timeout_s=cfg.tracking.connect_timeout_s, retry_s=cfg.tracking.retry_s,
     ))
 
 

@@ -131,6 +131,7 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
         parent_run_id=ctx.parent_run_id,
         system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else 0.0,
         connect_timeout_s=cfg.tracking.connect_timeout_s,
+        retry_s=cfg.tracking.retry_s,
         continue_run_id=id_file.read_text().strip() if (restarted and id_file is not None and id_file.exists()) else None,
     )
 
