@@ -85,17 +85,78 @@ def _override_for_key(key: str, overrides: list[str]) -> str:
     return next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), f"{key} (the default)")
 
 
+def _launcher(overrides: list[str]) -> str:
+    """The hydra/launcher option the command picks (basic: Hydra's own, one job at a time)."""
+    for o in overrides:
+        key, _, value = o.replace(" ", "").lstrip("+").partition("=")
+        if key == "hydra/launcher":
+            return value
+    return "basic"
+
+
+SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
+
+
+def _check_launcher(launcher: str, overrides: list[str], jobs: list[DictConfig]) -> None:
+    """Settings a parallel or cluster launcher cannot run (src/distributed/cluster.py)."""
+    if launcher == "basic" or not jobs:
+        return
+    tracking = jobs[0].tracking
+    if tracking.enabled and tracking.uri.startswith("sqlite"):
+        raise ConfigError(
+            f"hydra/launcher={launcher} runs jobs in parallel, but tracking.uri={tracking.uri} takes one writer at a time "
+            "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "
+            f"tracking.uri=http://127.0.0.1:5000, or drop hydra/launcher={launcher}"
+        )
+    if launcher not in SUBMITIT_LAUNCHERS:
+        return
+    if launcher == "submitit_slurm" and tracking.enabled and _is_loopback(tracking.uri):
+        raise ConfigError(
+            f"tracking.uri={tracking.uri} is this machine's loopback, which the cluster's nodes cannot reach; start the server "
+            "with --host 0.0.0.0 (docs/CLUSTER.md) and pass tracking.uri=http://THIS_HOST:5000"
+        )
+    # The launcher's settings are resolved once, from the sweep's config without what it varies
+    # (as Hydra composes it), so `nodes: ${dist.nnodes}` takes the value every job shares.
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    fixed = [o for o, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides)) if not parsed.is_sweep_override()]
+    hydra = compose_config(fixed, with_hydra=True).hydra.launcher
+    if hydra.tasks_per_node != 1:
+        raise ConfigError(
+            f"hydra.launcher.tasks_per_node={hydra.tasks_per_node}: perflab runs one task per node, an elastic agent that starts "
+            f"dist.nproc ranks there; set dist.nproc={hydra.tasks_per_node} and leave tasks_per_node=1 (docs/CLUSTER.md says why)"
+        )
+    for cfg in jobs:
+        if cfg.dist.nnodes != hydra.nodes:
+            fix = ("submitit's local executor runs one node: use dist.nnodes=1, or hydra/launcher=submitit_slurm" if launcher == "submitit_local"
+                   else "one sbatch array has one shape: sweep dist.nnodes in separate commands")
+            raise ConfigError(f"dist.nnodes={cfg.dist.nnodes} but hydra.launcher.nodes={hydra.nodes} (set from dist.nnodes when the sweep starts); {fix}")
+        if cfg.backend.device_type == "cuda" and hydra.gpus_per_node is not None and cfg.dist.nproc > hydra.gpus_per_node:
+            raise ConfigError(f"dist.nproc={cfg.dist.nproc} but hydra.launcher.gpus_per_node={hydra.gpus_per_node} (set from dist.nproc when the sweep "
+                              "starts); one sbatch array has one shape: sweep dist.nproc in separate commands")
+
+
+def _is_loopback(uri: str) -> bool:
+    from urllib.parse import urlparse
+
+    host = urlparse(uri).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def preflight(overrides: list[str], multirun: bool) -> None:
-    parallel = multirun and any(o.replace(" ", "") in ("hydra/launcher=joblib", "+hydra/launcher=joblib") for o in overrides)
+    launcher = _launcher(overrides) if multirun else "basic"
+    jobs = []
     for job in _job_overrides(overrides, multirun):
         cfg = compose_config(job)
-        validate(cfg)
-        if parallel and cfg.tracking.enabled and cfg.tracking.uri.startswith("sqlite"):
+        # the GPUs are the cluster's, not this (login) machine's: gpus_per_node asks for dist.nproc
+        validate(cfg, cuda_device_count=cfg.dist.nproc if launcher == "submitit_slurm" else None)
+        if cfg.dist.nnodes > 1 and not cfg.dist.rdzv_endpoint and launcher not in SUBMITIT_LAUNCHERS:
             raise ConfigError(
-                f"hydra/launcher=joblib runs jobs in parallel, but tracking.uri={cfg.tracking.uri} takes one writer at a time "
-                "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "
-                "tracking.uri=http://127.0.0.1:5000, or drop hydra/launcher=joblib"
+                f"dist.nnodes={cfg.dist.nnodes} needs dist.rdzv_endpoint=HOST:PORT, the first node's address, the same on every node; "
+                "or submit with -m hydra/launcher=submitit_slurm, which finds it, or use torchrun --nnodes (docs/CLUSTER.md)"
             )
+        jobs.append(cfg)
+    _check_launcher(launcher, overrides, jobs)
     _check_output_dir(overrides, multirun)
 
 
@@ -104,14 +165,11 @@ def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
     sys.exit(code)
 
 
-def _sweep_marker(hc, name: str) -> str | None:
+def _sweep_marker(sweep_dir: Path, name: str) -> str | None:
     """Inside a multirun, what the sweep callback left in the sweep directory for its jobs (the
-    parent run's id, the keys the sweep varies): files, because a joblib worker shares no memory."""
-    from hydra.types import RunMode
-
-    if hc.mode != RunMode.MULTIRUN:
-        return None
-    marker = Path(hc.sweep.dir) / name
+    parent run's id, the keys the sweep varies): files, because a joblib worker or a submitit
+    job shares no memory."""
+    marker = sweep_dir / name
     return marker.read_text().strip() if marker.exists() else None
 
 
@@ -141,7 +199,12 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
 
         message = str(err) if isinstance(err, RankFailed) else f"{type(err).__name__}: {err}"
         log.error("job failed: %s", message, exc_info=not isinstance(err, RankFailed))
-        record_job_failure(cfg, ctx, message)
+        if isinstance(err, RankFailed) and err.ranks and 0 not in err.ranks:
+            # Several nodes, each an agent: rank 0 ran on another node, whose process records the
+            # run (its summary.json, its MLflow run); a second record here would be a second run.
+            log.error("rank 0 ran on another node, whose record of the run stands")
+        else:
+            record_job_failure(cfg, ctx, message)
         if multirun:
             return {"task": cfg.task.name, "status": "failed", "error": message}
         _fail(message, code=1)
@@ -162,31 +225,90 @@ def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -
         log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), ui_hint(cfg.tracking.uri))
 
 
+def job_context(hc: DictConfig, tracking_uri: str, run_dir: str, overrides: list[str]) -> RunContext:
+    """A job's RunContext from its Hydra config `hc`, for a job that runs (hydra_main) or a sweep
+    job whose process died (src/distributed/cluster.py records it)."""
+    from hydra.types import RunMode
+
+    cwd = hc.runtime.cwd
+    multirun = hc.mode == RunMode.MULTIRUN
+    marker = (lambda name: _sweep_marker(Path(hc.sweep.dir), name)) if multirun else (lambda name: None)
+    return RunContext(
+        run_dir=run_dir,
+        cwd=cwd,
+        overrides=overrides,
+        tracking_uri=resolve_tracking_uri(tracking_uri, cwd),
+        parent_run_id=marker(PARENT_RUN_ID_FILE),
+        sweep_keys=(marker(SWEEP_KEYS_FILE) or "").split() or None,
+    )
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> dict | None:
     from hydra.types import RunMode
 
+    from src.distributed.cluster import move_job_log, submitit_job
+
     hc = HydraConfig.get()
-    cwd = hc.runtime.cwd
-    ctx = RunContext(
-        run_dir=hc.runtime.output_dir,
-        cwd=cwd,
-        overrides=list(hc.overrides.task),
-        tracking_uri=resolve_tracking_uri(cfg.tracking.uri, cwd),
-        parent_run_id=_sweep_marker(hc, PARENT_RUN_ID_FILE),
-        sweep_keys=(_sweep_marker(hc, SWEEP_KEYS_FILE) or "").split() or None,
-    )
+    ctx = job_context(hc, cfg.tracking.uri, hc.runtime.output_dir, list(hc.overrides.task))
+    move_job_log(hc.runtime.output_dir, submitit_job())  # a submitit task on a node after the first: its own log
     try:
-        validate(cfg)
-        apply_auto_choice(cfg, cwd)
+        validate(cfg)  # again on the node that runs it: its GPUs are the ones that count
+        apply_auto_choice(cfg, ctx.cwd)
     except ConfigError as err:
         _fail(str(err))
     return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
 
 
+# torchrun's flag for each dist.* setting, and the variable through which its workers see it
+_TORCHRUN_SHAPE = {"nproc": ("--nproc-per-node", "LOCAL_WORLD_SIZE"), "nnodes": ("--nnodes", "GROUP_WORLD_SIZE"),
+                   "max_restarts": ("--max-restarts", "TORCHELASTIC_MAX_RESTARTS")}
+
+
+def adopt_torchrun_shape(cfg: DictConfig, overrides: list[str]) -> None:
+    """Under torchrun its flags decide how many ranks, nodes and restarts there are: write them into
+    dist.* (so config.yaml and the MLflow params say what ran), and refuse a dist.* override that
+    says otherwise, which would be silently ignored."""
+    for key, (flag, variable) in _TORCHRUN_SHAPE.items():
+        if variable not in os.environ:
+            continue
+        actual = int(os.environ[variable])
+        given = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == f"dist.{key}"), None)
+        if given is not None and cfg.dist[key] != actual:
+            raise ConfigError(f"{given}: under torchrun, its {flag} decides ({actual} here); drop {given.lstrip('+')} or pass {flag}={cfg.dist[key]} to torchrun")
+        cfg.dist[key] = actual
+    if cfg.dist.nnodes > 1 and cfg.dist.max_restarts > 0:
+        # torchrun's agents each count their own restarts and share one store through every
+        # attempt: a restarted rank cannot tell which keys are this attempt's, and waits forever.
+        raise ConfigError(
+            f"torchrun --nnodes={cfg.dist.nnodes} --max-restarts={cfg.dist.max_restarts}: restarts across nodes need perflab's own agents; "
+            f"run `python -m src.run dist.nnodes={cfg.dist.nnodes} dist.nproc={cfg.dist.nproc} dist.rdzv_endpoint=HOST:PORT "
+            f"dist.max_restarts={cfg.dist.max_restarts} hydra.run.dir=SHARED_DIR ...` on each node, or submit with -m hydra/launcher=submitit_slurm (docs/CLUSTER.md)"
+        )
+
+
+def stable_run_dir(run_dir: Path) -> Path:
+    """Under torchrun a restarted rank 0 composes the config again, and `${now:...}` would name
+    another folder: the first attempt's (its checkpoints, its MLflow run id, its metrics.jsonl) is
+    kept in the elastic agent's store, which outlives restarts (src/distributed/env.py)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return run_dir
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=60))
+    key = f"perflab/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    if store.check([key]):  # the store lives as long as torchrun: a key there is this run's
+        return Path(store.get(key).decode())
+    store.set(key, str(run_dir))
+    return run_dir
+
+
 def run_as_worker(overrides: list[str]) -> None:
     """Entry under torchrun / srun: this process is already one rank of the run."""
     cfg = compose_config(overrides, with_hydra=True)
+    adopt_torchrun_shape(cfg, overrides)
     validate(cfg, as_worker=True)
     apply_auto_choice(cfg, os.getcwd(), measure=False)
     run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
@@ -195,7 +317,7 @@ def run_as_worker(overrides: list[str]) -> None:
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     cwd = os.getcwd()
     if rank == 0:
-        run_dir = run_dir if run_dir.is_absolute() else Path(cwd) / run_dir
+        run_dir = stable_run_dir(run_dir if run_dir.is_absolute() else Path(cwd) / run_dir)
     ctx = RunContext(
         run_dir=str(run_dir) if rank == 0 else None,
         cwd=cwd,

@@ -21,6 +21,10 @@ from src.tracking.writer import MetricWriter
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = ".mlflow_run_id"
+# The elastic run (TORCHELASTIC_RUN_ID) that opened the MLflow run: a later attempt of the same
+# elastic run continues it. Not the agent's restart count: on several nodes each agent counts its
+# own restarts, and the nodes whose ranks did not fail restart with a count of 0.
+ELASTIC_RUN_FILE = ".elastic_run_id"
 PARENT_RUN_ID_FILE = ".mlflow_parent_run_id"
 SWEEP_KEYS_FILE = ".sweep_keys"  # the keys a sweep varies, one a line: its jobs are named by them
 
@@ -236,10 +240,11 @@ class MlflowTracker(NullTracker):
         self.client = MlflowClient(tracking_uri=self.uri)
         if self.continue_run_id:  # an elastic restart: the same run goes on, its curves continue
             self.run_id = self.continue_run_id
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            previous = self.client.get_run(self.run_id).data.tags
+            restart = str(int(previous.get("restarts", "0")) + 1)
             self.client.update_run(self.run_id, status="RUNNING")
             self.client.set_tag(self.run_id, "restarts", restart)
-            stale = self.client.get_run(self.run_id).data.tags.get("error")
+            stale = previous.get("error")
             if stale:  # the attempt that failed set it; kept as what caused the restart, not as this run's error
                 self.client.set_tag(self.run_id, f"restart_{restart}.cause", stale[:5000])
                 self.client.delete_tag(self.run_id, "error")
@@ -247,7 +252,7 @@ class MlflowTracker(NullTracker):
             self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
             if self.use_writer:
                 self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s, self.retry_s)
-            log.info("MLflow run %s continues after restart %s", self.run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+            log.info("MLflow run %s continues after restart %s", self.run_id, restart)
             return
         exp_id = experiment_id(self.client, self.experiment)
         tags = dict(self.tags)
@@ -257,6 +262,8 @@ class MlflowTracker(NullTracker):
         self.run_id = run.info.run_id
         if self.run_dir is not None:
             (self.run_dir / RUN_ID_FILE).write_text(self.run_id)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                (self.run_dir / ELASTIC_RUN_FILE).write_text(os.environ["TORCHELASTIC_RUN_ID"])
         # MLflow caps a param value at 6000 characters and a batch at 100 params.
         params = [Param(k, str(v)[:6000]) for k, v in self.params.items()]
         for i in range(0, len(params), 100):

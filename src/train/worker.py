@@ -27,7 +27,7 @@ from src.models.mini_llm import MiniLLM
 from src.runtime import RunContext
 from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import (
-    RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
+    ELASTIC_RUN_FILE, RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
 )
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.torch_profile import TorchProfileSession
@@ -120,7 +120,10 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
         return NullTracker()
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
     id_file = run_dir / RUN_ID_FILE if run_dir is not None else None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # an earlier attempt of this elastic run opened the MLflow run (src/tracking/mlflow_run.py)
+    elastic_file = run_dir / ELASTIC_RUN_FILE if run_dir is not None else None
+    restarted = (elastic_file is not None and elastic_file.exists() and "TORCHELASTIC_RUN_ID" in os.environ
+                 and elastic_file.read_text().strip() == os.environ["TORCHELASTIC_RUN_ID"])
     return MlflowTracker(
         uri=ctx.tracking_uri or cfg.tracking.uri,
         experiment=experiment_name(cfg),
