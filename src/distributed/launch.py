@@ -102,10 +102,10 @@ def _standard_start_method() -> None:
 
 
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "",
-                 log_dir: str | None = None, notes_dir: str | None = None, log_name: str = "run.log") -> dict[int, Any]:
+                 log_dir: str | None = None, notes_dir: str | None = None, log_name: str = "run.log", run_id: str = "") -> dict[int, Any]:
     """Run `entry(*args)` on `nproc` local ranks of `nnodes` nodes, this one among them (an agent
-    per node, meeting at `rdzv_endpoint`); returns {global rank: return value} of this node's ranks.
-    The agent's records go to `notes_dir`/`log_name`."""
+    per node, meeting at `rdzv_endpoint` under the same `run_id`); returns {global rank: return
+    value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
     # CPU run several times slower than it need be.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -113,7 +113,8 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:12],
+        # one node: a fresh id a run; several: the same on every node, or they never meet
+        run_id=run_id or (uuid.uuid4().hex[:12] if nnodes == 1 else f"perflab-{rdzv_endpoint}"),
         rdzv_backend="c10d",
         # torchrun --standalone's choice: port 0 lets the c10d store bind any free port.
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
