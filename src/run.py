@@ -130,10 +130,10 @@ def _check_launcher(launcher: str, overrides: list[str], jobs: list[DictConfig])
         if cfg.dist.nnodes != hydra.nodes:
             fix = ("submitit's local executor runs one node: use dist.nnodes=1, or hydra/launcher=submitit_slurm" if launcher == "submitit_local"
                    else "one sbatch array has one shape: sweep dist.nnodes in separate commands")
-            raise ConfigError(f"dist.nnodes={cfg.dist.nnodes} but hydra.launcher.nodes={hydra.nodes} (set from dist.nnodes when the sweep starts); {fix}")
+            raise ConfigError(f"dist.nnodes={cfg.dist.nnodes} but hydra.launcher.nodes={hydra.nodes} (the sweep's dist.nnodes, without what it varies); {fix}")
         if cfg.backend.device_type == "cuda" and hydra.gpus_per_node is not None and cfg.dist.nproc > hydra.gpus_per_node:
-            raise ConfigError(f"dist.nproc={cfg.dist.nproc} but hydra.launcher.gpus_per_node={hydra.gpus_per_node} (set from dist.nproc when the sweep "
-                              "starts); one sbatch array has one shape: sweep dist.nproc in separate commands")
+            raise ConfigError(f"dist.nproc={cfg.dist.nproc} but hydra.launcher.gpus_per_node={hydra.gpus_per_node} (the sweep's dist.nproc, without "
+                              "what it varies); one sbatch array has one shape: sweep dist.nproc in separate commands")
 
 
 def _is_loopback(uri: str) -> bool:
