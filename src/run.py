@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from src.compose import ConfigError, compose_config  # noqa: E402
 from src.kernel_choice import apply_auto_choice  # noqa: E402
+from src.distributed.cluster import SUBMITIT_LAUNCHERS, adopt_torchrun_shape, check_launcher, stable_run_dir  # noqa: E402
 from src.distributed.env import launched_as_worker  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
 from src.tasks import run_task  # noqa: E402
@@ -94,55 +95,6 @@ def _launcher(overrides: list[str]) -> str:
     return "basic"
 
 
-SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
-
-
-def _check_launcher(launcher: str, overrides: list[str], jobs: list[DictConfig]) -> None:
-    """Settings a parallel or cluster launcher cannot run (src/distributed/cluster.py)."""
-    if launcher == "basic" or not jobs:
-        return
-    tracking = jobs[0].tracking
-    if tracking.enabled and tracking.uri.startswith("sqlite"):
-        raise ConfigError(
-            f"hydra/launcher={launcher} runs jobs in parallel, but tracking.uri={tracking.uri} takes one writer at a time "
-            "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "
-            f"tracking.uri=http://127.0.0.1:5000, or drop hydra/launcher={launcher}"
-        )
-    if launcher not in SUBMITIT_LAUNCHERS:
-        return
-    if launcher == "submitit_slurm" and tracking.enabled and _is_loopback(tracking.uri):
-        raise ConfigError(
-            f"tracking.uri={tracking.uri} is this machine's loopback, which the cluster's nodes cannot reach; start the server "
-            "with --host 0.0.0.0 (docs/CLUSTER.md) and pass tracking.uri=http://THIS_HOST:5000"
-        )
-    # The launcher's settings are resolved once, from the sweep's config without what it varies
-    # (as Hydra composes it), so `nodes: ${dist.nnodes}` takes the value every job shares.
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    fixed = [o for o, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides)) if not parsed.is_sweep_override()]
-    hydra = compose_config(fixed, with_hydra=True).hydra.launcher
-    if hydra.tasks_per_node != 1:
-        raise ConfigError(
-            f"hydra.launcher.tasks_per_node={hydra.tasks_per_node}: perflab runs one task per node, an elastic agent that starts "
-            f"dist.nproc ranks there; set dist.nproc={hydra.tasks_per_node} and leave tasks_per_node=1 (docs/CLUSTER.md says why)"
-        )
-    for cfg in jobs:
-        if cfg.dist.nnodes != hydra.nodes:
-            fix = ("submitit's local executor runs one node: use dist.nnodes=1, or hydra/launcher=submitit_slurm" if launcher == "submitit_local"
-                   else "one sbatch array has one shape: sweep dist.nnodes in separate commands")
-            raise ConfigError(f"dist.nnodes={cfg.dist.nnodes} but hydra.launcher.nodes={hydra.nodes} (the sweep's dist.nnodes, without what it varies); {fix}")
-        if cfg.backend.device_type == "cuda" and hydra.gpus_per_node is not None and cfg.dist.nproc > hydra.gpus_per_node:
-            raise ConfigError(f"dist.nproc={cfg.dist.nproc} but hydra.launcher.gpus_per_node={hydra.gpus_per_node} (the sweep's dist.nproc, without "
-                              "what it varies); one sbatch array has one shape: sweep dist.nproc in separate commands")
-
-
-def _is_loopback(uri: str) -> bool:
-    from urllib.parse import urlparse
-
-    host = urlparse(uri).hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def preflight(overrides: list[str], multirun: bool) -> None:
     launcher = _launcher(overrides) if multirun else "basic"
     jobs = []
@@ -156,7 +108,7 @@ def preflight(overrides: list[str], multirun: bool) -> None:
                 "or submit with -m hydra/launcher=submitit_slurm, which finds it, or use torchrun --nnodes (docs/CLUSTER.md)"
             )
         jobs.append(cfg)
-    _check_launcher(launcher, overrides, jobs)
+    check_launcher(launcher, overrides, jobs)
     _check_output_dir(overrides, multirun)
 
 
@@ -258,51 +210,6 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     except ConfigError as err:
         _fail(str(err))
     return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
-
-
-# torchrun's flag for each dist.* setting, and the variable through which its workers see it
-_TORCHRUN_SHAPE = {"nproc": ("--nproc-per-node", "LOCAL_WORLD_SIZE"), "nnodes": ("--nnodes", "GROUP_WORLD_SIZE"),
-                   "max_restarts": ("--max-restarts", "TORCHELASTIC_MAX_RESTARTS")}
-
-
-def adopt_torchrun_shape(cfg: DictConfig, overrides: list[str]) -> None:
-    """Under torchrun its flags decide how many ranks, nodes and restarts there are: write them into
-    dist.* (so config.yaml and the MLflow params say what ran), and refuse a dist.* override that
-    says otherwise, which would be silently ignored."""
-    for key, (flag, variable) in _TORCHRUN_SHAPE.items():
-        if variable not in os.environ:
-            continue
-        actual = int(os.environ[variable])
-        given = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == f"dist.{key}"), None)
-        if given is not None and cfg.dist[key] != actual:
-            raise ConfigError(f"{given}: under torchrun, its {flag} decides ({actual} here); drop {given.lstrip('+')} or pass {flag}={cfg.dist[key]} to torchrun")
-        cfg.dist[key] = actual
-    if cfg.dist.nnodes > 1 and cfg.dist.max_restarts > 0:
-        # torchrun's agents each count their own restarts and share one store through every
-        # attempt: a restarted rank cannot tell which keys are this attempt's, and waits forever.
-        raise ConfigError(
-            f"torchrun --nnodes={cfg.dist.nnodes} --max-restarts={cfg.dist.max_restarts}: restarts across nodes need perflab's own agents; "
-            f"run `python -m src.run dist.nnodes={cfg.dist.nnodes} dist.nproc={cfg.dist.nproc} dist.rdzv_endpoint=HOST:PORT "
-            f"dist.max_restarts={cfg.dist.max_restarts} hydra.run.dir=SHARED_DIR ...` on each node, or submit with -m hydra/launcher=submitit_slurm (docs/CLUSTER.md)"
-        )
-
-
-def stable_run_dir(run_dir: Path) -> Path:
-    """Under torchrun a restarted rank 0 composes the config again, and `${now:...}` would name
-    another folder: the first attempt's (its checkpoints, its MLflow run id, its metrics.jsonl) is
-    kept in the elastic agent's store, which outlives restarts (src/distributed/env.py)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
-        return run_dir
-    import datetime
-
-    import torch.distributed as torch_dist
-
-    store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=60))
-    key = f"perflab/run_dir/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
-    if store.check([key]):  # the store lives as long as torchrun: a key there is this run's
-        return Path(store.get(key).decode())
-    store.set(key, str(run_dir))
-    return run_dir
 
 
 def run_as_worker(overrides: list[str]) -> None:
