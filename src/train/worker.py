@@ -335,6 +335,12 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             # The agent forwards the launcher's SIGINT after the terminal's own reached us: a
             # second KeyboardInterrupt here would cut off recording the KILLED run.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if launched_as_worker():
+            # On several nodes the surviving ranks fail in a collective when a peer dies, and their
+            # agent, seeing the failed node rejoin, SIGTERMs them to restart: that signal, arriving
+            # while this rank records its error, cut the record short (no `error` tag, so no
+            # restart_N.cause). The agent waits for the rank to exit (SIGKILL after 30 s).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if reporter:
             reporter.close()
         status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
