@@ -23,7 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 class RankFailed(RuntimeError):
     """A rank exited with an error; str() is '<rank N> <error>' for the one-line report.
-    `ranks`: the global ranks this node's agent ran (on several nodes, whether rank 0 was here)."""
+    `ranks`: the global ranks this node's agent ran (on several nodes: whether rank 0 was here)."""
 
     def __init__(self, message: str, ranks: frozenset[int] = frozenset()):
         super().__init__(message)
@@ -135,4 +135,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         with torch_logs_to(Path(notes_dir) / log_name if notes_dir else None):
             return elastic_launch(config, entry)(*args)
     except ChildFailedError as err:
-        raise RankFailed(_first_failure(err, notes_dir), frozenset(err.failures)) from None
+        # This node's ranks: the agent numbers them global_rank = node_rank * nproc + local_rank,
+        # so any failed one tells which (the failures hold only the ranks that failed).
+        first = min(err.failures) // nproc * nproc if err.failures else 0
+        raise RankFailed(_first_failure(err, notes_dir), frozenset(range(first, first + nproc))) from None

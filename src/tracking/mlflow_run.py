@@ -351,6 +351,13 @@ def record_failed_run(uri: str, experiment: str, run_name: str, error: str, tags
     if still_running:  # rank 0 ended it itself when it could (its error tag holds the traceback)
         client.set_tag(run_id, "error", error[:5000])
         client.set_terminated(run_id, status=status)
+    else:
+        from src.distributed.launch import _PEER_GONE
+
+        recorded = client.get_run(run_id).data.tags.get("error", "")
+        if _PEER_GONE.search(recorded) and not _PEER_GONE.search(error):
+            # rank 0 recorded that a peer left (a consequence); the launcher's line names the cause
+            client.set_tag(run_id, "error", error[:5000])
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:

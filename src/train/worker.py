@@ -335,7 +335,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             # The agent forwards the launcher's SIGINT after the terminal's own reached us: a
             # second KeyboardInterrupt here would cut off recording the KILLED run.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if launched_as_worker():
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
             # On several nodes the surviving ranks fail in a collective when a peer dies, and their
             # agent, seeing the failed node rejoin, SIGTERMs them to restart: that signal, arriving
             # while this rank records its error, cut the record short (no `error` tag, so no
