@@ -11,7 +11,8 @@ from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+from omegaconf import II, MISSING
 
 from src.config_help import register as register_help
 from src.config_tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
@@ -182,6 +183,9 @@ class TrackingConfig:
     system_metrics_interval_s: float = 10.0
     connect_timeout_s: float = 5.0
     """how long to wait for a tracking server before the run goes on without it"""
+    retry_s: float = 60.0
+    """a server that stops answering mid-run: step metrics are retried with backoff while training
+    runs, and for this long after it ends; what is not stored by then stays in metrics.jsonl"""
 
 
 @dataclass
@@ -312,8 +316,59 @@ GROUPS = {
 }
 
 
+# Hydra's submitit launchers (hydra-submitit-launcher), as this project runs them: one task per node,
+# an elastic agent that starts dist.nproc ranks there (src/distributed/cluster.py says why), nodes
+# and GPUs taken from dist.*, and a job that dies recorded FAILED while the sweep goes on. Stored
+# under the plugin's own names (hydra/launcher=submitit_local, submitit_slurm) in place of its.
+_GPUS_PER_NODE = II("perflab_gpus_per_node:${backend.device_type},${dist.nproc}")
+
+
+def _gpus_per_node(device_type: str, nproc: int) -> int | None:
+    """dist.nproc GPUs on a CUDA run, none asked for otherwise. Left unset, submitit's local
+    executor hides every GPU from a job (CUDA_VISIBLE_DEVICES='')."""
+    return int(nproc) if device_type == "cuda" else None
+
+
+@dataclass
+class SubmititLocalConfig(LocalQueueConf):
+    """submitit's local executor: each sweep job a process on this machine, watched as on SLURM; one node."""
+
+    _target_: str = "hydra_plugins.perflab_submitit_launcher.launchers.LocalLauncher"
+    name: str = "perflab"
+    tasks_per_node: int = 1
+    """one: the task is the node's elastic agent, which starts dist.nproc ranks"""
+    gpus_per_node: Optional[int] = _GPUS_PER_NODE
+    timeout_min: int = 240
+    """a job still running after this long is stopped (and recorded FAILED)"""
+
+
+@dataclass
+class SubmititSlurmConfig(SlurmQueueConf):
+    """SLURM through sbatch: an array with a job per sweep job, each on `nodes` nodes, a task per node."""
+
+    _target_: str = "hydra_plugins.perflab_submitit_launcher.launchers.SlurmLauncher"
+    name: str = "perflab"
+    nodes: int = II("dist.nnodes")
+    tasks_per_node: int = 1
+    """one: the task is the node's elastic agent, which starts dist.nproc ranks"""
+    gpus_per_node: Optional[int] = _GPUS_PER_NODE
+    timeout_min: int = 240
+    """SLURM's --time in minutes; the partition's limit may be lower"""
+
+
 def register_configs() -> None:
+    from hydra.core.plugins import Plugins
+    from omegaconf import OmegaConf
+
+    # Hydra's plugin scan runs each plugin module again, the submitit plugin's config module too,
+    # which stores its launchers again: scan now (once a process; Plugins is a singleton), then
+    # replace them.
+    Plugins.instance()
     cs = ConfigStore.instance()
+    cs.store(group="hydra/launcher", name="submitit_local", node=SubmititLocalConfig, provider="perflab")
+    cs.store(group="hydra/launcher", name="submitit_slurm", node=SubmititSlurmConfig, provider="perflab")
+    if not OmegaConf.has_resolver("perflab_gpus_per_node"):
+        OmegaConf.register_new_resolver("perflab_gpus_per_node", _gpus_per_node)
     cs.store(name="base_config", node=RunConfig)
     for group, schema in GROUPS.items():
         # Stored outside the groups (each group's YAML pulls its schema with `/base_<group>@_here_`),

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from src.compose import ConfigError, compose_config  # noqa: E402
 from src.kernel_choice import apply_auto_choice  # noqa: E402
+from src.distributed.cluster import SUBMITIT_LAUNCHERS, adopt_torchrun_shape, check_launcher, stable_run_dir  # noqa: E402
 from src.distributed.env import launched_as_worker  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
 from src.tasks import run_task  # noqa: E402
@@ -85,17 +86,29 @@ def _override_for_key(key: str, overrides: list[str]) -> str:
     return next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), f"{key} (the default)")
 
 
+def _launcher(overrides: list[str]) -> str:
+    """The hydra/launcher option the command picks (basic: Hydra's own, one job at a time)."""
+    for o in overrides:
+        key, _, value = o.replace(" ", "").lstrip("+").partition("=")
+        if key == "hydra/launcher":
+            return value
+    return "basic"
+
+
 def preflight(overrides: list[str], multirun: bool) -> None:
-    parallel = multirun and any(o.replace(" ", "") in ("hydra/launcher=joblib", "+hydra/launcher=joblib") for o in overrides)
+    launcher = _launcher(overrides) if multirun else "basic"
+    jobs = []
     for job in _job_overrides(overrides, multirun):
         cfg = compose_config(job)
-        validate(cfg)
-        if parallel and cfg.tracking.enabled and cfg.tracking.uri.startswith("sqlite"):
+        # the GPUs are the cluster's, not this (login) machine's: gpus_per_node asks for dist.nproc
+        validate(cfg, cuda_device_count=cfg.dist.nproc if launcher == "submitit_slurm" else None)
+        if cfg.dist.nnodes > 1 and not cfg.dist.rdzv_endpoint and launcher not in SUBMITIT_LAUNCHERS:
             raise ConfigError(
-                f"hydra/launcher=joblib runs jobs in parallel, but tracking.uri={cfg.tracking.uri} takes one writer at a time "
-                "and would lose runs; start `mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000` and pass "
-                "tracking.uri=http://127.0.0.1:5000, or drop hydra/launcher=joblib"
+                f"dist.nnodes={cfg.dist.nnodes} needs dist.rdzv_endpoint=HOST:PORT, the first node's address, the same on every node; "
+                "or submit with -m hydra/launcher=submitit_slurm, which finds it, or use torchrun --nnodes (docs/CLUSTER.md)"
             )
+        jobs.append(cfg)
+    check_launcher(launcher, overrides, jobs)
     _check_output_dir(overrides, multirun)
 
 
@@ -104,14 +117,11 @@ def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
     sys.exit(code)
 
 
-def _sweep_marker(hc, name: str) -> str | None:
+def _sweep_marker(sweep_dir: Path, name: str) -> str | None:
     """Inside a multirun, what the sweep callback left in the sweep directory for its jobs (the
-    parent run's id, the keys the sweep varies): files, because a joblib worker shares no memory."""
-    from hydra.types import RunMode
-
-    if hc.mode != RunMode.MULTIRUN:
-        return None
-    marker = Path(hc.sweep.dir) / name
+    parent run's id, the keys the sweep varies): files, because a joblib worker or a submitit
+    job shares no memory."""
+    marker = sweep_dir / name
     return marker.read_text().strip() if marker.exists() else None
 
 
@@ -141,7 +151,12 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
 
         message = str(err) if isinstance(err, RankFailed) else f"{type(err).__name__}: {err}"
         log.error("job failed: %s", message, exc_info=not isinstance(err, RankFailed))
-        record_job_failure(cfg, ctx, message)
+        if isinstance(err, RankFailed) and err.ranks and 0 not in err.ranks:
+            # Several nodes, each an agent: rank 0 ran on another node, whose process records the
+            # run (its summary.json, its MLflow run); a second record here would be a second run.
+            log.error("rank 0 ran on another node, whose record of the run stands")
+        else:
+            record_job_failure(cfg, ctx, message)
         if multirun:
             return {"task": cfg.task.name, "status": "failed", "error": message}
         _fail(message, code=1)
@@ -162,23 +177,36 @@ def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -
         log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), ui_hint(cfg.tracking.uri))
 
 
+def job_context(hc: DictConfig, tracking_uri: str, run_dir: str, overrides: list[str]) -> RunContext:
+    """A job's RunContext from its Hydra config `hc`, for a job that runs (hydra_main) or a sweep
+    job whose process died (src/distributed/cluster.py records it)."""
+    from hydra.types import RunMode
+
+    cwd = hc.runtime.cwd
+    multirun = hc.mode == RunMode.MULTIRUN
+    marker = (lambda name: _sweep_marker(Path(hc.sweep.dir), name)) if multirun else (lambda name: None)
+    return RunContext(
+        run_dir=run_dir,
+        cwd=cwd,
+        overrides=overrides,
+        tracking_uri=resolve_tracking_uri(tracking_uri, cwd),
+        parent_run_id=marker(PARENT_RUN_ID_FILE),
+        sweep_keys=(marker(SWEEP_KEYS_FILE) or "").split() or None,
+    )
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> dict | None:
     from hydra.types import RunMode
 
+    from src.distributed.cluster import move_job_log, submitit_job
+
     hc = HydraConfig.get()
-    cwd = hc.runtime.cwd
-    ctx = RunContext(
-        run_dir=hc.runtime.output_dir,
-        cwd=cwd,
-        overrides=list(hc.overrides.task),
-        tracking_uri=resolve_tracking_uri(cfg.tracking.uri, cwd),
-        parent_run_id=_sweep_marker(hc, PARENT_RUN_ID_FILE),
-        sweep_keys=(_sweep_marker(hc, SWEEP_KEYS_FILE) or "").split() or None,
-    )
+    ctx = job_context(hc, cfg.tracking.uri, hc.runtime.output_dir, list(hc.overrides.task))
+    move_job_log(hc.runtime.output_dir, submitit_job())  # a submitit task on a node after the first: its own log
     try:
-        validate(cfg)
-        apply_auto_choice(cfg, cwd)
+        validate(cfg)  # again on the node that runs it: its GPUs are the ones that count
+        apply_auto_choice(cfg, ctx.cwd)
     except ConfigError as err:
         _fail(str(err))
     return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
@@ -187,6 +215,7 @@ def hydra_main(cfg: DictConfig) -> dict | None:
 def run_as_worker(overrides: list[str]) -> None:
     """Entry under torchrun / srun: this process is already one rank of the run."""
     cfg = compose_config(overrides, with_hydra=True)
+    adopt_torchrun_shape(cfg, overrides)
     validate(cfg, as_worker=True)
     apply_auto_choice(cfg, os.getcwd(), measure=False)
     run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
@@ -195,7 +224,7 @@ def run_as_worker(overrides: list[str]) -> None:
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     cwd = os.getcwd()
     if rank == 0:
-        run_dir = run_dir if run_dir.is_absolute() else Path(cwd) / run_dir
+        run_dir = stable_run_dir(run_dir if run_dir.is_absolute() else Path(cwd) / run_dir)
     ctx = RunContext(
         run_dir=str(run_dir) if rank == 0 else None,
         cwd=cwd,

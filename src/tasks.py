@@ -15,7 +15,10 @@ log = logging.getLogger("src.run")
 
 
 def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    """task=train and task=profile: in this process for one rank, else through the elastic launcher."""
+    """task=train and task=profile: in this process for one rank, else through the elastic launcher:
+    this node's agent, one of dist.nnodes (a submitit job's nodes meet on its first node)."""
+    from src.compose import ConfigError
+    from src.distributed.cluster import node_log_name, submitit_job
     from src.distributed.launch import launch_ranks
     from src.train.worker import elastic_entry, save_resolved_config, train
 
@@ -24,14 +27,21 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         save_resolved_config(cfg, run_dir)
     if launched_as_worker() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
         return train(cfg, ctx)
+    job, endpoint = submitit_job(), cfg.dist.rdzv_endpoint
+    if job is not None:
+        if job.num_nodes != cfg.dist.nnodes:
+            raise ConfigError(f"dist.nnodes={cfg.dist.nnodes} but this job has {job.num_nodes} node(s); let hydra.launcher.nodes follow dist.nnodes (its default)")
+        endpoint = endpoint or (job.rendezvous_endpoint if job.num_nodes > 1 else "")
     results = launch_ranks(
         elastic_entry,
         (OmegaConf.to_container(cfg, resolve=True), asdict(ctx)),
         nproc=cfg.dist.nproc,
         nnodes=cfg.dist.nnodes,
         max_restarts=cfg.dist.max_restarts,
-        rdzv_endpoint=cfg.dist.rdzv_endpoint,
+        rdzv_endpoint=endpoint,
         notes_dir=ctx.run_dir,
+        log_name=node_log_name(job),
+        run_id=f"perflab-job{job.job_id}" if job is not None and job.num_nodes > 1 else "",
     )
     return results[min(results)]
 
@@ -74,6 +84,13 @@ def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: s
     from src.train.worker import settings
 
     if ctx.run_dir is None:
+        return
+    from src.distributed.cluster import submitit_job
+
+    job = submitit_job()
+    if job is not None and job.node != 0 and not launched_as_worker():
+        # a submitit job's nodes share its folder: the first node's process records the job
+        log.error("node %d of the job: %s (the job's record is the first node's)", job.node, message)
         return
     run_dir = Path(ctx.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     tr = cfg.tracking
     need(finite(tr.system_metrics_interval_s) and tr.system_metrics_interval_s > 0, "tracking.system_metrics_interval_s", tr.system_metrics_interval_s, "a positive interval, e.g. 10")
     need(finite(tr.connect_timeout_s) and tr.connect_timeout_s > 0, "tracking.connect_timeout_s", tr.connect_timeout_s, "a positive timeout, e.g. 5")
+    need(finite(tr.retry_s) and tr.retry_s >= 0, "tracking.retry_s", tr.retry_s, "0 (give up at once) or more seconds, e.g. 60")
     f, world = cfg.fault, cfg.dist.nproc * cfg.dist.nnodes
     if f.kind != "none":
         need(0 <= f.rank < world, "fault.rank", f.rank, f"a rank of this run, 0 to {world - 1}")

@@ -13,15 +13,20 @@ _SLURM_TO_TORCH = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_
 
 
 def launched_as_worker() -> bool:
-    """True under torchrun / torch.distributed.run or a multi-task SLURM step: the ranks already exist."""
+    """True under torchrun / torch.distributed.run or a multi-task SLURM step: the ranks already exist.
+
+    Not in a submitit task (hydra/launcher=submitit_*): there each SLURM task is one node's elastic
+    agent, which starts the ranks itself (src/distributed/cluster.py), whatever SLURM_NTASKS says."""
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return True
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        return False
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
 def adopt_slurm_env() -> None:
     """Map SLURM's task variables onto torch's, so `srun python -m src.run` needs only MASTER_ADDR/PORT."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or os.environ.get("SUBMITIT_EXECUTOR"):
         return
     for slurm, torch_name in _SLURM_TO_TORCH.items():
         if slurm in os.environ:
@@ -62,16 +67,14 @@ def init_distributed(device_type: str, dist_backend: str | None, timeout_s: int 
         else:
             kwargs = {"device_id": device} if device_type == "cuda" else {}
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            if restart != "0":
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            if restart != "0" and agent_store:
                 # After an elastic restart the agent's TCPStore still holds the previous attempt's
                 # keys under the same names (gloo's peer addresses among them), so a new rank can
                 # dial a dead one ("connectFullMesh ... Connection refused"): give every attempt
-                # a prefix of its own.
-                agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                store = dist.TCPStore(
-                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                    is_master=not agent_store and rank == 0, timeout=timeout,
-                )
+                # a prefix of its own. One node only: there one agent counts the restarts of all
+                # ranks. Several nodes (launch_ranks) get a fresh store each attempt instead.
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
                 kwargs.update(store=dist.PrefixStore(f"perflab/restart_{restart}", store), rank=rank, world_size=world)
             dist.init_process_group(dist_backend, timeout=timeout, **kwargs)
     return DistEnv(rank, world, local_rank, device)

@@ -22,7 +22,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
 class RankFailed(RuntimeError):
-    """A rank exited with an error; str() is '<rank N> <error>' for the one-line report."""
+    """A rank exited with an error; str() is '<rank N> <error>' for the one-line report.
+    `ranks`: the global ranks this node's agent ran (on several nodes: whether rank 0 was here)."""
+
+    def __init__(self, message: str, ranks: frozenset[int] = frozenset()):
+        super().__init__(message)
+        self.ranks = ranks
 
 
 GENERIC = "To enable traceback see"
@@ -96,8 +101,11 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
-def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "", log_dir: str | None = None, notes_dir: str | None = None) -> dict[int, Any]:
-    """Run `entry(*args)` on `nproc` local ranks (times `nnodes`); returns {global rank: return value}."""
+def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "",
+                 log_dir: str | None = None, notes_dir: str | None = None, log_name: str = "run.log", run_id: str = "") -> dict[int, Any]:
+    """Run `entry(*args)` on `nproc` local ranks of `nnodes` nodes, this one among them (an agent
+    per node, meeting at `rdzv_endpoint` under the same `run_id`); returns {global rank: return
+    value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
     # CPU run several times slower than it need be.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -105,7 +113,8 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:12],
+        # one node: a fresh id a run; several: the same on every node, or they never meet
+        run_id=run_id or (uuid.uuid4().hex[:12] if nnodes == 1 else f"perflab-{rdzv_endpoint}"),
         rdzv_backend="c10d",
         # torchrun --standalone's choice: port 0 lets the c10d store bind any free port.
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
@@ -114,9 +123,19 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
+    if nnodes > 1:
+        # A fresh store for the ranks each attempt, on the node of group rank 0. By default the
+        # agents share one store through every attempt, whose stale keys (gloo's peer addresses)
+        # a restarted rank would read; on one node env.py gives each attempt a key prefix of its
+        # own, but on several nodes the agents count restarts apart (only the failed node's
+        # agent counts one), so no prefix is the same on every node.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _standard_start_method()
     try:
-        with torch_logs_to(Path(notes_dir) / "run.log" if notes_dir else None):
+        with torch_logs_to(Path(notes_dir) / log_name if notes_dir else None):
             return elastic_launch(config, entry)(*args)
     except ChildFailedError as err:
-        raise RankFailed(_first_failure(err, notes_dir)) from None
+        # This node's ranks: the agent numbers them global_rank = node_rank * nproc + local_rank,
+        # so any failed one tells which (the failures hold only the ranks that failed).
+        first = min(err.failures) // nproc * nproc if err.failures else 0
+        raise RankFailed(_first_failure(err, notes_dir), frozenset(range(first, first + nproc))) from None

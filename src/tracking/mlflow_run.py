@@ -21,6 +21,10 @@ from src.tracking.writer import MetricWriter
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = ".mlflow_run_id"
+# The elastic run (TORCHELASTIC_RUN_ID) that opened the MLflow run: a later attempt of the same
+# elastic run continues it. Not the agent's restart count: on several nodes each agent counts its
+# own restarts, and the nodes whose ranks did not fail restart with a count of 0.
+ELASTIC_RUN_FILE = ".elastic_run_id"
 PARENT_RUN_ID_FILE = ".mlflow_parent_run_id"
 SWEEP_KEYS_FILE = ".sweep_keys"  # the keys a sweep varies, one a line: its jobs are named by them
 
@@ -49,6 +53,25 @@ def check_reachable(uri: str, timeout_s: float) -> None:
         requests.get(uri.rstrip("/") + "/health", timeout=timeout_s).raise_for_status()
     except requests.RequestException as err:
         raise TrackingUnavailable(f"MLflow server at {uri} did not answer ({type(err).__name__})") from None
+
+
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def wait_for_server(uri: str, within_s: float) -> bool:
+    """Poll /health with backoff (0.5 s doubling to 5 s) until the server answers or `within_s`
+    passes: a server restarted mid-run answers again in about 5 s."""
+    deadline, delay = time.monotonic() + within_s, 0.5
+    while True:
+        try:
+            check_reachable(uri, min(5.0, max(0.5, deadline - time.monotonic())))
+            return True
+        except TrackingUnavailable:
+            if time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
 
 def ui_hint(uri: str) -> str:
@@ -171,6 +194,7 @@ class MlflowTracker(NullTracker):
         system_metrics_interval_s: float = 0.0,
         connect_timeout_s: float = 5.0,
         continue_run_id: str | None = None,
+        retry_s: float = 60.0,
     ):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.params, self.tags, self.run_dir = dict(params), dict(tags), run_dir
@@ -181,27 +205,54 @@ class MlflowTracker(NullTracker):
         self.writer = None
         self.continue_run_id = continue_run_id
         self.logged_steps: set[int] = set()
+        self.retry_s = retry_s
+        self.server_lost = False
+
+    def _server_call(self, what: str, call):
+        """`call()` against the store; a server that stopped answering gets `retry_s` to come back
+        (one more try then), else the rest of the run's record is skipped with one warning: the
+        run's files stay in its directory. MLflow's own retries (7, backing off to about 4 minutes
+        a call) are off for a server URI (start()), so a dead server costs retry_s once, not
+        minutes per artifact."""
+        if self.server_lost:
+            return None
+        try:
+            return call()
+        except Exception as err:
+            if is_server(self.uri) and wait_for_server(self.uri, self.retry_s):
+                try:
+                    return call()
+                except Exception as again:
+                    err = again
+            self.server_lost = True
+            where = f" in {self.run_dir}" if self.run_dir is not None else ""
+            log.warning("MLflow store at %s did not take %s (%s: %s); the rest of this run's MLflow record is skipped, its files stay%s",
+                        self.uri, what, type(err).__name__, (str(err).splitlines() or [""])[0][:200], where)
+            return None
 
     def start(self) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         check_reachable(self.uri, self.connect_timeout_s)
+        if is_server(self.uri):  # _server_call retries, bounded by tracking.retry_s
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         self.client = MlflowClient(tracking_uri=self.uri)
         if self.continue_run_id:  # an elastic restart: the same run goes on, its curves continue
             self.run_id = self.continue_run_id
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            previous = self.client.get_run(self.run_id).data.tags
+            restart = str(int(previous.get("restarts", "0")) + 1)
             self.client.update_run(self.run_id, status="RUNNING")
             self.client.set_tag(self.run_id, "restarts", restart)
-            stale = self.client.get_run(self.run_id).data.tags.get("error")
+            stale = previous.get("error")
             if stale:  # the attempt that failed set it; kept as what caused the restart, not as this run's error
                 self.client.set_tag(self.run_id, f"restart_{restart}.cause", stale[:5000])
                 self.client.delete_tag(self.run_id, "error")
             # Steps after the last checkpoint run again, bit for bit: log each step once.
             self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
             if self.use_writer:
-                self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
-            log.info("MLflow run %s continues after restart %s", self.run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+                self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s, self.retry_s)
+            log.info("MLflow run %s continues after restart %s", self.run_id, restart)
             return
         exp_id = experiment_id(self.client, self.experiment)
         tags = dict(self.tags)
@@ -211,12 +262,14 @@ class MlflowTracker(NullTracker):
         self.run_id = run.info.run_id
         if self.run_dir is not None:
             (self.run_dir / RUN_ID_FILE).write_text(self.run_id)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                (self.run_dir / ELASTIC_RUN_FILE).write_text(os.environ["TORCHELASTIC_RUN_ID"])
         # MLflow caps a param value at 6000 characters and a batch at 100 params.
         params = [Param(k, str(v)[:6000]) for k, v in self.params.items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         if self.use_writer:  # runs that log step metrics; one-shot runs (diagnose) log directly
-            self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s)
+            self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s, self.retry_s)
         log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
@@ -225,11 +278,11 @@ class MlflowTracker(NullTracker):
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
+            self._server_call(f"tag {k}", lambda k=k, v=v: self.client.set_tag(self.run_id, k, v))
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if Path(path).exists():
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+            self._server_call(f"artifact {Path(path).name}", lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
 
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
         try:
@@ -241,11 +294,11 @@ class MlflowTracker(NullTracker):
 
                 now = int(time.time() * 1000)
                 headline = [Metric(f"summary.{k}", float(v), now, 0) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-                self.client.log_batch(self.run_id, metrics=headline)
+                self._server_call("the summary metrics", lambda: self.client.log_batch(self.run_id, metrics=headline))
             if error:
-                self.client.set_tag(self.run_id, "error", error[:5000])
+                self._server_call("the error tag", lambda: self.client.set_tag(self.run_id, "error", error[:5000]))
         finally:
-            self.client.set_terminated(self.run_id, status=status)
+            self._server_call(f"the run's end ({status})", lambda: self.client.set_terminated(self.run_id, status=status))
 
 
 def start_tracker(tracker: NullTracker) -> NullTracker:
@@ -270,7 +323,7 @@ def task_tracker(cfg: Any, ctx: Any, device_name: str) -> NullTracker:
         run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
         params=flatten(OmegaConf.to_container(cfg, resolve=True)), tags=run_tags(ctx.overrides, 1, device_name, ctx.cwd),
         run_dir=Path(ctx.run_dir) if ctx.run_dir else None, metric_writer=False, parent_run_id=ctx.parent_run_id,
-        connect_timeout_s=cfg.tracking.connect_timeout_s,
+        connect_timeout_s=cfg.tracking.connect_timeout_s, retry_s=cfg.tracking.retry_s,
     ))
 
 
@@ -298,6 +351,13 @@ def record_failed_run(uri: str, experiment: str, run_name: str, error: str, tags
     if still_running:  # rank 0 ended it itself when it could (its error tag holds the traceback)
         client.set_tag(run_id, "error", error[:5000])
         client.set_terminated(run_id, status=status)
+    else:
+        from src.distributed.launch import _PEER_GONE
+
+        recorded = client.get_run(run_id).data.tags.get("error", "")
+        if _PEER_GONE.search(recorded) and not _PEER_GONE.search(error):
+            # rank 0 recorded that a peer left (a consequence); the launcher's line names the cause
+            client.set_tag(run_id, "error", error[:5000])
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:

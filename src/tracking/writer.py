@@ -7,6 +7,14 @@ training loop needs to launch kernels. Here the training process writes one JSON
 step into a pipe; `python -m src.tracking.writer URI RUN_ID` (a plain subprocess: it imports
 MLflow and nothing of the training stack) drains the pipe on a reader thread, so the pipe never
 fills, and stores whatever has queued up in one log_batch.
+
+A tracking server that stops answering (a restart, a network cut) loses no metric: a batch that
+could not be stored stays pending and is sent again, with backoff, together with what queued up
+meanwhile; MLflow's SQL store skips a metric it already holds, so a batch stored by a request whose
+answer was lost is not doubled. MLflow's own HTTP retries (7, backing off to minutes) are turned off
+in this process so that this loop decides; after training ends it keeps trying for `retry_s`, then
+says what it could not store. The run's metrics.jsonl, written by the training process, keeps
+every step either way.
 """
 from __future__ import annotations
 
@@ -26,16 +34,26 @@ log = logging.getLogger(__name__)
 
 _MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch
 FLUSH_INTERVAL_S = 2.0
+# Backoff between attempts at a server that does not answer: 0.5 s doubling to 5 s. `mlflow server`
+# takes about 5 s to answer /health again after a restart on 2 busy cores, so a restarted server
+# gets the pending steps within 5 s of coming back, and a dead one costs one request every 5 s.
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 5.0
+# One request's timeout in the writer: MLflow's default (120 s) would hold a batch that long.
+REQUEST_TIMEOUT_S = 10
+EXIT_METRICS_NOT_STORED = 3
 
 
 class MetricWriter:
     """Hand step metrics to a writer process; `close()` waits until all of them are stored."""
 
-    def __init__(self, uri: str, run_id: str, system_metrics_interval_s: float = 0.0):
+    def __init__(self, uri: str, run_id: str, system_metrics_interval_s: float = 0.0, retry_s: float = 60.0):
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the `src` package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        # this process retries itself (module docstring): one attempt per request, bounded
+        env.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT_S))
+        self.retry_s = retry_s
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "src.tracking.writer", uri, run_id, str(system_metrics_interval_s)],
+            [sys.executable, "-m", "src.tracking.writer", uri, run_id, str(system_metrics_interval_s), str(retry_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
         )
         # Wait until it has imported MLflow (1-3 s of CPU): paid before the first step, not
@@ -50,7 +68,10 @@ class MetricWriter:
         except (BrokenPipeError, ValueError):
             pass  # the writer died; close() reports it once, training goes on
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for the writer to store what it holds: up to its retry window against a server
+        that stopped answering, plus the time one last request and the system-metrics sample take."""
+        timeout_s = self.retry_s + 2 * REQUEST_TIMEOUT_S + 30 if timeout_s is None else timeout_s
         try:
             self.process.stdin.close()
         except BrokenPipeError:
@@ -58,11 +79,11 @@ class MetricWriter:
         try:
             code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("MLflow metric writer did not finish in %.0f s; stopping it", timeout_s)
+            log.warning("MLflow metric writer did not finish in %.0f s; stopping it (metrics.jsonl keeps every step)", timeout_s)
             self.process.kill()
             return
-        if code != 0:
-            log.warning("MLflow metric writer exited with code %s; some step metrics may be missing", code)
+        if code not in (0, EXIT_METRICS_NOT_STORED):  # EXIT_METRICS_NOT_STORED: the writer said what it could not store
+            log.warning("MLflow metric writer exited with code %s; some step metrics may be missing (metrics.jsonl keeps every step)", code)
 
 
 def _read_lines(stream, q: queue.Queue) -> None:
@@ -71,7 +92,53 @@ def _read_lines(stream, q: queue.Queue) -> None:
     q.put(None)
 
 
-def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0) -> None:
+class PendingMetrics:
+    """Metrics not yet stored, sent again with backoff while the server does not answer."""
+
+    def __init__(self, client, run_id: str, uri: str):
+        self.client, self.run_id, self.uri = client, run_id, uri
+        self.metrics: list = []
+        self.failing_since: float | None = None
+        self.delay_s = 0.0
+
+    def store(self) -> bool:
+        """Try to store everything pending; True when nothing is left."""
+        while self.metrics:
+            batch = self.metrics[:_MAX_BATCH]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as err:  # connection refused, timeout, 5xx: all worth another try
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
+                    _say(f"MLflow server at {self.uri} did not take step metrics ({_reason(err)}); retrying every "
+                         f"{RETRY_MAX_S:.0f} s at most, metrics.jsonl keeps every step")
+                self.delay_s = min(max(2 * self.delay_s, RETRY_FIRST_S), RETRY_MAX_S)
+                return False
+            del self.metrics[: len(batch)]
+        if self.failing_since is not None:
+            _say(f"MLflow server at {self.uri} answers again after {time.monotonic() - self.failing_since:.0f} s; the pending step metrics are stored")
+            self.failing_since = None
+        self.delay_s = 0.0
+        return True
+
+    def describe(self) -> str:
+        steps = sorted({m.step for m in self.metrics})
+        return f"{len(self.metrics)} values of steps {steps[0]}-{steps[-1]}" if steps else "nothing"
+
+
+def _reason(err: Exception) -> str:
+    text = str(err)
+    for marker in ("Connection refused", "Read timed out", "Max retries exceeded", "Connection reset", "Connection aborted"):
+        if marker in text:
+            return marker.lower()
+    return type(err).__name__ + (f": {text.splitlines()[0][:200]}" if text else "")
+
+
+def _say(message: str) -> None:
+    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}][src.tracking.writer][WARNING] - {message}", file=sys.stderr, flush=True)
+
+
+def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0, retry_s: float = 60.0) -> int:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
@@ -95,34 +162,46 @@ def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0) -
             monitor = SystemMetricsMonitor(run_id, sampling_interval=system_metrics_interval_s, tracking_uri=uri)
             _publish_sample(monitor)  # step 0 now: a run shorter than the interval still has a sample
             monitor.start()
-        except Exception as err:  # psutil missing, no permission to read counters, ...
+        except Exception as err:  # psutil missing, no permission to read counters, a server gone
             print(f"system metrics off: {err}", file=sys.stderr)
             monitor = None
     print("ready", flush=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(sys.stdin, lines), daemon=True).start()
+    pending = PendingMetrics(client, run_id, uri)
     done = False
     while not done:
-        items = [lines.get()]
-        # Gather for up to FLUSH_INTERVAL_S: one SQLite transaction every 2 s instead of one a step
-        # keeps the writer's CPU use small where it shares cores with the ranks (a 2-core CPU run).
-        deadline = time.monotonic() + FLUSH_INTERVAL_S
-        while items[-1] is not None and len(items) < _MAX_BATCH:
+        # Gather for up to FLUSH_INTERVAL_S (or the backoff delay while the server does not
+        # answer): one SQLite transaction every 2 s instead of one a step keeps the writer's CPU
+        # use small where it shares cores with the ranks (a 2-core CPU run).
+        deadline = time.monotonic() + max(FLUSH_INTERVAL_S, pending.delay_s)
+        items = [lines.get()] if not pending.metrics else []  # idle: block until the next step comes
+        while not items or items[-1] is not None:
             try:
                 items.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 break
-        metrics = []
         for item in items:
             if item is None:
                 done = True
                 continue
             step, ts, values = json.loads(item)
-            metrics.extend(Metric(k, v, ts, step) for k, v in values.items())
-        for i in range(0, len(metrics), _MAX_BATCH):
-            client.log_batch(run_id, metrics=metrics[i : i + _MAX_BATCH])
+            pending.metrics.extend(Metric(k, v, ts, step) for k, v in values.items())
+        pending.store()
+    # The pipe is closed (training ended): what is still pending gets retry_s more.
+    give_up = time.monotonic() + retry_s
+    while not pending.store() and time.monotonic() < give_up:
+        time.sleep(min(pending.delay_s, max(0.0, give_up - time.monotonic())))
     if monitor is not None:
-        _finish_with_sample(monitor)
+        try:
+            _finish_with_sample(monitor)
+        except Exception as err:
+            print(f"system metrics: the last sample was not stored ({_reason(err)})", file=sys.stderr)
+    if pending.metrics:
+        _say(f"MLflow server at {uri} did not answer for {retry_s:.0f} s after training ended: {pending.describe()} "
+             "are not in MLflow; the run directory's metrics.jsonl has them")
+        return EXIT_METRICS_NOT_STORED
+    return 0
 
 
 def _publish_sample(monitor) -> None:
@@ -145,4 +224,4 @@ def _finish_with_sample(monitor) -> None:
 
 
 if __name__ == "__main__":
-    writer_main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+    sys.exit(writer_main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.0, float(sys.argv[4]) if len(sys.argv) > 4 else 60.0))

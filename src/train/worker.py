@@ -27,7 +27,7 @@ from src.models.mini_llm import MiniLLM
 from src.runtime import RunContext
 from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import (
-    RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
+    ELASTIC_RUN_FILE, RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
 )
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.anatomy import metrics as anatomy_metrics
@@ -123,7 +123,10 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
         return NullTracker()
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
     id_file = run_dir / RUN_ID_FILE if run_dir is not None else None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    # an earlier attempt of this elastic run opened the MLflow run (src/tracking/mlflow_run.py)
+    elastic_file = run_dir / ELASTIC_RUN_FILE if run_dir is not None else None
+    restarted = (elastic_file is not None and elastic_file.exists() and "TORCHELASTIC_RUN_ID" in os.environ
+                 and elastic_file.read_text().strip() == os.environ["TORCHELASTIC_RUN_ID"])
     return MlflowTracker(
         uri=ctx.tracking_uri or cfg.tracking.uri,
         experiment=experiment_name(cfg),
@@ -134,6 +137,7 @@ def _make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path 
         parent_run_id=ctx.parent_run_id,
         system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else 0.0,
         connect_timeout_s=cfg.tracking.connect_timeout_s,
+        retry_s=cfg.tracking.retry_s,
         continue_run_id=id_file.read_text().strip() if (restarted and id_file is not None and id_file.exists()) else None,
     )
 
@@ -344,6 +348,12 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             # The agent forwards the launcher's SIGINT after the terminal's own reached us: a
             # second KeyboardInterrupt here would cut off recording the KILLED run.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+            # On several nodes the surviving ranks fail in a collective when a peer dies, and their
+            # agent, seeing the failed node rejoin, SIGTERMs them to restart: that signal, arriving
+            # while this rank records its error, cut the record short (no `error` tag, so no
+            # restart_N.cause). The agent waits for the rank to exit (SIGKILL after 30 s).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if reporter:
             reporter.close()
         status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"

@@ -1,0 +1,1 @@
+"""perflab's submitit launchers for Hydra (see launchers.py)."""
