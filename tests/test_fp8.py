@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from src.compose import ConfigError, compose_config
+from src.config import Fp8Recipe
 from src.validate import validate
 from tests.conftest import run_cli
 
@@ -132,3 +133,14 @@ def test_fp8_trains_on_the_gpu_like_bf16(tmp_path: Path):
         losses[precision] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses["fp8"][-1] < losses["fp8"][0] - 0.5
     assert losses["fp8"] == pytest.approx(losses["bf16"], abs=0.1)
+
+
+@pytest.mark.parametrize("recipe", list(Fp8Recipe))
+def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
+    """The recipe arrives as the config's StrEnum member; torchao matched `type(name) == str` and
+    refused rowwise as an unknown recipe on the H200 (2026-11-30)."""
+    from src.models.mini_llm import MiniLLM
+    from src.train.float8 import convert_blocks_to_float8
+
+    model = MiniLLM(vocab_size=256, dim=64, n_layers=2, n_heads=4)
+    assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, emulate=True) == 8

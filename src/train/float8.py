@@ -72,7 +72,8 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulate)
     else:
         # torchao gathers float8 only for tensorwise scales; rowwise weights are gathered in bf16
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+        # str(): torchao matches `type(name) == str`, so a StrEnum member fell through to "unknown recipe_name"
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(str(recipe)), emulate=emulate)
         # what torchtitan sets for rowwise, its short-term fix of pytorch/pytorch#150859 (Inductor's
         # low-precision casts rounding unlike eager's)
         import torch._inductor.config as inductor_config
