@@ -10,11 +10,10 @@ logs the reasons, one diagnosis line per op, as `kernels_auto.json`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import logging
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 

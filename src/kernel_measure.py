@@ -13,8 +13,8 @@ and triton's linear_cross_entropy (no logits at all).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

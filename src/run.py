@@ -26,9 +26,9 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from src.compose import ConfigError, compose_config  # noqa: E402
-from src.kernel_choice import apply_auto_choice  # noqa: E402
 from src.distributed.cluster import SUBMITIT_LAUNCHERS, adopt_torchrun_shape, check_launcher, stable_run_dir  # noqa: E402
 from src.distributed.env import launched_as_worker  # noqa: E402
+from src.kernel_choice import apply_auto_choice  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
 from src.tasks import run_task  # noqa: E402
 from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri  # noqa: E402

@@ -1,7 +1,6 @@
 """kernels=auto: the fused variants follow a diagnosis; the choice is logged; no diagnosis, one line."""
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path

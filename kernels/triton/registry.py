@@ -12,8 +12,8 @@ the unsharded tensors FSDP2 gathers for each block's forward and backward.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.nn as nn
 

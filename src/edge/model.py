@@ -48,7 +48,7 @@ class EdgeLM(nn.Module):
         self.head_dim = model.dim // model.n_heads
         self.resize_cache(batch)
 
-    def resize_cache(self, batch: int) -> "EdgeLM":
+    def resize_cache(self, batch: int) -> EdgeLM:
         """Zeroed caches for `batch` sequences, in the dtype and on the device of the weights."""
         w = self.model.embed.weight
         shape = (len(self.model.layers), batch, self.n_heads, self.max_seq, self.head_dim)

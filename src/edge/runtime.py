@@ -26,7 +26,6 @@ import shutil
 import statistics
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -13,8 +13,9 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from src.tracking.writer import MetricWriter
 
@@ -218,7 +219,7 @@ class MlflowTracker(NullTracker):
             return None
         try:
             return call()
-        except Exception as err:
+        except Exception:
             if is_server(self.uri) and wait_for_server(self.uri, self.retry_s):
                 try:
                     return call()

@@ -6,8 +6,8 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ def train_step(
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
     loss_fp32: bool = True,
-    mark: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
+    mark: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
     skip_nonfinite: bool = False,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -146,9 +146,9 @@ def train_loop(
     log_every: int = 1,
     on_step: Iterable[Callable[[StepStats], None]] = (),
     fault: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-    mark: Callable[[str], ContextManager] | None = None,
+    mark: Callable[[str], contextlib.AbstractContextManager] | None = None,
     profiled_step: int = -1,
-    profiled_step_range: Callable[[], ContextManager] = contextlib.nullcontext,
+    profiled_step_range: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     after_step: Callable[[], None] | None = None,
     start_step: int = 0,
     checkpoint_due: Callable[[int], bool] = lambda steps_done: False,

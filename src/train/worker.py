@@ -18,27 +18,37 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from src.data.batches import TokenBatches
 from kernels.triton.registry import FusedModel, apply_fused, selected_ops
+from src.data.batches import TokenBatches
 from src.distributed.env import DistEnv, build_mesh, init_distributed, launched_as_worker, shutdown
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
 from src.models.mini_llm import MiniLLM
+from src.profiling.anatomy import metrics as anatomy_metrics
+from src.profiling.annotate import module_ranges, profiled_step, step_marker
+from src.profiling.torch_profile import TorchProfileSession
 from src.runtime import RunContext
 from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import (
-    ELASTIC_RUN_FILE, RUN_ARTIFACTS, RUN_ID_FILE, MlflowTracker, NullTracker, default_run_name, experiment_name, flatten, run_tags, start_tracker, write_json,
+    ELASTIC_RUN_FILE,
+    RUN_ARTIFACTS,
+    RUN_ID_FILE,
+    MlflowTracker,
+    NullTracker,
+    default_run_name,
+    experiment_name,
+    flatten,
+    run_tags,
+    start_tracker,
+    write_json,
 )
-from src.profiling.annotate import module_ranges, profiled_step, step_marker
-from src.profiling.anatomy import metrics as anatomy_metrics
-from src.profiling.torch_profile import TorchProfileSession
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
-from src.train.schedule import lr_at
 from src.train.loop import summarize, train_loop
-from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
+from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.progress import ProgressReporter
+from src.train.schedule import lr_at
 
 log = logging.getLogger("src.train")
 
