@@ -69,8 +69,3 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> n
         else:
             param.copy_(_full_init_tensor(kind, std, param.shape, seed, name, param.device))
     return model
-
-
-def sharded_parameter_placements(model: nn.Module) -> dict[str, tuple]:
-    """name -> DTensor placements, for checks and logs (empty for an unsharded model)."""
-    return {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
