@@ -143,9 +143,9 @@ class KernelsConfig:
     compile_backend: str = "inductor"
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
     fused: list[str] | None = field(default_factory=list)
-    """fused Triton variants to swap in (kernels/triton/registry.py); null means every one"""
+    """fused Triton variants to swap in (src/fusion/registry.py); null means every one"""
     auto: bool = False
-    """choose `fused` from a diagnosis: the ops it marks memory-bound or latency-limited (src/kernel_choice.py)"""
+    """choose `fused` from a diagnosis: the ops it marks memory-bound or latency-limited (src/fusion/choice.py)"""
     diagnosis: str = ""
     """with auto: diagnosis.json, or the run directory of a task=diagnose run; empty: the newest for this model"""
     compiled: list[str] = field(default_factory=list)

@@ -21,7 +21,8 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.compose import ConfigError
     from src.distributed.cluster import node_log_name, submitit_job
     from src.distributed.launch import launch_ranks
-    from src.train.worker import elastic_entry, save_resolved_config, train
+    from src.runtime import save_resolved_config
+    from src.train.worker import elastic_entry, train
 
     run_dir = Path(ctx.run_dir) if ctx.run_dir else None
     if run_dir is not None:
@@ -48,7 +49,7 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
 
 
 def run_diagnose(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    from src.profiling.ncu_runner import run_diagnose as diagnose
+    from src.diagnose.task import run_diagnose as diagnose
 
     return diagnose(cfg, ctx)
 
@@ -81,8 +82,8 @@ def run_task(cfg: DictConfig, ctx: RunContext) -> Any:
 def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: str = "failed") -> None:
     """summary.json with the error, and the MLflow run FAILED (or KILLED): made if rank 0 never
     opened one, ended if rank 0 died with it open."""
+    from src.runtime import settings
     from src.tracking.mlflow_run import default_run_name, experiment_name, record_failed_run, run_tags, write_json
-    from src.train.worker import settings
 
     if ctx.run_dir is None:
         return

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from kernels.triton.registry import REGISTRY, selected_ops, triton_usable
 from src.compose import ConfigError
 from src.config import GROUPS, RunConfig
+from src.fusion.registry import REGISTRY, selected_ops, triton_usable
 
 TRAINING_TASKS = {"train", "profile"}
 TRAINING_BACKENDS = {"cpu", "cuda", "mps"}
@@ -171,8 +171,8 @@ _INTERPRETER_MAX_ELEMENTS = 1 << 20  # a [64, 256] row takes ~1 s in the interpr
 
 
 def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -> None:
+    from src.dtypes import TORCH_DTYPES
     from src.kernel_bench.cases import OPS
-    from src.kernel_bench.task import DTYPES
 
     b = cfg.kernel_bench
     if backend not in ("cpu", "cuda"):
@@ -183,8 +183,8 @@ def _check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -
         unknown = [v for v in given if v not in allowed]
         if unknown or not given:
             raise ConfigError(f"kernel_bench.{name}={list(given)}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; choose from {', '.join(allowed)}")
-    if b.dtype not in DTYPES:
-        raise ConfigError(f"kernel_bench.dtype={b.dtype}: one of {', '.join(DTYPES)}")
+    if b.dtype not in TORCH_DTYPES:
+        raise ConfigError(f"kernel_bench.dtype={b.dtype}: one of {', '.join(TORCH_DTYPES)}")
     for op in b.ops:
         want = 3 if op == "linear_cross_entropy" else 2
         shapes = b.shapes.get(op)
@@ -242,7 +242,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
             raise ConfigError(f"diagnose.report={cfg.diagnose.report}: no such file; give an .ncu-rep or its --csv --page raw export")
         return
     if task == "diagnose" and (backend != "cuda" or cuda_device_count == 0):
-        from src.profiling.ncu_runner import NO_GPU
+        from src.diagnose.task import NO_GPU
 
         raise ConfigError(NO_GPU)
     if cfg.profile.nvtx and backend != "cuda":
@@ -270,7 +270,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
 
     fused = selected_ops(cfg.kernels.fused)
     if cfg.kernels.auto:
-        from src.kernel_choice import auto_choice
+        from src.fusion.choice import auto_choice
 
         fused = list(auto_choice(cfg, os.getcwd()).ops)
     if fused:
@@ -282,7 +282,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
             raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
         if "rms_norm" in fused and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
             raise ConfigError(f"model.dim={cfg.model.dim}: the fused RMSNorm holds a row in registers, at most {REGISTRY['rms_norm'].max_dim}")
-    from src.compiled_ops import COMPILABLE
+    from src.fusion.compiled import COMPILABLE
 
     not_compilable = [op for op in cfg.kernels.compiled if op not in COMPILABLE]
     if not_compilable:

@@ -16,7 +16,7 @@ Schema `perflab.diagnosis/1` (all times in seconds, shares as fractions of the p
         limiter        hbm | sm | latency | occupancy
         textbook       SEED.md's two readings both hold
         remedy         SEED.md's remedy for the verdict
-        fusion         the fused kernel that removes it (a kernels/triton registry op), or null
+        fusion         the fused kernel that removes it (an op of src/fusion/registry.py), or null
         margin_pct     percentage points to the nearest threshold that would change the verdict
         summary        one line: "layers.*.ffn/silu: memory-bound (margin 2.0 pts), 11.0% of step -> fused Triton SiLU-mul" } ],
     has_backward, share_of   whether backward kernels were captured, and so what a share is of

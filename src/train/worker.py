@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import traceback
 from dataclasses import replace
 from functools import partial
@@ -18,16 +17,17 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from kernels.triton.registry import FusedModel, apply_fused, selected_ops
 from src.data.batches import TokenBatches
 from src.distributed.env import DistEnv, build_mesh, init_distributed, launched_as_worker, shutdown
 from src.distributed.launch import ERROR_NOTE
-from src.distributed.parallelize import DTYPES, apply_fsdp, materialize_and_init, mixed_precision_policy
-from src.models.mini_llm import MiniLLM
+from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
+from src.dtypes import torch_dtype
+from src.fusion.registry import FusedModel, apply_fused, selected_ops
+from src.models import build_model
 from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.annotate import module_ranges, profiled_step, step_marker
 from src.profiling.torch_profile import TorchProfileSession
-from src.runtime import RunContext
+from src.runtime import RunContext, settings, setup_logging
 from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import (
     ELASTIC_RUN_FILE,
@@ -53,62 +53,15 @@ from src.train.schedule import lr_at
 log = logging.getLogger("src.train")
 
 
-def build_model(model_cfg: DictConfig) -> MiniLLM:
-    """The config-to-constructor boundary: the model itself only sees plain arguments."""
-    kwargs = {k: v for k, v in OmegaConf.to_container(model_cfg, resolve=True).items() if k != "name"}
-    return MiniLLM(**kwargs)
-
-
 def profile_session(cfg: DictConfig, flops_per_step: float) -> TorchProfileSession:
     p = cfg.profile
     return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit,
                                flops_per_step, p.gemm_peak_tflops)
 
 
-def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
-    """The resolved key settings that summary.json records next to the figures."""
-    return {
-        "exp": cfg.exp,
-        "model": cfg.model.name,
-        "sharding": cfg.sharding.name,
-        "precision": cfg.precision.name,
-        "backend": cfg.backend.name,
-        "kernels": cfg.kernels.name,
-        "data": cfg.data.name,
-        "world_size": world_size,
-        "batch_size_per_device": cfg.data.batch_size,
-        "seq_len": cfg.data.seq_len,
-        "steps": cfg.train.steps,
-        "lr": cfg.optim.lr,
-    }
-
-
-def setup_logging(run_dir: Path | None, rank: int) -> None:
-    """Spawned ranks start with bare logging: rank 0 logs to the console and to <run_dir>/run.log,
-    other ranks log warnings only, so the console shows one copy of each line."""
-    root = logging.getLogger()
-    if getattr(root, "_perflab_configured", False):
-        return
-    level = logging.INFO if rank == 0 else logging.WARNING
-    fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    if not root.handlers:
-        console = logging.StreamHandler(sys.stdout)
-        console.setFormatter(fmt)
-        root.addHandler(console)
-    has_file = any(isinstance(h, logging.FileHandler) for h in root.handlers)  # Hydra's run.log, in-process
-    if run_dir is not None and rank == 0 and not has_file:
-        file_handler = logging.FileHandler(run_dir / "run.log")
-        file_handler.setFormatter(fmt)
-        root.addHandler(file_handler)
-    root.setLevel(level)
-    for noisy in ("alembic", "mlflow", "urllib3", "git"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    root._perflab_configured = True  # type: ignore[attr-defined]
-
-
 def _log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, tracker) -> None:
     """kernels=auto: say what the diagnosis chose and why, on the console and in MLflow."""
-    from src.kernel_choice import choose, write_choice
+    from src.fusion.choice import choose, write_choice
 
     choice = choose(Path(cfg.kernels.diagnosis))
     log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
@@ -191,7 +144,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     try:
         torch.manual_seed(cfg.train.seed)
         strategy = cfg.sharding.strategy
-        compute_dtype = DTYPES[cfg.precision.param_dtype]
+        compute_dtype = torch_dtype(cfg.precision.param_dtype)
 
         with torch.device("meta"):
             model = build_model(cfg.model)
@@ -204,7 +157,7 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             if env.is_main:
                 log.info("fused Triton kernels: %s", kernels.describe())
         if cfg.kernels.compiled:
-            from src.compiled_ops import apply_compiled
+            from src.fusion.compiled import apply_compiled
 
             compiled_swapped, compiled_loss = apply_compiled(model, list(cfg.kernels.compiled))
             if compiled_loss is not None and kernels.loss_fn is None and not kernels.loss_in_model:
@@ -375,11 +328,6 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         raise
     finally:
         shutdown()
-
-
-def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def elastic_entry(cfg_container: dict, ctx_fields: dict) -> dict[str, Any]:
