@@ -259,7 +259,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less")
 
     if cfg.precision.float8 and task in TRAINING_TASKS:
-        from src.train.float8 import float8_dims, float8_refusal
+        from src.distributed.float8 import float8_dims, float8_refusal
 
         capability, device_name = cuda_capability or _lowest_capability(cuda_device_count if backend == "cuda" else 0)
         why_not = float8_refusal(backend, capability, device_name, float8_dims(cfg.model, cfg.data))
