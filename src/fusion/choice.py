@@ -9,6 +9,7 @@ logs the reasons, one diagnosis line per op, as `kernels_auto.json`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -70,6 +71,15 @@ def find_diagnosis(cfg: DictConfig, cwd: str | Path) -> Path:
 
 
 def choose(path: Path) -> AutoChoice:
+    """The choice a diagnosis calls for. Read once per process while the file is unchanged: with
+    kernels=auto, preflight, the job's own validate and apply_auto_choice all ask for it."""
+    stat = path.stat()
+    return _choose(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _choose(path_name: str, mtime_ns: int, size: int) -> AutoChoice:
+    path = Path(path_name)
     try:
         diagnosis: dict[str, Any] = json.loads(path.read_text())
         found = fusable_ops(diagnosis)
