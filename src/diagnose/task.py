@@ -89,14 +89,14 @@ def run_ncu(cfg: DictConfig, out: Path) -> Path:
 
 
 def run_diagnose(cfg: DictConfig, ctx) -> dict[str, Any]:
+    """ncu over one step (or diagnose.report), then the diagnosis; src/tasks.py's one_shot has
+    written config.yaml (which kernels=auto matches a diagnosis's model by) and opened run.log."""
     from src.diagnose.cli import diagnose_report
     from src.profiling.classify import Thresholds
-    from src.runtime import setup_logging
     from src.tracking.mlflow_run import task_tracker, write_json
 
     out = Path(ctx.run_dir) / "diagnose"
     out.mkdir(parents=True, exist_ok=True)
-    setup_logging(Path(ctx.run_dir), 0)
     report = Path(cfg.diagnose.report) if cfg.diagnose.report else run_ncu(cfg, out)
     # Only the profiled step is captured, and its forward, loss and optimizer run inside NVTX
     # ranges of the main thread: a kernel with no range open came from the autograd thread.

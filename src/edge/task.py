@@ -97,12 +97,10 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    from src.runtime import save_resolved_config, setup_logging
+    """task=infer in this process; src/tasks.py's one_shot has written config.yaml and opened run.log."""
     from src.tracking.mlflow_run import task_tracker, write_json
 
     run_dir = Path(ctx.run_dir)
-    save_resolved_config(cfg, run_dir)
-    setup_logging(run_dir, 0)
     e, backend = cfg.edge, cfg.backend.name
     target = default_target(backend, e.target)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)

@@ -167,12 +167,10 @@ def bar_chart(rows: list[dict], ceiling: float, device_name: str, path: Path) ->
 
 
 def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    from src.runtime import save_resolved_config, setup_logging
+    """The bench in this process; src/tasks.py's one_shot has written config.yaml and opened run.log."""
     from src.tracking.mlflow_run import task_tracker, write_json
 
     run_dir = Path(ctx.run_dir)
-    save_resolved_config(cfg, run_dir)
-    setup_logging(run_dir, 0)
     if cfg.backend.name == "cuda":
         torch.cuda.set_device(0)
     elif any(p in ("triton", "liger") for p in cfg.kernel_bench.providers):

@@ -18,10 +18,8 @@ from src.tracking.mlflow_run import (
     RUN_ID_FILE,
     MlflowTracker,
     NullTracker,
-    default_run_name,
-    experiment_name,
     flatten,
-    run_tags,
+    run_identity,
 )
 
 log = logging.getLogger("src.train")
@@ -58,14 +56,15 @@ def make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path |
     elastic_file = run_dir / ELASTIC_RUN_FILE if run_dir is not None else None
     restarted = (elastic_file is not None and elastic_file.exists() and "TORCHELASTIC_RUN_ID" in os.environ
                  and elastic_file.read_text().strip() == os.environ["TORCHELASTIC_RUN_ID"])
+    ident = run_identity(cfg, ctx, env.world_size, device_name)
     return MlflowTracker(
-        uri=ctx.tracking_uri or cfg.tracking.uri,
-        experiment=experiment_name(cfg),
-        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
+        uri=ident.uri,
+        experiment=ident.experiment,
+        run_name=ident.run_name,
         params=flatten(OmegaConf.to_container(cfg, resolve=True)),
-        tags=run_tags(ctx.overrides, env.world_size, device_name, ctx.cwd),
+        tags=ident.tags,
         run_dir=run_dir,
-        parent_run_id=ctx.parent_run_id,
+        parent_run_id=ident.parent_run_id,
         system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else 0.0,
         connect_timeout_s=cfg.tracking.connect_timeout_s,
         retry_s=cfg.tracking.retry_s,
