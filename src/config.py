@@ -16,6 +16,7 @@ from omegaconf import II, MISSING
 
 from src.config_help import register as register_help
 from src.config_tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
+from src.dtypes import Dtype
 
 
 # String choices are StrEnums (OmegaConf 2.3 has no Literal): `sharding.strategy=fsdp` fails when
@@ -32,10 +33,10 @@ class Strategy(StrEnum):
     none = "none"
 
 
-class Dtype(StrEnum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+class CompileBackend(StrEnum):
+    inductor = "inductor"
+    aot_eager = "aot_eager"
+    eager = "eager"
 
 
 class DeviceType(StrEnum):
@@ -140,7 +141,7 @@ class KernelsConfig:
     name: str = MISSING
     compile: bool = False
     """torch.compile each transformer block before sharding"""
-    compile_backend: str = "inductor"
+    compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
     fused: list[str] | None = field(default_factory=list)
     """fused Triton variants to swap in (src/fusion/registry.py); null means every one"""
