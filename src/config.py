@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
@@ -16,6 +16,7 @@ from omegaconf import II, MISSING
 
 from src.config_help import register as register_help
 from src.config_tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
+from src.dtypes import Dtype
 
 
 # String choices are StrEnums (OmegaConf 2.3 has no Literal): `sharding.strategy=fsdp` fails when
@@ -32,10 +33,10 @@ class Strategy(StrEnum):
     none = "none"
 
 
-class Dtype(StrEnum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+class CompileBackend(StrEnum):
+    inductor = "inductor"
+    aot_eager = "aot_eager"
+    eager = "eager"
 
 
 class DeviceType(StrEnum):
@@ -131,7 +132,7 @@ class BackendConfig:
     name: str = MISSING
     device_type: DeviceType = DeviceType.cpu
     """torch device type: cpu, cuda, mps, or vulkan (inference through IREE only)"""
-    dist_backend: Optional[DistBackend] = DistBackend.gloo
+    dist_backend: DistBackend | None = DistBackend.gloo
     """torch.distributed backend for multi-rank training: gloo (CPU) or nccl (CUDA)"""
 
 
@@ -140,12 +141,12 @@ class KernelsConfig:
     name: str = MISSING
     compile: bool = False
     """torch.compile each transformer block before sharding"""
-    compile_backend: str = "inductor"
+    compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
-    fused: Optional[list[str]] = field(default_factory=list)
-    """fused Triton variants to swap in (kernels/triton/registry.py); null means every one"""
+    fused: list[str] | None = field(default_factory=list)
+    """fused Triton variants to swap in (src/fusion/registry.py); null means every one"""
     auto: bool = False
-    """choose `fused` from a diagnosis: the ops it marks memory-bound or latency-limited (src/kernel_choice.py)"""
+    """choose `fused` from a diagnosis: the ops it marks memory-bound or latency-limited (src/fusion/choice.py)"""
     diagnosis: str = ""
     """with auto: diagnosis.json, or the run directory of a task=diagnose run; empty: the newest for this model"""
     compiled: list[str] = field(default_factory=list)
@@ -162,7 +163,7 @@ class DataConfig:
     batch_size: int = 8
     """sequences per device per step (the seed's 8); the global batch is batch_size x data-parallel ranks"""
     seq_len: int = 1024
-    text_path: Optional[str] = None
+    text_path: str | None = None
     """text only: a UTF-8 file to train on; empty means the Python standard library's own source"""
     corpus_mb: float = 4.0
     """text only: megabytes of the standard-library corpus to read"""
@@ -174,9 +175,9 @@ class TrackingConfig:
     enabled: bool = True
     uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI; a relative sqlite path is taken from the directory the run starts in"""
-    experiment: Optional[str] = None
+    experiment: str | None = None
     """MLflow experiment; empty means the +exp name, or 'default'"""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """empty means one built from the command-line overrides"""
     system_metrics: bool = True
     """MLflow's own system metrics (CPU, memory, GPU through pynvml), sampled beside the run"""
@@ -298,7 +299,7 @@ class RunConfig:
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     kernel_bench: KernelBenchConfig = field(default_factory=KernelBenchConfig)
     edge: EdgeConfig = field(default_factory=EdgeConfig)
-    exp: Optional[str] = None
+    exp: str | None = None
     """name of the +exp experiment, set by each conf/exp/*.yaml"""
     extra: dict[str, Any] = field(default_factory=dict)
     """free-form tags for a run; the only untyped node"""
@@ -337,7 +338,7 @@ class SubmititLocalConfig(LocalQueueConf):
     name: str = "perflab"
     tasks_per_node: int = 1
     """one: the task is the node's elastic agent, which starts dist.nproc ranks"""
-    gpus_per_node: Optional[int] = _GPUS_PER_NODE
+    gpus_per_node: int | None = _GPUS_PER_NODE
     timeout_min: int = 240
     """a job still running after this long is stopped (and recorded FAILED)"""
 
@@ -351,7 +352,7 @@ class SubmititSlurmConfig(SlurmQueueConf):
     nodes: int = II("dist.nnodes")
     tasks_per_node: int = 1
     """one: the task is the node's elastic agent, which starts dist.nproc ranks"""
-    gpus_per_node: Optional[int] = _GPUS_PER_NODE
+    gpus_per_node: int | None = _GPUS_PER_NODE
     timeout_min: int = 240
     """SLURM's --time in minutes; the partition's limit may be lower"""
 

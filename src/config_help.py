@@ -40,7 +40,7 @@ def _value(root, key: str) -> str:
     """The value in the config being composed (`--help model=mini_llm` shows mini_llm's widths)."""
     node = OmegaConf.select(root, key, throw_on_missing=False) if root is not None else None
     if OmegaConf.is_config(node):
-        node = OmegaConf.to_container(node, resolve=False)
+        node = OmegaConf.to_container(node, resolve=False, enum_to_str=True)
         if isinstance(node, dict):
             return "{...}"
     if node is None or isinstance(node, bool):

@@ -6,8 +6,21 @@ into RunConfig, and `--help` reads the field docstrings of both files (src/confi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
+from src.dtypes import Dtype, ShortDtype
 from src.profiling.classify import Thresholds
+
+
+class BenchMode(StrEnum):
+    fwd = "fwd"
+    fwd_bwd = "fwd_bwd"
+
+
+class EdgeAction(StrEnum):
+    bench = "bench"
+    compile = "compile"
+    run = "run"
 
 
 @dataclass
@@ -73,9 +86,10 @@ class KernelBenchConfig:
     shapes: dict[str, list[list[int]]] = field(default_factory=_bench_shapes)
     """op -> shapes: [rows, width], or [tokens, dim, vocab] for linear_cross_entropy"""
     providers: list[str] = field(default_factory=lambda: ["eager", "compile", "triton", "liger"])
-    """liger runs only where Liger-Kernel is installed"""
-    modes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
-    dtype: str = "bfloat16"
+    """eager, compile, triton, liger (only where Liger-Kernel is installed); a str list, as ops:
+    src/kernel_bench/checks.py names each unknown one, where an enum list names only the first"""
+    modes: list[BenchMode] = field(default_factory=lambda: list(BenchMode))
+    dtype: Dtype = Dtype.bfloat16
     warmup_ms: int = 25
     rep_ms: int = 100
     """do_bench's budget per measurement (its defaults)"""
@@ -87,7 +101,7 @@ class KernelBenchConfig:
 class EdgeConfig:
     """task=infer (+exp=edge): prefill + decode on an edge backend against torch on the CPU."""
 
-    action: str = "bench"
+    action: EdgeAction = EdgeAction.bench
     """bench: compile (cached) and time here; compile: write artifacts for another device; run: time compiled artifacts"""
     target: str = ""
     """backend=vulkan: --iree-vulkan-target (llvmpipe, ampere, rdna3, valhall, adreno, sm_XX, gfxNNNN; empty: llvmpipe);
@@ -105,7 +119,7 @@ class EdgeConfig:
     """tokens generated after the prompt, one decode call each"""
     max_seq: int = 0
     """KV-cache positions; 0: prompt_len + decode_steps"""
-    dtype: str = "fp32"
+    dtype: ShortDtype = ShortDtype.fp32
     """fp32, fp16, or bf16 (where the device computes in it)"""
     weights: str = ""
     """a safetensors export of a trained model (python -m src.export); empty: the seeded initialisation"""

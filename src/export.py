@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 
 def main(argv: list[str] | None = None) -> int:
+    from src.models import build_model
     from src.train.checkpoint import CheckpointError, export_checkpoint
-    from src.train.worker import build_model
 
     ap = argparse.ArgumentParser(prog="python -m src.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path, help="a step_NNNNNNNN folder")

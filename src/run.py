@@ -16,6 +16,8 @@ if __name__ == "__main__" and not any(a.split("=")[0] in _INSPECT_FLAGS for a in
     # one: say at once that the command started, before any of it.
     print("perflab: composing and checking the config, then starting the run ...", flush=True)
 
+import argparse  # noqa: E402
+import itertools  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -26,9 +28,9 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from src.compose import ConfigError, compose_config  # noqa: E402
-from src.kernel_choice import apply_auto_choice  # noqa: E402
 from src.distributed.cluster import SUBMITIT_LAUNCHERS, adopt_torchrun_shape, check_launcher, stable_run_dir  # noqa: E402
 from src.distributed.env import launched_as_worker  # noqa: E402
+from src.fusion.choice import apply_auto_choice  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
 from src.tasks import run_task  # noqa: E402
 from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri  # noqa: E402
@@ -45,7 +47,6 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     if not multirun:
         return [user]
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -55,10 +56,21 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
         parsed = OverridesParser.create().parse_overrides(user)
     except OverrideParseException as err:
         raise ConfigError(explain_parse_error(err, user)) from None
+    # Hydra's basic sweeper expands the same way (BasicSweeper.split_arguments, in hydra._internal):
+    # a later override of a key replaces an earlier one, and the jobs are the product of the lists.
+    values: dict[str, list[str]] = {}
     try:
-        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        for override in parsed:
+            key = override.get_key_element()
+            if not override.is_sweep_override():
+                values[key] = [f"{key}={override.get_value_element_as_str()}"]
+            elif override.is_discrete_sweep():
+                values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+            else:
+                return []
     except Exception:  # a sweeper-specific syntax (ranges for Optuna, ...): its own sweeper checks it
         return []
+    return [list(job) for job in itertools.product(*values.values())]
 
 
 def _check_output_dir(overrides: list[str], multirun: bool) -> None:
@@ -234,14 +246,28 @@ def run_as_worker(overrides: list[str]) -> None:
     run_job(cfg, ctx, multirun=False)
 
 
-def main() -> None:
-    from hydra._internal.utils import get_args_parser
+def _args_parser() -> argparse.ArgumentParser:
+    """What preflight needs of Hydra's command line (its own parser is in hydra._internal): the
+    overrides and -m; the flags that take a value are declared so that the value is not taken for
+    an override (`-cn NAME`), and Hydra itself parses the command again."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--multirun", "-m", action="store_true")
+    for flags in (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
+                  ("--config-dir", "-cd"), ("--experimental-rerun",)):
+        parser.add_argument(*flags)
+    parser.add_argument("--info", "-i", nargs="?", const="all")
+    for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"), ("--shell-completion", "-sc")):
+        parser.add_argument(*flags, action="store_true")
+    return parser
 
+
+def main() -> None:
     # MLflow's own INFO notes ("Creating initial MLflow database tables...") would reach the console
     # of every run on a new store; the ranks and the metric writer inherit this.
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
 
-    args, _ = get_args_parser().parse_known_args(sys.argv[1:])
+    args, _ = _args_parser().parse_known_args(sys.argv[1:])
     inspecting = any(a.split("=")[0] in _INSPECT_FLAGS for a in sys.argv[1:])
     try:
         if launched_as_worker() and not inspecting:

@@ -1,7 +1,14 @@
-"""What a task needs to know about the run beyond its config: where to write, how it was asked for."""
+"""What every task shares about the run beyond its config: where to write (RunContext), how it logs,
+the resolved config it leaves, and the key settings its summary.json records."""
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 
 @dataclass
@@ -18,3 +25,49 @@ class RunContext:
     """inside a Hydra multirun: the sweep's MLflow parent run"""
     sweep_keys: list[str] | None = None
     """inside a Hydra multirun: the keys the sweep varies, which name each job's run"""
+
+
+def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
+    """The resolved key settings that summary.json records next to the figures."""
+    return {
+        "exp": cfg.exp,
+        "model": cfg.model.name,
+        "sharding": cfg.sharding.name,
+        "precision": cfg.precision.name,
+        "backend": cfg.backend.name,
+        "kernels": cfg.kernels.name,
+        "data": cfg.data.name,
+        "world_size": world_size,
+        "batch_size_per_device": cfg.data.batch_size,
+        "seq_len": cfg.data.seq_len,
+        "steps": cfg.train.steps,
+        "lr": cfg.optim.lr,
+    }
+
+
+def setup_logging(run_dir: Path | None, rank: int) -> None:
+    """Spawned ranks start with bare logging: rank 0 logs to the console and to <run_dir>/run.log,
+    other ranks log warnings only, so the console shows one copy of each line."""
+    root = logging.getLogger()
+    if getattr(root, "_perflab_configured", False):
+        return
+    level = logging.INFO if rank == 0 else logging.WARNING
+    fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    if not root.handlers:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(fmt)
+        root.addHandler(console)
+    has_file = any(isinstance(h, logging.FileHandler) for h in root.handlers)  # Hydra's run.log, in-process
+    if run_dir is not None and rank == 0 and not has_file:
+        file_handler = logging.FileHandler(run_dir / "run.log")
+        file_handler.setFormatter(fmt)
+        root.addHandler(file_handler)
+    root.setLevel(level)
+    for noisy in ("alembic", "mlflow", "urllib3", "git"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    root._perflab_configured = True  # type: ignore[attr-defined]
+
+
+def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

@@ -1,15 +1,17 @@
 """cfg.task.name -> the function that runs it. Each takes the composed config and the RunContext."""
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import launched_as_worker
-from src.runtime import RunContext
+from src.runtime import RunContext, save_resolved_config, setup_logging
 
 log = logging.getLogger("src.run")
 
@@ -20,7 +22,7 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.compose import ConfigError
     from src.distributed.cluster import node_log_name, submitit_job
     from src.distributed.launch import launch_ranks
-    from src.train.worker import elastic_entry, save_resolved_config, train
+    from src.train.worker import elastic_entry, train
 
     run_dir = Path(ctx.run_dir) if ctx.run_dir else None
     if run_dir is not None:
@@ -46,18 +48,35 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     return results[min(results)]
 
 
+def one_shot(run: Callable[[DictConfig, RunContext], Any]) -> Callable[[DictConfig, RunContext], Any]:
+    """The setup every task that runs in this process alone shares (diagnose, kernel_bench, infer):
+    its folder, the resolved config.yaml, logging to the console and run.log."""
+
+    @functools.wraps(run)
+    def task(cfg: DictConfig, ctx: RunContext) -> Any:
+        run_dir = Path(ctx.run_dir)
+        save_resolved_config(cfg, run_dir)
+        setup_logging(run_dir, 0)
+        return run(cfg, ctx)
+
+    return task
+
+
+@one_shot
 def run_diagnose(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    from src.profiling.ncu_runner import run_diagnose as diagnose
+    from src.diagnose.task import run_diagnose as diagnose
 
     return diagnose(cfg, ctx)
 
 
+@one_shot
 def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.kernel_bench.task import run_kernel_bench as bench
 
     return bench(cfg, ctx)
 
 
+@one_shot
 def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.edge.task import run_infer as infer
 
@@ -80,8 +99,8 @@ def run_task(cfg: DictConfig, ctx: RunContext) -> Any:
 def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: str = "failed") -> None:
     """summary.json with the error, and the MLflow run FAILED (or KILLED): made if rank 0 never
     opened one, ended if rank 0 died with it open."""
-    from src.tracking.mlflow_run import default_run_name, experiment_name, record_failed_run, run_tags, write_json
-    from src.train.worker import settings
+    from src.runtime import settings
+    from src.tracking.mlflow_run import record_failed_run, run_identity, write_json
 
     if ctx.run_dir is None:
         return
@@ -97,11 +116,9 @@ def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: s
     write_json(run_dir / "summary.json", {"task": cfg.task.name, "status": status, "error": message, "settings": settings(cfg, cfg.dist.nproc * cfg.dist.nnodes)})
     if not cfg.tracking.enabled:
         return
-    tags = run_tags(ctx.overrides, cfg.dist.nproc * cfg.dist.nnodes, cfg.backend.name, ctx.cwd)
-    if ctx.parent_run_id:
-        tags["mlflow.parentRunId"] = ctx.parent_run_id
+    ident = run_identity(cfg, ctx, cfg.dist.nproc * cfg.dist.nnodes, cfg.backend.name)
+    tags = dict(ident.tags, **({"mlflow.parentRunId": ident.parent_run_id} if ident.parent_run_id else {}))
     try:
-        record_failed_run(ctx.tracking_uri or cfg.tracking.uri, experiment_name(cfg), cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
-                          message, tags, run_dir, status="KILLED" if status == "killed" else "FAILED")
+        record_failed_run(ident.uri, ident.experiment, ident.run_name, message, tags, run_dir, status="KILLED" if status == "killed" else "FAILED")
     except Exception as err:  # the store itself is down: the summary above still holds the error
         log.warning("could not record the failure in MLflow: %s", err)

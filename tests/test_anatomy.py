@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from src.profiling.anatomy import Kernel, anatomy_from_trace, category, device_anatomy, format_table, merge, metrics, overlap
+from src.profiling.anatomy import (
+    Kernel,
+    anatomy_from_trace,
+    category,
+    device_anatomy,
+    format_table,
+    merge,
+    metrics,
+    overlap,
+)
 
 
 def test_merge_and_overlap_of_intervals():

@@ -3,7 +3,6 @@ wall-clock budget, failures recorded; one real variant run of +exp=fsdp4 on a CP
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -119,7 +119,7 @@ def test_a_partial_save_is_skipped_and_a_corrupt_one_named_explicitly_fails(tmp_
     bad.mkdir()
     proc = run_cli([*BASE, "train.steps=12", f"checkpoint.resume={corrupt}", "tracking=none"], cwd=bad)
     assert proc.returncode == 1
-    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert f"checkpoint {corrupt} could not be loaded" in line
 
     proc = run_cli([*BASE, f"checkpoint.resume={tmp_path / 'nope'}"], cwd=bad)

@@ -66,9 +66,9 @@ def _train_tiny(float8: bool, steps: int = 4) -> list[float]:
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+    from src.distributed.float8 import convert_blocks_to_float8, scale_precompute
     from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
     from src.models.mini_llm import MiniLLM
-    from src.train.float8 import convert_blocks_to_float8, scale_precompute
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -7,7 +7,12 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.linear_cross_entropy import LOGITS_CHUNK_BYTES, LinearCrossEntropyHead, chunk_rows, fused_linear_cross_entropy  # noqa: E402
+from kernels.triton.linear_cross_entropy import (  # noqa: E402
+    LOGITS_CHUNK_BYTES,
+    LinearCrossEntropyHead,
+    chunk_rows,
+    fused_linear_cross_entropy,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: GEMMs summed in another order per chunk; bf16: the logits are rounded to bf16 either way,

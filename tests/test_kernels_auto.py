@@ -1,7 +1,6 @@
 """kernels=auto: the fused variants follow a diagnosis; the choice is logged; no diagnosis, one line."""
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from src.compose import ConfigError, compose_config
-from src.kernel_choice import auto_choice, choose
+from src.fusion.choice import auto_choice, choose
 from tests.conftest import run_cli
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
@@ -90,7 +89,7 @@ def test_auto_finds_this_models_diagnosis_swaps_its_ops_and_logs_why(tmp_path):
     assert "kernels_auto.json" in [a.path for a in client.list_artifacts(mlrun.info.run_id)]
 
 
-# --- kernels=auto by measurement (src/kernel_measure.py): the decision, given timings -----------
+# --- kernels=auto by measurement (src/fusion/measure.py): the decision, given timings -----------
 
 def _seed_cfg(**overrides):
     cfg = compose_config(["+exp=fsdp4", "dist.nproc=1", *[f"{k}={v}" for k, v in overrides.items()]])
@@ -112,7 +111,7 @@ def _stub_timer(table: dict[tuple[str, str], float]):
 
 
 def test_auto_measures_each_use_per_step_and_picks_the_fastest():
-    from src.kernel_measure import chosen, measure
+    from src.fusion.measure import chosen, measure
 
     cfg = _seed_cfg()  # mini_llm: 12 blocks, 8 x 1024 tokens a GPU, dim 2048, vocab 32000
     timer, calls = _stub_timer({
@@ -133,7 +132,7 @@ def test_auto_measures_each_use_per_step_and_picks_the_fastest():
 
 
 def test_a_candidate_must_beat_eager_by_more_than_the_noise_and_a_failing_one_is_never_chosen():
-    from src.kernel_measure import NOISE, measure, pick
+    from src.fusion.measure import NOISE, measure, pick
 
     assert pick({"eager": 1.0, "compile": 1.0 - NOISE / 2, "triton": 1.01}) == "eager"
     assert pick({"eager": 1.0, "compile": None, "triton": 0.9}) == "triton"
@@ -150,7 +149,7 @@ def test_compiled_ops_keep_the_parameters_and_give_the_eager_loss(monkeypatch):
     test (its CPU compile takes minutes on 2 cores), so the compiled callables are the plain ones here."""
     import torch
 
-    import src.compiled_ops as co
+    import src.fusion.compiled as co
     from src.models.mini_llm import MiniLLM
 
     monkeypatch.setattr(co, "_compiled_rms_norm", co._rms_norm)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 

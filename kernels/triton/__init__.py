@@ -1,3 +1,3 @@
 """Fused Triton kernels: one file per kernel (the @triton.jit kernel and its launcher, a
-torch.autograd.Function with a fused backward, a thin nn.Module), and a registry of op variants
-that the `kernels` config group picks from."""
+torch.autograd.Function with a fused backward, a thin nn.Module). Imports torch and triton only:
+which module of a model each one replaces is src/fusion/registry.py's business."""

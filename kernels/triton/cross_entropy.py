@@ -102,7 +102,7 @@ def _scale_unless_one(X, SCALE, n, BLOCK: tl.constexpr):
             tl.store(X + idx, (x * scale).to(X.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _programs(device_index: int) -> int:
     # a grid-stride loop over 4 programs per SM: enough loads in flight to stream at the copy
     # ceiling, and an early exit that costs a few microseconds when there is nothing to do

@@ -96,7 +96,7 @@ class LinearCrossEntropyHead(nn.Module):
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
 
     @classmethod
-    def from_module(cls, head: nn.Linear) -> "LinearCrossEntropyHead":
+    def from_module(cls, head: nn.Linear) -> LinearCrossEntropyHead:
         if head.bias is not None:
             raise ValueError("the fused linear + cross-entropy head takes a bias-free nn.Linear")
         return cls(head.weight)

@@ -91,7 +91,7 @@ def _warps(block: int, table: dict[int, int]) -> int:
     return fitting[-1] if fitting else 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -190,7 +190,7 @@ class FusedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     @classmethod
-    def from_module(cls, norm: nn.RMSNorm) -> "FusedRMSNorm":
+    def from_module(cls, norm: nn.RMSNorm) -> FusedRMSNorm:
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps

@@ -64,7 +64,8 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
     """Every module of the grid under `out`, one directory each, without parameters."""
     from iree.compiler.tools.binaries import CompilerToolError
 
-    from src.edge.compile import TORCH_DTYPES, build, default_variant
+    from src.dtypes import torch_dtype
+    from src.edge.compile import build, default_variant
     from src.edge.task import reference_model
 
     made, failures = [], []
@@ -73,7 +74,7 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
         for dtype, target, flags, batches in variants:
             target = target_map.get(target, target)
             for batch in batches:
-                lm = reference_model(cfg, {"seed": 0}, PROMPT + STEPS, batch).to(TORCH_DTYPES[dtype])
+                lm = reference_model(cfg, {"seed": 0}, PROMPT + STEPS, batch).to(torch_dtype(dtype))
                 t0 = time.perf_counter()
                 try:
                     art = build(lm, cfg, PROMPT, dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, tuple(flags), params=False)
@@ -99,7 +100,8 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
 
 def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int, flags: tuple[str, ...] = ()) -> dict[str, Any]:
     """One combination in this process: the summary dict (status finished or failed, error)."""
-    from src.edge.compile import TORCH_DTYPES, load_artifacts
+    from src.dtypes import torch_dtype
+    from src.edge.compile import load_artifacts
     from src.edge.params import write_params
     from src.edge.task import EdgeRunFailed, _run, reference_model
 
@@ -113,7 +115,7 @@ def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int, f
     if backend == "vulkan":
         art.params = work / f"{module.name}.irpa"
         t0 = time.perf_counter()
-        write_params(copy.deepcopy(reference).to(TORCH_DTYPES[m["dtype"]]), art.params)
+        write_params(copy.deepcopy(reference).to(torch_dtype(m["dtype"])), art.params)
         summary["params_write_s"] = time.perf_counter() - t0
     e = SimpleNamespace(seed=0, decode_steps=m["max_seq"] - m["prompt_len"], warmup=warmup, repeats=repeats, runtime_flags=flags)
     try:

@@ -52,7 +52,7 @@ def run_seed(nproc: int, args: argparse.Namespace, compile_blocks: bool, timeout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SEED_SCRIPT),
            "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--compile"] if compile_blocks else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("SEED_RESULT ")), None)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("SEED_RESULT ")), None)
     if proc.returncode or line is None:
         return {"error": _tail(proc)}
     return json.loads(line.split(" ", 1)[1])

@@ -8,8 +8,8 @@ with twice the batch train on the same sequences, which is what the parity tests
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -13,8 +13,9 @@ import multiprocessing
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -48,7 +49,7 @@ def _describe(rank: int, failure: Any, notes_dir: str | None) -> tuple[str, bool
     last = message[-1] if message else ""
     note = Path(notes_dir) / ERROR_NOTE.format(rank=rank) if notes_dir else None
     if note is not None and note.exists():
-        # The rank's own one-line note (src/train/worker.py), written as soon as it caught the
+        # The rank's own one-line note (src/train/trainer.py, record_failure), written as soon as it caught the
         # error: it holds even when the rank was then killed (SIGTERM from the agent, SIGABRT from
         # gloo when its peer left) before the elastic wrapper wrote its error file.
         text = note.read_text().strip()

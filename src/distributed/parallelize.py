@@ -1,24 +1,33 @@
-"""Apply the sharding strategy to a plain model built on the meta device, then materialise it.
+"""How the model is laid on the devices: one `parallelize(model, cfg, mesh, device)`, in order.
 
-fsdp2 / hsdp: `fully_shard` on each transformer block, then on the root, over an explicit mesh
-(torchtitan's order: the root's group then holds only the embedding and head). none: the full
-model on every rank, gradients all-reduced by DDP when there is more than one rank.
+torchtitan's parallelize_llama order, on the plain model built on the meta device: float8 swap of
+the blocks' linears, NVTX ranges on the plain modules (profile.nvtx), torch.compile per block,
+then the sharding strategy, then materialisation. fsdp2 / hsdp: `fully_shard` on each transformer
+block, then on the root, over an explicit mesh (the root's group then holds only the embedding and
+head). none: the full model on every rank, gradients all-reduced by DDP when there is more than
+one rank; a non-fp32 param_dtype then means autocast over fp32 weights.
 """
 from __future__ import annotations
 
+import logging
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from src.dtypes import torch_dtype
 
 
 def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(param_dtype), reduce_dtype=torch_dtype(reduce_dtype))
 
 
 def apply_fsdp(
@@ -71,6 +80,54 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> n
     return model
 
 
-def sharded_parameter_placements(model: nn.Module) -> dict[str, tuple]:
-    """name -> DTensor placements, for checks and logs (empty for an unsharded model)."""
-    return {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+log = logging.getLogger("src.train")
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module
+    """the sharded (or DDP-wrapped) model, materialised and initialised"""
+    autocast_dtype: torch.dtype | None = None
+    """unsharded mixed precision: the compute dtype autocast runs in over fp32 weights"""
+    after_optimizer: Callable[[], None] | None = None
+    """float8 all-gather: the next step's weight scales, after each optimizer step"""
+
+
+def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:
+    """float8 -> NVTX ranges -> compile -> fully_shard (mesh given: fsdp2, hsdp) or DDP -> init.
+
+    `mesh` is None for sharding=none. Fused-kernel swaps (src/fusion/) come before this: they keep
+    every Parameter, so what is sharded is the same either way."""
+    strategy = cfg.sharding.strategy
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    after_optimizer = None
+    if cfg.precision.float8:  # torchtitan's order: float8 swap, then compile, then fully_shard
+        from src.distributed.float8 import convert_blocks_to_float8, scale_precompute
+
+        gather_fp8 = cfg.precision.fp8_all_gather and cfg.precision.fp8_recipe == "tensorwise" and strategy in ("fsdp2", "hsdp")
+        n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8)
+        after_optimizer = scale_precompute(model) if gather_fp8 else None
+        if main:
+            log.info("float8 (%s scales): %d block linears, weights all-gathered in %s", cfg.precision.fp8_recipe, n_fp8, "float8" if gather_fp8 else "bf16")
+    if cfg.profile.nvtx:
+        from src.profiling.annotate import module_ranges
+
+        module_ranges(model)  # before compile and sharding: hooks on the plain modules
+    if cfg.kernels.compile:
+        # in place (nn.Module.compile), so parameter names and checkpoints stay those of eager;
+        # torchtitan wraps instead (torch.compile(block)): the same graph, one per block
+        for block in model.layers:
+            block.compile(backend=cfg.kernels.compile_backend)
+
+    autocast_dtype = None
+    if mesh is not None:
+        apply_fsdp(
+            model, mesh, mixed_precision_policy(cfg.precision.param_dtype, cfg.precision.reduce_dtype),
+            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload,
+        )
+    elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
+        autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
+    materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)
+    if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return Parallelized(model, autocast_dtype, after_optimizer)

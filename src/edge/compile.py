@@ -33,7 +33,6 @@ from src.edge.model import EdgeLM
 
 log = logging.getLogger("src.edge")
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MANIFEST = "manifest.json"
 SCHEMA = "perflab.edge/2"  # 2: the KV cache inside the module, greedy token out
 

@@ -48,7 +48,7 @@ class EdgeLM(nn.Module):
         self.head_dim = model.dim // model.n_heads
         self.resize_cache(batch)
 
-    def resize_cache(self, batch: int) -> "EdgeLM":
+    def resize_cache(self, batch: int) -> EdgeLM:
         """Zeroed caches for `batch` sequences, in the dtype and on the device of the weights."""
         w = self.model.embed.weight
         shape = (len(self.model.layers), batch, self.n_heads, self.max_seq, self.head_dim)
@@ -108,14 +108,3 @@ class EdgeLM(nn.Module):
         self.k_cache.index_copy_(3, index, torch.stack(ks))  # (L, B, nh, 1, hs) into position pos
         self.v_cache.index_copy_(3, index, torch.stack(vs))
         return self._sample(x)
-
-
-@torch.no_grad()
-def generate_greedy(lm: EdgeLM, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Reference loop in torch: the prefill logits, then `steps` decode logits, feeding the argmax."""
-    nxt, logits = lm.prefill(tokens)
-    out = [logits]
-    for i in range(steps):
-        nxt, logits = lm.decode(nxt, torch.tensor([tokens.shape[1] + i], dtype=torch.int32))
-        out.append(logits)
-    return out

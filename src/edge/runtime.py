@@ -26,13 +26,13 @@ import shutil
 import statistics
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from src.edge.compile import TORCH_DTYPES, Artifacts
+from src.dtypes import torch_dtype
+from src.edge.compile import Artifacts
 from src.edge.model import EdgeLM
 
 PAGE = 4096
@@ -218,7 +218,7 @@ class TorchRunner:
 
     def __init__(self, lm: EdgeLM, device: str, dtype: str, batch: int):
         self.device = torch.device(device)
-        self.lm = lm.to(device=self.device, dtype=TORCH_DTYPES[dtype]).resize_cache(batch).eval()
+        self.lm = lm.to(device=self.device, dtype=torch_dtype(dtype)).resize_cache(batch).eval()
         self.positions = torch.arange(lm.max_seq, dtype=torch.int32, device=self.device).view(-1, 1)
 
     @torch.no_grad()

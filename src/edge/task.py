@@ -14,8 +14,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.launch import RankFailed
+from src.dtypes import torch_dtype
 from src.edge.bench import measure, tolerance_error
-from src.edge.compile import TORCH_DTYPES, Artifacts, build, cache_root, load_artifacts
+from src.edge.compile import Artifacts, build, cache_root, load_artifacts
 from src.edge.model import EdgeLM
 from src.runtime import RunContext
 
@@ -96,12 +97,10 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    """task=infer in this process; src/tasks.py's one_shot has written config.yaml and opened run.log."""
     from src.tracking.mlflow_run import task_tracker, write_json
-    from src.train.worker import save_resolved_config, setup_logging
 
     run_dir = Path(ctx.run_dir)
-    save_resolved_config(cfg, run_dir)
-    setup_logging(run_dir, 0)
     e, backend = cfg.edge, cfg.backend.name
     target = default_target(backend, e.target)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -120,14 +119,14 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                                "settings": {"model": settings["model"]["name"], "backend": backend}}
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):
         out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
-        artifacts = build(copy.deepcopy(reference).to(TORCH_DTYPES[settings["dtype"]]), settings["model"], settings["prompt_len"],
+        artifacts = build(copy.deepcopy(reference).to(torch_dtype(settings["dtype"])), settings["model"], settings["prompt_len"],
                           settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir), settings["weights"])
     if artifacts is not None:
         m = artifacts.manifest
         if not artifacts.irpa.is_file():  # compiled elsewhere without parameters: the seeded or exported weights, written here
             from src.edge.params import write_params
 
-            write_params(copy.deepcopy(reference).to(TORCH_DTYPES[settings["dtype"]]), artifacts.irpa)
+            write_params(copy.deepcopy(reference).to(torch_dtype(settings["dtype"])), artifacts.irpa)
         summary.update(compile_s=m["compile_s"], module_bytes=m["module_bytes"], params_bytes=artifacts.irpa.stat().st_size,
                        artifacts=str(artifacts.dir), cache=m["cache"], msl_files=len(m.get("msl_files", [])), variant=m.get("variant"),
                        module_cooperative_matrix=m.get("cooperative_matrix"), flags=" ".join(m["flags"]))
@@ -177,7 +176,7 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
             runner = IreeRunner(artifacts, "vulkan", flags=tuple(getattr(e, "runtime_flags", ()) or ()))
         except ModuleLoadFailed as err:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
-        cache_bytes = 2 * reference.k_cache.numel() * TORCH_DTYPES[dtype].itemsize  # keys and values
+        cache_bytes = 2 * reference.k_cache.numel() * torch_dtype(dtype).itemsize  # keys and values
         summary.update(runner.transfer_times(cache_bytes))
     else:
         runner = TorchRunner(copy.deepcopy(reference), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype, settings["batch"])

@@ -12,8 +12,8 @@ Variants: eager (the PyTorch ops the model runs), compile (torch.compile of eage
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from src.dtypes import torch_dtype
 from src.kernel_bench.cases import Case, forward_backward, make_case, max_rel_err, output_of, seed, variant
 from src.kernel_bench.timing import copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
 from src.runtime import RunContext
 
 log = logging.getLogger("src.run")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COLUMNS = ["op", "shape", "mode", "provider", "ms", "host_us", "graph_ms", "tbs", "graph_tbs", "pct_ceiling", "tflops", "speedup", "graph_speedup", "peak_mb", "max_rel_err"]
 
 
@@ -84,7 +84,7 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
 def run_bench(cfg: DictConfig) -> tuple[list[dict], float, str]:
     bench = cfg.kernel_bench
     device = _device(cfg)
-    dtype = DTYPES[bench.dtype]
+    dtype = torch_dtype(bench.dtype)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ceiling = copy_ceiling_tbs(device, int(bench.copy_mb * 2**20), bench.warmup_ms, bench.rep_ms)
     log.info("copy ceiling on %s: %.2f TB/s (%d MB copied)", device_name, ceiling, bench.copy_mb)
@@ -167,12 +167,10 @@ def bar_chart(rows: list[dict], ceiling: float, device_name: str, path: Path) ->
 
 
 def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    """The bench in this process; src/tasks.py's one_shot has written config.yaml and opened run.log."""
     from src.tracking.mlflow_run import task_tracker, write_json
-    from src.train.worker import save_resolved_config, setup_logging
 
     run_dir = Path(ctx.run_dir)
-    save_resolved_config(cfg, run_dir)
-    setup_logging(run_dir, 0)
     if cfg.backend.name == "cuda":
         torch.cuda.set_device(0)
     elif any(p in ("triton", "liger") for p in cfg.kernel_bench.providers):

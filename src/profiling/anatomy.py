@@ -18,9 +18,10 @@ import bisect
 import json
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from src.profiling.categories import classify_op
 

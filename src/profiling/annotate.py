@@ -7,7 +7,7 @@ torch.profiler record_function ranges. `step_ranges` marks loss, backward and op
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,7 @@ def module_ranges(model: nn.Module, depth: int = 3) -> list:
     return handles
 
 
-def nvtx_range(name: str) -> ContextManager:
+def nvtx_range(name: str) -> contextlib.AbstractContextManager:
     return torch.cuda.nvtx.range(name)
 
 
@@ -52,6 +52,6 @@ def profiled_step():
         torch.cuda.profiler.stop()
 
 
-def step_marker(enabled: bool) -> Callable[[str], ContextManager]:
+def step_marker(enabled: bool) -> Callable[[str], contextlib.AbstractContextManager]:
     """mark("loss") -> an NVTX range when enabled, else a no-op."""
     return nvtx_range if enabled else (lambda name: contextlib.nullcontext())

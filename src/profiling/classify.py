@@ -57,7 +57,7 @@ class Verdict:
     under ~1 the verdict is a coin toss between two readings of the same kernel"""
 
 
-def margin(sm_pct: float, hbm_pct: float, t: "Thresholds") -> float:
+def margin(sm_pct: float, hbm_pct: float, t: Thresholds) -> float:
     return min(abs(hbm_pct - t.hbm_bound_pct), abs(sm_pct - t.sm_bound_pct), abs(sm_pct - t.sm_idle_pct),
                abs(hbm_pct - t.hbm_low_pct), abs(hbm_pct - sm_pct))
 

@@ -16,7 +16,7 @@ Schema `perflab.diagnosis/1` (all times in seconds, shares as fractions of the p
         limiter        hbm | sm | latency | occupancy
         textbook       SEED.md's two readings both hold
         remedy         SEED.md's remedy for the verdict
-        fusion         the fused kernel that removes it (a kernels/triton registry op), or null
+        fusion         the fused kernel that removes it (an op of src/fusion/registry.py), or null
         margin_pct     percentage points to the nearest threshold that would change the verdict
         summary        one line: "layers.*.ffn/silu: memory-bound (margin 2.0 pts), 11.0% of step -> fused Triton SiLU-mul" } ],
     has_backward, share_of   whether backward kernels were captured, and so what a share is of
@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict
-from typing import Any, Iterable
+from typing import Any
 
 from src.profiling.categories import CATEGORIES, classify_op
 from src.profiling.classify import COMPUTE_BOUND, GEMM_REMEDY, MEMORY_BOUND, NEITHER, Thresholds, Verdict, classify
@@ -115,7 +116,7 @@ def diagnose(records: list[KernelRecord], thresholds: Thresholds = Thresholds(),
     # One verdict per kernel name in a module: the same kernel in 12 layers read SM 25.003% and
     # 24.89% (HBM 50.11% and 49.93%) on an H200 and got opposite verdicts; its time-weighted reading does not flip.
     same: dict[tuple[str, str, str], list] = defaultdict(list)
-    for r, op, category, module in labelled:
+    for r, op, _category, module in labelled:
         same[(r.name, module, op)].append(r)
     verdicts = {key: _classify_weighted(rs, thresholds) for key, rs in same.items()}
     kernels = [(r, op, category, module, verdicts[(r.name, module, op)]) for r, op, category, module in labelled]
@@ -150,7 +151,7 @@ def diagnose(records: list[KernelRecord], thresholds: Thresholds = Thresholds(),
 
     share_by_bound = {b: 0.0 for b in (MEMORY_BOUND, "compute-bound", NEITHER)}
     share_by_category = {c: 0.0 for c in CATEGORIES}
-    for r, op, category, module, v in kernels:
+    for r, _op, category, _module, v in kernels:
         share_by_bound[v.bound] += r.duration_s / total
         share_by_category[category] += r.duration_s / total
     devices = sorted({r.device for r in records if r.device})

@@ -19,7 +19,6 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
 
 SM_PCT = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
 DRAM_PCT = "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
@@ -95,9 +94,6 @@ class KernelRecord:
             return None
         return self.flops / self.duration_s
 
-    @property
-    def achieved_bandwidth(self) -> float | None:
-        return None if self.dram_bytes is None or not self.duration_s else self.dram_bytes / self.duration_s
 
 
 def short_kernel_name(name: str) -> str:
@@ -287,12 +283,3 @@ def read_report(path: str | os.PathLike) -> list[KernelRecord]:
     if path.suffix == ".json":
         return read_diagnosis_kernels(path)
     return read_csv(path.read_text(errors="replace"))
-
-
-def records_as_dicts(records: Iterable[KernelRecord]) -> list[dict[str, Any]]:
-    out = []
-    for r in records:
-        d = {k: v for k, v in r.__dict__.items()}
-        d.update(short_name=r.short_name, arithmetic_intensity=r.arithmetic_intensity, achieved_flops=r.achieved_flops)
-        out.append(d)
-    return out

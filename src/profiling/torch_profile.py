@@ -58,9 +58,6 @@ class TorchProfileSession:
         self.artifacts: list[Path] = []
         self._prof = None
 
-    def steps_needed(self) -> int:
-        return self.wait + self.warmup + self.active
-
     def start(self, device: torch.device, rank: int, out_dir: Path | None) -> None:
         self.device, self.rank, self.out_dir = device, rank, out_dir
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -6,7 +6,8 @@ latency is never starred for being the largest.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 _TRAIN = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "final_loss", "step_time_s")
 # The figures shown and compared per task, the headline first.

@@ -13,8 +13,10 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from src.tracking.writer import MetricWriter
 
@@ -170,6 +172,27 @@ def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str |
     return tags
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    uri: str
+    experiment: str
+    run_name: str
+    tags: dict[str, str]
+    parent_run_id: str | None
+
+
+def run_identity(cfg: Any, ctx: Any, world_size: int, device_name: str) -> RunIdentity:
+    """Where a job's MLflow run lives, its name and tags: one place for the run rank 0 opens, a
+    one-shot task's run, and the FAILED record of a job that died before either."""
+    return RunIdentity(
+        uri=ctx.tracking_uri or cfg.tracking.uri,
+        experiment=experiment_name(cfg),
+        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
+        tags=run_tags(ctx.overrides, world_size, device_name, ctx.cwd),
+        parent_run_id=ctx.parent_run_id,
+    )
+
+
 class NullTracker:
     run_id: str | None = None
 
@@ -218,7 +241,7 @@ class MlflowTracker(NullTracker):
             return None
         try:
             return call()
-        except Exception as err:
+        except Exception:
             if is_server(self.uri) and wait_for_server(self.uri, self.retry_s):
                 try:
                     return call()
@@ -318,11 +341,11 @@ def task_tracker(cfg: Any, ctx: Any, device_name: str) -> NullTracker:
 
     if not cfg.tracking.enabled:
         return NullTracker()
+    ident = run_identity(cfg, ctx, 1, device_name)
     return start_tracker(MlflowTracker(
-        uri=ctx.tracking_uri or cfg.tracking.uri, experiment=experiment_name(cfg),
-        run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
-        params=flatten(OmegaConf.to_container(cfg, resolve=True)), tags=run_tags(ctx.overrides, 1, device_name, ctx.cwd),
-        run_dir=Path(ctx.run_dir) if ctx.run_dir else None, metric_writer=False, parent_run_id=ctx.parent_run_id,
+        uri=ident.uri, experiment=ident.experiment, run_name=ident.run_name,
+        params=flatten(OmegaConf.to_container(cfg, resolve=True)), tags=ident.tags,
+        run_dir=Path(ctx.run_dir) if ctx.run_dir else None, metric_writer=False, parent_run_id=ident.parent_run_id,
         connect_timeout_s=cfg.tracking.connect_timeout_s, retry_s=cfg.tracking.retry_s,
     ))
 

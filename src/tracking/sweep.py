@@ -87,8 +87,16 @@ class MlflowSweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # HydraConfig is not set yet at this point: read the hydra node of `config` itself.
         from src.tracking.mlflow_run import (
-            PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, TrackingUnavailable, check_reachable, default_run_name, experiment_id, experiment_name,
-            resolve_tracking_uri, run_tags, varying_keys,
+            PARENT_RUN_ID_FILE,
+            SWEEP_KEYS_FILE,
+            TrackingUnavailable,
+            check_reachable,
+            default_run_name,
+            experiment_id,
+            experiment_name,
+            resolve_tracking_uri,
+            run_tags,
+            varying_keys,
         )
 
         sweep_dir = Path(config.hydra.sweep.dir)

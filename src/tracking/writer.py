@@ -27,8 +27,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 log = logging.getLogger(__name__)
 

@@ -176,9 +176,9 @@ def readable_like_any_file(path: Path) -> None:
 def export_checkpoint(ckpt: Path, out: Path, model: nn.Module) -> None:
     """A DCP checkpoint to one safetensors file, in a single process (no ranks): `model` is a plain
     module of the checkpoint's architecture, on the CPU."""
-    from safetensors.torch import save_file
-
     import warnings
+
+    from safetensors.torch import save_file
 
     checkpoint_step(ckpt)
     state = {"model": model.state_dict()}

@@ -6,8 +6,8 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,27 +44,20 @@ class StepStats:
         return {k: v for k, v in asdict(self).items() if k != "step"}
 
 
-def train_step(
+def forward_backward_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
     loss_fp32: bool = True,
-    mark: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
+    mark: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    skip_nonfinite: bool = False,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     loss_in_model: bool = False,
     label_smoothing: float = 0.0,
-    after_optimizer: Callable[[], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step; returns (loss, global grad norm) as device tensors, not yet synced.
-    `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked.
-    `skip_nonfinite` drops the optimizer step when the gradient norm is NaN/inf (a device sync).
-    `after_optimizer` runs after the update (float8: the next step's weight scales)."""
-    optimizer.zero_grad(set_to_none=True)
+) -> torch.Tensor:
+    """Forward, loss and backward (torchtitan's forward_backward_step); returns the loss, gradients
+    left in the parameters' .grad."""
     autocast = (
         torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     )
@@ -84,6 +77,32 @@ def train_step(
                     loss = loss_hook(loss)
     with mark("backward"):
         loss.backward()
+    return loss
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    grad_clip: float = 0.0,
+    autocast_dtype: torch.dtype | None = None,
+    loss_fp32: bool = True,
+    mark: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
+    loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    skip_nonfinite: bool = False,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_in_model: bool = False,
+    label_smoothing: float = 0.0,
+    after_optimizer: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step: forward_backward_step, then the global grad norm, clipping and the
+    optimizer; returns (loss, global grad norm) as device tensors, not yet synced.
+    `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked.
+    `skip_nonfinite` drops the optimizer step when the gradient norm is NaN/inf (a device sync).
+    `after_optimizer` runs after the update (float8: the next step's weight scales)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward_step(model, inputs, targets, autocast_dtype, loss_fp32, mark, loss_hook, loss_fn, loss_in_model, label_smoothing)
     with mark("optimizer"):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
@@ -146,9 +165,9 @@ def train_loop(
     log_every: int = 1,
     on_step: Iterable[Callable[[StepStats], None]] = (),
     fault: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-    mark: Callable[[str], ContextManager] | None = None,
+    mark: Callable[[str], contextlib.AbstractContextManager] | None = None,
     profiled_step: int = -1,
-    profiled_step_range: Callable[[], ContextManager] = contextlib.nullcontext,
+    profiled_step_range: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     after_step: Callable[[], None] | None = None,
     start_step: int = 0,
     checkpoint_due: Callable[[int], bool] = lambda steps_done: False,

@@ -1,5 +1,5 @@
 """One op of the model under torch.compile, the rest eager: what `kernels.compiled` applies, where
-kernels=auto measured compile as the fastest variant of that op (src/kernel_measure.py).
+kernels=auto measured compile as the fastest variant of that op (src/fusion/measure.py).
 
 Each swap keeps the module's Parameter objects, as the fused Triton swaps do, so FSDP2 shards the
 same tensors and state dicts keep their keys. Compiling an op alone, not its block, leaves FSDP2's
@@ -80,7 +80,7 @@ COMPILABLE = ("rms_norm", "swiglu", "cross_entropy")
 def apply_compiled(model: nn.Module, ops: list[str]) -> tuple[dict[str, int], object | None]:
     """Swap the modules of `ops` for compiled ones, in place; returns (op -> modules swapped, the
     compiled loss function or None)."""
-    from kernels.triton.registry import swap_modules
+    from src.fusion.registry import swap_modules
     from src.models.mini_llm import SiLUMul
 
     unknown = [op for op in ops if op not in COMPILABLE]

@@ -1,6 +1,6 @@
-"""The process ncu profiles for task=diagnose: `python -m src.profiling.ncu_target CONFIG.yaml RUN_DIR`.
+"""The process ncu profiles for task=diagnose: `python -m src.diagnose.target CONFIG.yaml RUN_DIR`.
 
-CONFIG is a resolved run config (src/profiling/ncu_runner.py writes it); it is checked against the
+CONFIG is a resolved run config (src/diagnose/task.py writes it); it is checked against the
 schemas again and trained on one rank, with step `profile.nvtx_step` between cudaProfilerStart/Stop.
 """
 from __future__ import annotations

@@ -50,6 +50,3 @@ def main(argv: list[str] | None = None) -> int:
           f"memory-bound {100 * result['share_memory_bound']:.1f}% of kernel time -> {Path(args.out) / 'diagnosis.json'}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

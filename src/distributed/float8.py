@@ -16,7 +16,7 @@ kernel: use kernels=compile for speed.
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch.nn as nn
 

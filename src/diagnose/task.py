@@ -1,6 +1,6 @@
 """task=diagnose: one training step of the configured model under Nsight Compute, then the verdicts.
 
-The step runs in a child process (`python -m src.profiling.ncu_target CONFIG`) on one GPU, with
+The step runs in a child process (`python -m src.diagnose.target CONFIG`) on one GPU, with
 NVTX ranges per module and around loss, backward and optimizer; ncu records only that step
 (`--profile-from-start off` with cudaProfilerStart/Stop around it) and, with `--nvtx`, the
 ranges open at each launch, so every kernel maps back to the module that launched it. The report
@@ -62,7 +62,7 @@ def ncu_command(ncu: str, cfg: DictConfig, report_base: Path, target_yaml: Path,
         cmd += ["--section", section]
     if cfg.diagnose.launch_count > 0:
         cmd += ["--launch-count", str(cfg.diagnose.launch_count)]
-    return cmd + [sys.executable, "-m", "src.profiling.ncu_target", str(target_yaml), str(child_dir)]
+    return cmd + [sys.executable, "-m", "src.diagnose.target", str(target_yaml), str(child_dir)]
 
 
 def run_ncu(cfg: DictConfig, out: Path) -> Path:
@@ -89,14 +89,14 @@ def run_ncu(cfg: DictConfig, out: Path) -> Path:
 
 
 def run_diagnose(cfg: DictConfig, ctx) -> dict[str, Any]:
-    from src.diagnose import diagnose_report
+    """ncu over one step (or diagnose.report), then the diagnosis; src/tasks.py's one_shot has
+    written config.yaml (which kernels=auto matches a diagnosis's model by) and opened run.log."""
+    from src.diagnose.cli import diagnose_report
     from src.profiling.classify import Thresholds
     from src.tracking.mlflow_run import task_tracker, write_json
-    from src.train.worker import setup_logging
 
     out = Path(ctx.run_dir) / "diagnose"
     out.mkdir(parents=True, exist_ok=True)
-    setup_logging(Path(ctx.run_dir), 0)
     report = Path(cfg.diagnose.report) if cfg.diagnose.report else run_ncu(cfg, out)
     # Only the profiled step is captured, and its forward, loss and optimizer run inside NVTX
     # ranges of the main thread: a kernel with no range open came from the autograd thread.

@@ -1,6 +1,6 @@
 """`kernels=auto`: fuse exactly the ops a diagnosis of this model marks memory-bound or latency-limited.
 
-The diagnosis is `diagnosis.json` from `task=diagnose` (src/profiling/ncu_runner.py), named by
+The diagnosis is `diagnosis.json` from `task=diagnose` (src/diagnose/task.py), named by
 `kernels.diagnosis` (the file, or a run directory holding diagnose/diagnosis.json); left empty,
 the newest one under ./outputs and ./multirun whose run config has this same model. The choice
 is written into the job's config (`kernels.fused`, `kernels.diagnosis` made absolute) before the
@@ -9,17 +9,17 @@ logs the reasons, one diagnosis line per op, as `kernels_auto.json`.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import logging
-
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kernels.triton.registry import REGISTRY
 from src.compose import ConfigError
+from src.fusion.registry import REGISTRY
 from src.profiling.diagnosis import fusable_ops
 
 SEARCH_ROOTS = ("outputs", "multirun")
@@ -71,6 +71,15 @@ def find_diagnosis(cfg: DictConfig, cwd: str | Path) -> Path:
 
 
 def choose(path: Path) -> AutoChoice:
+    """The choice a diagnosis calls for. Read once per process while the file is unchanged: with
+    kernels=auto, preflight, the job's own validate and apply_auto_choice all ask for it."""
+    stat = path.stat()
+    return _choose(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _choose(path_name: str, mtime_ns: int, size: int) -> AutoChoice:
+    path = Path(path_name)
     try:
         diagnosis: dict[str, Any] = json.loads(path.read_text())
         found = fusable_ops(diagnosis)
@@ -90,14 +99,14 @@ def auto_choice(cfg: DictConfig, cwd: str | Path) -> AutoChoice | None:
 def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) -> AutoChoice | None:
     """Write the choice into the job's config before the ranks start (see the module docstring).
     On a GPU (and `measure`), the diagnosed ops' candidates are timed first and the fastest of
-    eager, torch.compile and the fused kernel is used (src/kernel_measure.py); elsewhere the
+    eager, torch.compile and the fused kernel is used (src/fusion/measure.py); elsewhere the
     diagnosis alone decides, and the log says so."""
     choice = auto_choice(cfg, cwd)
     if choice is None:
         return None
     fused, compiled, measured = list(choice.ops), [], {}
     if measure and choice.ops and cfg.backend.name == "cuda" and _gpu_present():
-        from src.kernel_measure import chosen, measure_on_gpu
+        from src.fusion.measure import chosen, measure_on_gpu
 
         log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU", ", ".join(choice.ops))
         timings = measure_on_gpu(list(choice.ops), cfg)

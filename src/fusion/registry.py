@@ -1,4 +1,6 @@
-"""Which ops have fused Triton variants, what each needs, and how a model gets them.
+"""Which ops have fused Triton variants, what each needs, and how a model gets them: the swap policy,
+which knows the model's modules (src/models/) and the kernel library (kernels/triton/), so that the
+kernels need not know any model.
 
 Each op has three variants: eager (the model as written), compile (`kernels=compile`:
 torch.compile per block) and triton (the entries below, swapped in by `kernels=triton`, or by
@@ -12,10 +14,12 @@ the unsharded tensors FSDP2 gathers for each block's forward and backward.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.nn as nn
+
+from src.models.mini_llm import SiLUMul
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,6 @@ def _swap_rms_norm(model: nn.Module) -> int:
 
 def _swap_swiglu(model: nn.Module) -> int:
     from kernels.triton.swiglu import FusedSiLUMul
-    from src.models.mini_llm import SiLUMul
 
     return swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: FusedSiLUMul())
 

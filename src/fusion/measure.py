@@ -13,8 +13,8 @@ and triton's linear_cross_entropy (no logits at all).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ class Use:
 @dataclass
 class OpTiming:
     op: str
-    """the registry op (kernels/triton/registry.py)"""
+    """the registry op (src/fusion/registry.py)"""
     ms: dict[str, float | None] = field(default_factory=dict)
     """candidate -> GPU ms per step, forward and backward; None: the candidate failed"""
     pick: str = "eager"
@@ -148,11 +148,11 @@ def gpu_timer(dtype: torch.dtype, loss_fp32: bool) -> Timer:
 def _measure_in_child(ops: list[str], cfg_yaml: str) -> list[dict]:
     from omegaconf import OmegaConf
 
-    from src.train.worker import DTYPES
+    from src.dtypes import torch_dtype
 
     cfg = OmegaConf.create(cfg_yaml)
     torch.cuda.set_device(0)
-    return [asdict(t) for t in measure(ops, cfg, gpu_timer(DTYPES[cfg.precision.param_dtype], cfg.train.loss_fp32))]
+    return [asdict(t) for t in measure(ops, cfg, gpu_timer(torch_dtype(cfg.precision.param_dtype), cfg.train.loss_fp32))]
 
 
 def measure_on_gpu(ops: list[str], cfg: DictConfig) -> list[OpTiming]:

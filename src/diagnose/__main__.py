@@ -1,0 +1,5 @@
+import sys
+
+from src.diagnose.cli import main
+
+sys.exit(main())

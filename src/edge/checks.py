@@ -1,0 +1,71 @@
+"""task=infer's own settings checks (src/validate.py runs them): the action, backend, sizes, dtype
+and target that can run here, refused with the value and the fix before anything starts."""
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+
+from src.compose import ConfigError
+
+IREE_INSTALL = "pip install iree-base-compiler iree-base-runtime iree-turbine"
+
+
+def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_available: bool) -> None:
+    from src.edge.targets import BACKEND_DTYPES, METAL_PLATFORMS, known_targets, vulkan_target
+    from src.edge.task import default_target
+
+    e = cfg.edge
+    if e.action not in ("bench", "compile", "run"):
+        raise ConfigError(f"edge.action={e.action}: bench (compile if needed, then time here), compile (artifacts for another device) or run (time artifacts)")
+    if backend not in ("vulkan", "mps", "cpu", "cuda"):
+        raise ConfigError(f"task=infer runs on backend=vulkan, mps, cpu or cuda, not {backend}")
+    if e.action == "compile" and backend not in ("vulkan", "mps"):
+        raise ConfigError(f"edge.action=compile makes IREE modules for backend=vulkan or backend=mps (Metal); backend={backend} runs torch directly: use edge.action=bench")
+    if e.action == "run" and backend != "vulkan":
+        raise ConfigError(f"edge.action=run times Vulkan artifacts (backend=vulkan); backend={backend} has none to run")
+    if min(e.batch, e.prompt_len, e.decode_steps, e.repeats) < 1 or e.warmup < 0:
+        raise ConfigError("edge.batch, prompt_len, decode_steps and repeats must be at least 1 (warmup 0 or more)")
+    if e.max_seq and e.max_seq < e.prompt_len + e.decode_steps:
+        raise ConfigError(f"edge.max_seq={e.max_seq} holds fewer positions than prompt_len + decode_steps = {e.prompt_len + e.decode_steps}; raise it or leave it 0")
+    if e.dtype not in ("fp32", "fp16", "bf16"):
+        raise ConfigError(f"edge.dtype={e.dtype}: fp32, fp16 or bf16")
+    if e.weights and not os.path.isfile(e.weights):
+        raise ConfigError(f"edge.weights={e.weights}: no such file; export one with `python -m src.export CHECKPOINT --out model.safetensors`")
+    target = default_target(backend, e.target)
+    if backend == "mps":
+        if e.action == "compile":
+            if target not in METAL_PLATFORMS:
+                raise ConfigError(f"edge.target={target}: Metal compiles for {', '.join(METAL_PLATFORMS)}")
+        elif not mps_available:
+            raise ConfigError("backend=mps needs Apple Silicon (torch.backends.mps.is_available() is False here); "
+                              "to prepare Metal code here, use edge.action=compile (MSL source)")
+        elif e.dtype not in BACKEND_DTYPES["mps"]:
+            raise ConfigError(f"edge.dtype={e.dtype}: MPS computes in {', '.join(BACKEND_DTYPES['mps'])}")
+    if backend == "cuda" and cuda_device_count == 0:
+        raise ConfigError("backend=cuda but no CUDA GPU is visible; use backend=cpu or backend=vulkan")
+    if backend == "vulkan" or (backend == "mps" and e.action == "compile"):
+        try:
+            import iree.runtime  # noqa: F401
+            if e.action != "run":
+                import iree.compiler  # noqa: F401
+                import iree.turbine  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"backend={backend} goes through IREE, which is not installed: {IREE_INSTALL}") from None
+    if backend == "vulkan":
+        if e.action == "run":
+            manifest = os.path.join(e.artifacts, "manifest.json")
+            if not e.artifacts or not os.path.isfile(manifest):
+                raise ConfigError(f"edge.artifacts={e.artifacts or '(empty)'}: no manifest.json there; make the artifacts with edge.action=compile")
+        else:
+            spec = vulkan_target(target)
+            if spec is None:
+                raise ConfigError(f"edge.target={target}: not a Vulkan target IREE knows; use one of {known_targets()}")
+            if e.dtype not in spec.dtypes:
+                raise ConfigError(f"edge.dtype={e.dtype}: Vulkan target {target} computes in {' or '.join(spec.dtypes)}; use edge.dtype={spec.dtypes[-1]} or fp32")
+        if e.action != "compile":
+            from src.edge.runtime import vulkan_devices
+
+            if not vulkan_devices():
+                raise ConfigError("backend=vulkan: no Vulkan driver found; install one: `apt-get install mesa-vulkan-drivers` "
+                                  "(lavapipe, runs on the CPU) or the GPU vendor's driver")

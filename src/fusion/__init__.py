@@ -1,0 +1,6 @@
+"""Which fused variant replaces which module of the model, and kernels=auto's choice: the one part
+that knows both the model (src/models/) and the kernel library (kernels/, which knows no model).
+
+registry.py: the op -> variant table and the swap; choice.py: kernels=auto from a diagnosis;
+measure.py: its timing of eager, torch.compile and the fused kernel; compiled.py: single ops under
+torch.compile (kernels.compiled)."""

@@ -1,0 +1,157 @@
+"""The training tasks' own settings checks (train, profile, and diagnose, which trains one step):
+src/validate.py runs them after the cross-group rules. Each raises ConfigError with the bad value
+and the fix."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from src.compose import ConfigError
+from src.fusion.registry import REGISTRY, selected_ops, triton_usable
+
+TRAINING_TASKS = {"train", "profile"}
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Numbers that compose (right type) but would fail inside a rank, or train nonsense silently:
+    `optim.lr=-1` is AdamW's ValueError on every rank, `model.vocab_size=1` trains to loss 0."""
+    o, t, m = cfg.optim, cfg.train, cfg.model
+
+    def need(ok: bool, key: str, value, want: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}={value}: must be {want}")
+
+    finite = math.isfinite
+    need(finite(o.lr) and o.lr > 0, "optim.lr", o.lr, "a positive finite learning rate, e.g. optim.lr=3e-4")
+    need(finite(o.eps) and o.eps > 0, "optim.eps", o.eps, "a small positive number, e.g. optim.eps=1e-8")
+    need(finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "0 or more, e.g. optim.weight_decay=0.01")
+    need(finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "0 (no clipping) or a positive norm, e.g. optim.grad_clip=1.0")
+    need(len(o.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas), "two numbers in [0, 1), e.g. optim.betas=[0.9,0.999]")
+    # One token has nothing to predict: cross-entropy is 0 from the first step and the run "succeeds".
+    need(m.vocab_size >= 2, "model.vocab_size", m.vocab_size, "at least 2 tokens (256 for the byte-level data=text)")
+    need(finite(m.norm_eps) and m.norm_eps > 0, "model.norm_eps", m.norm_eps, "a small positive number, e.g. model.norm_eps=1e-6")
+    need(finite(m.init_std) and m.init_std > 0, "model.init_std", m.init_std, "a positive standard deviation, e.g. model.init_std=0.02")
+    need(t.log_every >= 1, "train.log_every", t.log_every, "at least 1 (log every Nth step)")
+    need(t.untimed_steps >= 0, "train.untimed_steps", t.untimed_steps, "0 or more")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "0 or more (learning-rate warm-up steps)")
+    need(finite(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "a fraction in [0, 1], e.g. optim.min_lr_ratio=0.1")
+    need(cfg.dist.max_restarts >= 0, "dist.max_restarts", cfg.dist.max_restarts, "0 or more")
+    need(cfg.dist.timeout_s >= 1, "dist.timeout_s", cfg.dist.timeout_s, "at least 1 second")
+    need(finite(cfg.data.corpus_mb) and cfg.data.corpus_mb > 0, "data.corpus_mb", cfg.data.corpus_mb, "a positive size in MB, e.g. data.corpus_mb=4")
+    tr = cfg.tracking
+    need(finite(tr.system_metrics_interval_s) and tr.system_metrics_interval_s > 0, "tracking.system_metrics_interval_s", tr.system_metrics_interval_s, "a positive interval, e.g. 10")
+    need(finite(tr.connect_timeout_s) and tr.connect_timeout_s > 0, "tracking.connect_timeout_s", tr.connect_timeout_s, "a positive timeout, e.g. 5")
+    need(finite(tr.retry_s) and tr.retry_s >= 0, "tracking.retry_s", tr.retry_s, "0 (give up at once) or more seconds, e.g. 60")
+    f, world = cfg.fault, cfg.dist.nproc * cfg.dist.nnodes
+    if f.kind != "none":
+        need(0 <= f.rank < world, "fault.rank", f.rank, f"a rank of this run, 0 to {world - 1}")
+        need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
+
+
+def _check_text_file(cfg: DictConfig) -> None:
+    path = cfg.data.text_path
+    if not path:
+        return
+    if not os.path.isfile(path):
+        what = "not a regular file" if os.path.exists(path) else "no such file"
+        raise ConfigError(f"data.text_path={path}: {what}; give a UTF-8 text file, or leave it empty for the built-in corpus")
+    # A batch reads windows of seq_len + 1 bytes from random offsets: a shorter file has none.
+    size, need = os.path.getsize(path), cfg.data.seq_len + 2
+    if size < need:
+        what = "is empty" if size == 0 else f"holds {size} bytes"
+        raise ConfigError(f"data.text_path={path}: the file {what}; data.seq_len={cfg.data.seq_len} needs at least {need} bytes: give a longer file or lower data.seq_len")
+
+
+def _lowest_capability(cuda_device_count: int) -> tuple[tuple[int, int] | None, str]:
+    """The lowest compute capability among the visible GPUs and that GPU's name; probed only for
+    precision=fp8, the one setting that needs it."""
+    if cuda_device_count == 0:
+        return None, ""
+    caps = sorted((torch.cuda.get_device_capability(i), i) for i in range(cuda_device_count))
+    return caps[0][0], torch.cuda.get_device_name(caps[0][1])
+
+
+def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tuple[tuple[int, int] | None, str] | None = None) -> None:
+    """Everything a training step needs of its own groups: float8, kernels, model, data, checkpoint,
+    fault, sharding shape, numbers, the profiler's schedule."""
+    backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding
+    nproc = cfg.dist.nproc
+    if cfg.precision.float8 and task in TRAINING_TASKS:
+        from src.distributed.float8 import float8_dims, float8_refusal
+
+        capability, device_name = cuda_capability or _lowest_capability(cuda_device_count if backend == "cuda" else 0)
+        why_not = float8_refusal(backend, capability, device_name, float8_dims(cfg.model, cfg.data))
+        if why_not:
+            raise ConfigError(why_not)
+    if cfg.kernels.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
+
+    fused = selected_ops(cfg.kernels.fused)
+    if cfg.kernels.auto:
+        from src.fusion.choice import auto_choice
+
+        fused = list(auto_choice(cfg, os.getcwd()).ops)
+    if fused:
+        why_not = triton_usable(backend)
+        if why_not:
+            raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or use kernels=eager")
+        unknown = [op for op in fused if op not in REGISTRY]
+        if unknown:
+            raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
+        if "rms_norm" in fused and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
+            raise ConfigError(f"model.dim={cfg.model.dim}: the fused RMSNorm holds a row in registers, at most {REGISTRY['rms_norm'].max_dim}")
+    from src.fusion.compiled import COMPILABLE
+
+    not_compilable = [op for op in cfg.kernels.compiled if op not in COMPILABLE]
+    if not_compilable:
+        raise ConfigError(f"kernels.compiled={not_compilable}: no compiled variant of that op; there are: {', '.join(COMPILABLE)}")
+    m = cfg.model
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of {m.n_heads}, or another n_heads")
+    if m.mlp not in ("silu", "swiglu"):
+        raise ConfigError(f"model.mlp={m.mlp}: use silu (the seed's MLP) or swiglu (LLaMA's gated MLP)")
+    if min(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.ffn_mult) < 1 or m.ffn_hidden < 0:
+        raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive (ffn_hidden 0 or more)")
+    if cfg.data.source == "text":
+        _check_text_file(cfg)
+    if not 0.0 <= cfg.train.label_smoothing < 1.0:
+        raise ConfigError(f"train.label_smoothing={cfg.train.label_smoothing}: a fraction in [0, 1), e.g. 0.1")
+    if cfg.train.nonfinite not in ("fail", "skip"):
+        raise ConfigError(f"train.nonfinite={cfg.train.nonfinite}: use fail or skip")
+    ck = cfg.checkpoint
+    if ck.resume not in ("auto", "none"):
+        from src.train.checkpoint import CheckpointError, checkpoint_step
+
+        try:
+            checkpoint_step(Path(ck.resume))
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+    if ck.interval < 0 or ck.keep_last < 1:
+        raise ConfigError(f"checkpoint.interval={ck.interval} checkpoint.keep_last={ck.keep_last}: interval >= 0, keep_last >= 1")
+    if cfg.fault.kind not in ("none", "raise", "kill", "nan"):
+        raise ConfigError(f"fault.kind={cfg.fault.kind}: use one of none, raise, kill, nan")
+    if cfg.data.source == "text" and m.vocab_size < 256:
+        raise ConfigError(f"data=text is byte-level and needs model.vocab_size >= 256 (got {m.vocab_size})")
+    if cfg.data.batch_size < 1 or cfg.data.seq_len < 1:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} data.seq_len={cfg.data.seq_len}: both must be at least 1")
+
+    world = nproc * cfg.dist.nnodes
+    if sharding.strategy == "hsdp":
+        if sharding.replicate < 1 or world % sharding.replicate:
+            raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")
+    if sharding.cpu_offload and backend != "cuda":
+        raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")
+    if cfg.train.steps < 1:
+        raise ConfigError(f"train.steps={cfg.train.steps} must be at least 1")
+    _check_numbers(cfg)
+    p = cfg.profile
+    if task == "profile" and cfg.train.steps < p.wait + p.warmup + p.active:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps} is shorter than the profiler schedule (wait {p.wait} + warmup {p.warmup} + active {p.active}); "
+            f"set train.steps={p.wait + p.warmup + p.active} or more"
+        )

@@ -1,0 +1,90 @@
+"""What a training run records beside its figures: the MLflow tracker (rank 0 only; an elastic
+restart continues the same run), metrics.jsonl, and kernels=auto's account of its choice."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src.distributed.env import DistEnv
+from src.fusion.registry import FusedModel
+from src.runtime import RunContext
+from src.tracking.mlflow_run import (
+    ELASTIC_RUN_FILE,
+    RUN_ID_FILE,
+    MlflowTracker,
+    NullTracker,
+    flatten,
+    run_identity,
+)
+
+log = logging.getLogger("src.train")
+
+
+def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, tracker) -> None:
+    """kernels=auto: say what the diagnosis chose and why, on the console and in MLflow."""
+    from src.fusion.choice import choose, write_choice
+
+    choice = choose(Path(cfg.kernels.diagnosis))
+    log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
+    for op, reasons in choice.ops.items():
+        note = "" if kernels.swapped.get(op, 1) else "  (this model has none to swap)"
+        log.info("  %s%s <- %s", op, note, "; ".join(reasons))
+    for op, ms in cfg.kernels.measured.items():
+        log.info("  measured %s: %s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
+    tracker.set_tags({
+        "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis,
+        "kernels.auto.fused": ",".join(cfg.kernels.fused) or "none", "kernels.auto.compiled": ",".join(cfg.kernels.compiled) or "none",
+        "kernels.auto.decided_by": "measurement" if cfg.kernels.measured else "diagnosis",
+    })
+    # the timings also travel as params (the flattened config): kernels.measured.OP.CANDIDATE
+    if run_dir is not None:
+        write_choice(choice, kernels.swapped, run_dir / "kernels_auto.json", cfg.kernels)
+        tracker.log_artifact(run_dir / "kernels_auto.json")
+
+
+def make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path | None):
+    if not (env.is_main and cfg.tracking.enabled):
+        return NullTracker()
+    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type
+    id_file = run_dir / RUN_ID_FILE if run_dir is not None else None
+    # an earlier attempt of this elastic run opened the MLflow run (src/tracking/mlflow_run.py)
+    elastic_file = run_dir / ELASTIC_RUN_FILE if run_dir is not None else None
+    restarted = (elastic_file is not None and elastic_file.exists() and "TORCHELASTIC_RUN_ID" in os.environ
+                 and elastic_file.read_text().strip() == os.environ["TORCHELASTIC_RUN_ID"])
+    ident = run_identity(cfg, ctx, env.world_size, device_name)
+    return MlflowTracker(
+        uri=ident.uri,
+        experiment=ident.experiment,
+        run_name=ident.run_name,
+        params=flatten(OmegaConf.to_container(cfg, resolve=True)),
+        tags=ident.tags,
+        run_dir=run_dir,
+        parent_run_id=ident.parent_run_id,
+        system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else 0.0,
+        connect_timeout_s=cfg.tracking.connect_timeout_s,
+        retry_s=cfg.tracking.retry_s,
+        continue_run_id=id_file.read_text().strip() if (restarted and id_file is not None and id_file.exists()) else None,
+    )
+
+
+class MetricsFile:
+    """Every logged step as a JSON line in <run_dir>/metrics.jsonl: the run's own record, kept
+    whether or not a tracking store was reachable (src.compare reads it). One line per step: after
+    an elastic restart the steps from `start_step` on run again, so their first lines are dropped."""
+
+    def __init__(self, path: Path, start_step: int = 0):
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a", buffering=1)
+
+    def __call__(self, s) -> None:
+        self.file.write(json.dumps({"step": s.step, **s.metrics()}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()

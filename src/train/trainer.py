@@ -1,0 +1,261 @@
+"""task=train on one rank, torchtitan's train.py in small: `Trainer(cfg, ctx)` joins the process
+group and opens the tracker; `build()` makes the model (meta device, fused swaps, parallelize()),
+the optimizer, the checkpointer and the data; `train()` runs the loop and returns the summary
+(the same dict on every rank; rank 0 also writes summary.json, curves.png and the MLflow run).
+
+The step itself (`forward_backward_step`, then `train_step`: grad norm, clipping, AdamW) is
+src/train/loop.py's; this class is what feeds it and what records it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+from src.data.batches import TokenBatches
+from src.distributed.env import build_mesh, init_distributed, launched_as_worker
+from src.distributed.launch import ERROR_NOTE
+from src.distributed.parallelize import parallelize
+from src.fusion.registry import FusedModel, apply_fused, selected_ops
+from src.models import build_model
+from src.profiling.anatomy import metrics as anatomy_metrics
+from src.profiling.annotate import profiled_step, step_marker
+from src.profiling.torch_profile import TorchProfileSession
+from src.runtime import RunContext, settings, setup_logging
+from src.tracking.curves import plot_curves, read_metrics
+from src.tracking.mlflow_run import RUN_ARTIFACTS, default_run_name, start_tracker, write_json
+from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
+from src.train.faults import inject
+from src.train.loop import LoopResult, summarize, train_loop
+from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
+from src.train.optimizer import build_optimizer, optimizer_impl
+from src.train.progress import ProgressReporter
+from src.train.records import MetricsFile, log_auto_choice, make_tracker
+from src.train.schedule import lr_at
+
+log = logging.getLogger("src.train")
+
+
+def profile_session(cfg: DictConfig, flops_per_step: float) -> TorchProfileSession:
+    p = cfg.profile
+    return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit,
+                               flops_per_step, p.gemm_peak_tflops)
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, ctx: RunContext):
+        backend = cfg.backend.dist_backend
+        if cfg.sharding.cpu_offload and backend == "nccl":
+            backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are reduced (their norm) on host memory
+        self.env = env = init_distributed(cfg.backend.device_type, backend, cfg.dist.timeout_s)
+        if env.world_size > 1 and launched_as_worker():
+            # Under torchrun each rank composed its own config; rank 0's run directory is the run's
+            # (the checkpoint folder, per-rank traces and error notes live there for every rank).
+            shared = [ctx.run_dir]
+            dist.broadcast_object_list(shared, src=0)
+            ctx = replace(ctx, run_dir=shared[0])
+        self.cfg, self.ctx = cfg, ctx
+        self.run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
+        if ctx.run_dir:  # a note left by this rank's previous attempt (an elastic restart) is stale
+            (Path(ctx.run_dir) / ERROR_NOTE.format(rank=env.rank)).unlink(missing_ok=True)
+        setup_logging(self.run_dir, env.rank)
+        self.tracker = make_tracker(cfg, ctx, env, self.run_dir)
+        self.reporter: ProgressReporter | None = None
+        self.metrics_file: MetricsFile | None = None
+
+    def build(self) -> None:
+        """The model on the meta device, its fused swaps, parallelize(), then optimizer, checkpoint
+        (and resume), data and the step callbacks."""
+        cfg, env = self.cfg, self.env
+        torch.manual_seed(cfg.train.seed)
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        self.n_params = model.num_params(non_embedding=False)
+        self.fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads,
+                                   cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+        self.kernels = self._swap_kernels(model)
+        mesh = None
+        if cfg.sharding.strategy in ("fsdp2", "hsdp"):
+            mesh = build_mesh(env.device.type, env.world_size, cfg.sharding.strategy, cfg.sharding.replicate)
+        laid = parallelize(model, cfg, mesh, env.device)
+        self.model, self.autocast_dtype, self.after_optimizer = laid.model, laid.autocast_dtype, laid.after_optimizer
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload)
+        self._checkpoint_and_resume()
+        self.batches = TokenBatches(
+            cfg.data.source, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed,
+            env.rank, env.world_size, env.device, cfg.data.text_path, cfg.data.corpus_mb,
+        )
+        self.batches.step = self.start_step  # the data position is the step: the batch of step s depends on (seed, s) only
+        self.peak = peak_flops(env.device, cfg.precision.param_dtype)
+        self.tracker = start_tracker(self.tracker)
+        if cfg.kernels.auto and env.is_main:
+            log_auto_choice(cfg, self.kernels, self.run_dir, self.tracker)
+        if self.resumed_from is not None:
+            self.tracker.set_tags({"resumed_from": str(self.resumed_from), "resumed_at_step": str(self.start_step)})
+        if env.is_main:
+            log.info(
+                "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",
+                cfg.model.name, self.n_params / 1e6, cfg.sharding.name, env.world_size, env.device.type,
+                cfg.precision.name, cfg.data.batch_size, cfg.data.seq_len, cfg.train.steps,
+            )
+        self.callbacks = []
+        if env.is_main:
+            self.reporter = ProgressReporter(cfg.train.steps, cfg.train.progress, cfg.train.seed_line)
+            self.callbacks = [self.reporter, lambda s: self.tracker.log_step(s.step, s.metrics())]
+            if self.run_dir is not None:
+                self.metrics_file = MetricsFile(self.run_dir / "metrics.jsonl", self.start_step)
+                self.callbacks.append(self.metrics_file)
+
+    def _swap_kernels(self, model: torch.nn.Module) -> FusedModel:
+        """kernels.fused (Triton) and kernels.compiled (single ops under torch.compile), in place."""
+        cfg, env = self.cfg, self.env
+        kernels = FusedModel({})
+        fused_ops = selected_ops(cfg.kernels.fused)
+        if fused_ops:
+            kernels = apply_fused(model, fused_ops, cfg.train.label_smoothing)
+            if env.is_main:
+                log.info("fused Triton kernels: %s", kernels.describe())
+        if cfg.kernels.compiled:
+            from src.fusion.compiled import apply_compiled
+
+            compiled_swapped, compiled_loss = apply_compiled(model, list(cfg.kernels.compiled))
+            if compiled_loss is not None and kernels.loss_fn is None and not kernels.loss_in_model:
+                kernels.loss_fn = compiled_loss
+            if env.is_main:
+                log.info("ops under torch.compile: %s", ", ".join(f"{op} x{n}" for op, n in compiled_swapped.items()) + (" cross_entropy" if compiled_loss else ""))
+        return kernels
+
+    def _checkpoint_and_resume(self) -> None:
+        ck, ctx = self.cfg.checkpoint, self.ctx
+        self.checkpointer, self.start_step, self.resumed_from = None, 0, None
+        folder = Path(ck.folder) if ck.folder else (Path(ctx.run_dir) / "checkpoints" if ctx.run_dir else None)
+        if ck.enabled or ck.resume not in ("auto", "none"):
+            if folder is None and ck.enabled:
+                raise ValueError("checkpoint.enabled needs a run directory or checkpoint.folder")
+            self.checkpointer = Checkpointer(folder, self.model, self.optimizer, ck.keep_last, ck.async_mode, OmegaConf.to_yaml(self.cfg.model))
+            resumed = Path(ck.resume) if ck.resume not in ("auto", "none") else (latest_checkpoint(folder) if ck.resume == "auto" and folder else None)
+            self.resumed_from = resumed
+            if resumed is not None:
+                self.start_step = self.checkpointer.load(resumed)
+
+    def train(self) -> dict[str, Any]:
+        """build(), the loop (under torch.profiler for task=profile), then the summary and records."""
+        cfg, env, ctx = self.cfg, self.env, self.ctx
+        self.build()
+        ck = cfg.checkpoint
+        session = profile_session(cfg, self.fpt * cfg.data.batch_size * cfg.data.seq_len) if cfg.task.name == "profile" else None
+        if session is not None:
+            session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
+        reset_peak_memory(env.device)
+        try:
+            result = train_loop(
+                self.model, self.optimizer, self.batches, cfg.train.steps, env.device,
+                tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
+                world_size=env.world_size, flops_per_token=self.fpt, peak_flops=self.peak,
+                grad_clip=cfg.optim.grad_clip, autocast_dtype=self.autocast_dtype, loss_fp32=cfg.train.loss_fp32,
+                loss_fn=self.kernels.loss_fn, loss_in_model=self.kernels.loss_in_model, label_smoothing=cfg.train.label_smoothing,
+                log_every=cfg.train.log_every, on_step=self.callbacks,
+                fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
+                mark=step_marker(cfg.profile.nvtx) if cfg.profile.nvtx else None,
+                profiled_step=cfg.profile.nvtx_step,
+                profiled_step_range=profiled_step,
+                after_step=session.step if session is not None else None,
+                start_step=self.start_step,
+                checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
+                save_checkpoint=self.checkpointer.save if self.checkpointer is not None and ck.enabled else None,
+                nonfinite=cfg.train.nonfinite,
+                after_optimizer=self.after_optimizer,
+                lr_at=partial(lr_at, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
+                              total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio),
+            )
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+            if ck.export_safetensors and ctx.run_dir:
+                model = self.model
+                export_safetensors(model.module if isinstance(model, DistributedDataParallel) else model, Path(ctx.run_dir) / "model.safetensors")
+        finally:
+            if session is not None:
+                session.stop()
+        if self.reporter:
+            self.reporter.close()
+        if self.metrics_file:
+            self.metrics_file.close()
+        return self._finish(result, session)
+
+    def _finish(self, result: LoopResult, session: TorchProfileSession | None) -> dict[str, Any]:
+        """summary.json, curves.png and the run's artifacts; the tracker FINISHED; the last log line."""
+        cfg, env, ctx, tracker, checkpointer = self.cfg, self.env, self.ctx, self.tracker, self.checkpointer
+        summary = {
+            "task": cfg.task.name,
+            "status": "finished",
+            "settings": settings(cfg, env.world_size),
+            "params": self.n_params,
+            "flops_per_token": self.fpt,
+            "optim_impl": optimizer_impl(cfg.optim.impl, env.device.type, cfg.sharding.cpu_offload),
+            "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
+            **summarize(result, cfg.train.untimed_steps),
+            "start_step": self.start_step,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "checkpoints": checkpointer.saves if checkpointer is not None else [],
+            "checkpoint_load_s": checkpointer.load_s if checkpointer is not None else None,
+            "mlflow_run_id": tracker.run_id,
+        }
+        if session is not None and env.is_main:
+            summary["profile"] = session.results
+            for artifact in session.artifacts:
+                tracker.log_artifact(artifact, "profile")
+        run_dir = self.run_dir
+        if run_dir is not None:
+            write_json(run_dir / "summary.json", summary)
+            history = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else result.steps
+            plot_curves(history, run_dir / "curves.png", title=default_run_name(cfg, ctx.overrides, ctx.sweep_keys))
+            for name in RUN_ARTIFACTS:
+                tracker.log_artifact(run_dir / name)
+        anatomy = session.anatomy if session is not None and env.is_main else None
+        tracker.finish("FINISHED", {**summary, **(anatomy_metrics(anatomy) if anatomy else {})})
+        if env.is_main:
+            if summary["skipped_steps"]:
+                log.info("train.nonfinite=skip dropped the optimizer update of %d step(s): %s", summary["skipped_steps"], summary["skipped_at"])
+            if summary["steps"] == 0:
+                log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
+            else:
+                log.info(
+                    "done: final loss %.4f, %s tok/s/device, MFU %s, peak %.2f GB, overhead %.2f%% of wall time",
+                    summary["final_loss"], f"{summary['tokens_per_s_per_device']:,.0f}",
+                    "n/a" if summary["mfu"] is None else f"{summary['mfu']:.1f}%", summary["peak_mem_gb"],
+                    100 * summary["overhead_frac"],
+                )
+        return summary
+
+    def record_failure(self, exc: BaseException) -> None:
+        """This rank's error: a one-line note for the launcher, and the MLflow run FAILED (KILLED on
+        Ctrl-C) with the traceback, without being cut short by the signals that follow a failure."""
+        env, ctx = self.env, self.ctx
+        if isinstance(exc, KeyboardInterrupt):
+            # The agent forwards the launcher's SIGINT after the terminal's own reached us: a
+            # second KeyboardInterrupt here would cut off recording the KILLED run.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+            # On several nodes the surviving ranks fail in a collective when a peer dies, and their
+            # agent, seeing the failed node rejoin, SIGTERMs them to restart: that signal, arriving
+            # while this rank records its error, cut the record short (no `error` tag, so no
+            # restart_N.cause). The agent waits for the rank to exit (SIGKILL after 30 s).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.reporter:
+            self.reporter.close()
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        if ctx.run_dir and not isinstance(exc, (KeyboardInterrupt, SystemExit)):  # the launcher's line if the elastic error file is missing
+            first = (str(exc).strip().splitlines() or [""])[0]
+            (Path(ctx.run_dir) / ERROR_NOTE.format(rank=env.rank)).write_text(f"{type(exc).__name__}: {first}"[:2000])
+        if self.tracker.run_id:
+            self.tracker.finish(status, error=f"rank {env.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
