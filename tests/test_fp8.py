@@ -139,8 +139,8 @@ def test_fp8_trains_on_the_gpu_like_bf16(tmp_path: Path):
 def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
     """The recipe arrives as the config's StrEnum member; torchao matched `type(name) == str` and
     refused rowwise as an unknown recipe on the H200 (2026-11-30)."""
+    from src.distributed.float8 import convert_blocks_to_float8
     from src.models.mini_llm import MiniLLM
-    from src.train.float8 import convert_blocks_to_float8
 
     model = MiniLLM(vocab_size=256, dim=64, n_layers=2, n_heads=4)
     assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, emulate=True) == 8

@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 # Both runs warm the learning rate up, then decay it: at a constant 3e-4 from step 0, mini_llm's
 # bf16 loss rose from 10.4 to 101 within 10 steps on the H200 (2026-11-30) and the fp8 run's did
 # the same, so the last steps compared two recoveries from a divergence, not two numerics
