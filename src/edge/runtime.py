@@ -130,7 +130,8 @@ class IreeRunner:
         self.rt = rt
         if flags:  # runtime flags (`--vulkan_tracing=false`): read when the process's device is made
             rt.flags.parse_flags(*flags)
-        lavapipe = driver == "vulkan" and any(LAVAPIPE in d["name"] for d in vulkan_devices())
+        # by name only: vulkan_devices() would run `vulkaninfo` again, which the task already ran
+        lavapipe = driver == "vulkan" and any(LAVAPIPE in name for name in vulkan_device_names())
         for attempt in range(LAVAPIPE_TRIES if lavapipe else 1):
             # the process's shared device first; after a loss, a device of this runner's own
             self.config = rt.Config(driver) if attempt == 0 else rt.Config(device=_new_device(rt, driver))
@@ -245,20 +246,25 @@ def one_line(err: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def vulkan_devices() -> list[dict[str, Any]]:
-    """Vulkan devices IREE sees, with whether each supports VK_KHR_cooperative_matrix (from
-    `vulkaninfo`, when installed; None where it is not)."""
+def vulkan_device_names() -> list[str]:
+    """The Vulkan devices IREE sees, by name (no `vulkaninfo` run)."""
     import iree.runtime as rt
 
     try:
-        devices = rt.get_driver("vulkan").query_available_devices()
+        return [d["name"] for d in rt.get_driver("vulkan").query_available_devices()]
     except RuntimeError:
         return []
-    extensions = _vulkaninfo_extensions()
+
+
+def vulkan_devices() -> list[dict[str, Any]]:
+    """Vulkan devices IREE sees, with whether each supports VK_KHR_cooperative_matrix (from
+    `vulkaninfo`, when installed; None where it is not)."""
+    names = vulkan_device_names()
+    extensions = _vulkaninfo_extensions() if names else {}
     out = []
-    for i, d in enumerate(devices):
+    for i, name in enumerate(names):
         exts = extensions.get(i)
-        out.append({"name": d["name"], "cooperative_matrix": None if exts is None else "VK_KHR_cooperative_matrix" in exts})
+        out.append({"name": name, "cooperative_matrix": None if exts is None else "VK_KHR_cooperative_matrix" in exts})
     return out
 
 
