@@ -118,17 +118,51 @@ def test_auto_measures_each_use_per_step_and_picks_the_fastest():
         ("rms_norm", "eager"): 0.10, ("rms_norm", "compile"): 0.07, ("rms_norm", "triton"): 0.08,
         ("add_rms_norm", "eager"): 0.15, ("add_rms_norm", "compile"): 0.09, ("add_rms_norm", "triton"): 0.10,
         ("head_loss", "eager"): 7.4, ("head_loss", "compile"): 5.3, ("head_loss", "triton"): 6.6, ("head_loss", "linear_cross_entropy"): 5.1,
+        ("block", "picked"): 5.0, ("block", "compile"): 4.9,  # compile within the noise of the picks
     })
     timings = {t.op: t for t in measure(["swiglu", "softmax", "rms_norm", "cross_entropy"], cfg, timer)}
     # swiglu and softmax: the seed's model has no module of either, so nothing is timed for them
-    assert set(timings) == {"rms_norm", "cross_entropy"}
+    assert set(timings) == {"rms_norm", "cross_entropy", "block"}
     assert ("rms_norm", (8192, 2048), 13, "eager") in calls and ("add_rms_norm", (8192, 2048), 12, "eager") in calls
     assert timings["rms_norm"].ms["eager"] == pytest.approx(13 * 0.10 + 12 * 0.15)
     assert timings["rms_norm"].pick == "compile"
     # the loss is timed with the head it follows; the fused linear + CE replaces both
     assert ("head_loss", (8192, 2048, 32000), 1, "linear_cross_entropy") in calls
     assert timings["cross_entropy"].pick == "linear_cross_entropy"
-    assert chosen(list(timings.values())) == (["linear_cross_entropy"], ["rms_norm"])
+    # the block is timed once per block of the step, as the in-block picks run it and compiled
+    assert ("block", (8, 1024, 2048), 12, "picked") in calls and ("block", (8, 1024, 2048), 12, "compile") in calls
+    assert timings["block"].ms == {"picked": pytest.approx(12 * 5.0), "compile": pytest.approx(12 * 4.9)}
+    assert timings["block"].pick == "picked"
+    assert chosen(list(timings.values())) == (["linear_cross_entropy"], ["rms_norm"], False)
+
+
+def test_a_compiled_block_that_beats_the_picks_subsumes_the_in_block_ops():
+    from src.fusion.measure import chosen, measure
+
+    cfg = _seed_cfg()
+    picks_seen = []
+    timer, calls = _stub_timer({
+        ("rms_norm", "eager"): 0.10, ("rms_norm", "compile"): 0.11, ("rms_norm", "triton"): 0.06,
+        ("add_rms_norm", "eager"): 0.15, ("add_rms_norm", "compile"): 0.15, ("add_rms_norm", "triton"): 0.08,
+        ("head_loss", "eager"): 7.4, ("head_loss", "compile"): 7.3, ("head_loss", "triton"): 6.6, ("head_loss", "linear_cross_entropy"): 6.9,
+        ("block", "picked"): 5.0, ("block", "compile"): 4.6,
+    })
+
+    def recording(use, candidate):
+        if use.case == "block":
+            picks_seen.append(dict(use.picks))
+        return timer(use, candidate)
+
+    timings = {t.op: t for t in measure(["rms_norm", "cross_entropy"], cfg, recording)}
+    assert picks_seen and all(p == {"rms_norm": "triton"} for p in picks_seen)  # the block as the per-op picks run it
+    assert timings["rms_norm"].pick == "triton" and timings["block"].pick == "compile"
+    # compiled blocks: the Triton norm is dropped, the loss (outside the blocks) keeps its pick
+    assert chosen(list(timings.values())) == (["cross_entropy"], [], True)
+    # a block candidate that fails to run is never chosen
+    timer2, _ = _stub_timer({("rms_norm", "eager"): 0.10, ("add_rms_norm", "eager"): 0.15, ("block", "picked"): 5.0})
+    (norm, block) = measure(["rms_norm"], cfg, timer2)
+    assert block.ms == {"picked": pytest.approx(60.0), "compile": None} and block.pick == "picked"
+    assert chosen([norm, block]) == ([], [], False)
 
 
 def test_a_candidate_must_beat_eager_by_more_than_the_noise_and_a_failing_one_is_never_chosen():
@@ -139,7 +173,8 @@ def test_a_candidate_must_beat_eager_by_more_than_the_noise_and_a_failing_one_is
     assert pick({"eager": None, "compile": None, "triton": None}) == "eager"
     cfg = _seed_cfg(**{"model.mlp": "swiglu"})
     timer, _ = _stub_timer({("swiglu", "eager"): 0.6, ("swiglu", "triton"): 0.34})  # compile fails to run
-    (t,) = measure(["swiglu"], cfg, timer)
+    t, block = measure(["swiglu"], cfg, timer)
+    assert block.op == "block" and block.pick == "picked"  # neither block candidate ran: the picks stand
     assert t.ms == {"eager": pytest.approx(12 * 0.6), "compile": None, "triton": pytest.approx(12 * 0.34)}
     assert t.pick == "triton"
 

@@ -104,13 +104,13 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
     choice = auto_choice(cfg, cwd)
     if choice is None:
         return None
-    fused, compiled, measured = list(choice.ops), [], {}
+    fused, compiled, measured, compile_blocks = list(choice.ops), [], {}, bool(cfg.kernels.compile)
     if measure and choice.ops and cfg.backend.name == "cuda" and _gpu_present():
         from src.fusion.measure import chosen, measure_on_gpu
 
-        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU", ", ".join(choice.ops))
+        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked and compiled", ", ".join(choice.ops))
         timings = measure_on_gpu(list(choice.ops), cfg)
-        fused, compiled = chosen(timings)
+        fused, compiled, compile_blocks = chosen(timings)
         measured = {t.op: {k: v for k, v in t.ms.items() if v is not None} for t in timings}
         for t in timings:
             log.info("  %s: %s -> %s", t.op, ", ".join(f"{k} {v:.3f} ms" if v is not None else f"{k} failed" for k, v in t.ms.items()), t.pick)
@@ -120,6 +120,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
     with open_dict(cfg):
         cfg.kernels.fused = fused
         cfg.kernels.compiled = compiled
+        cfg.kernels.compile = compile_blocks
         cfg.kernels.measured = measured
         cfg.kernels.diagnosis = choice.diagnosis
     return choice
