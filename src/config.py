@@ -110,6 +110,9 @@ class ShardingConfig:
     """hsdp only: replica groups on the outer mesh dimension; nproc must be a multiple of it"""
     cpu_offload: bool = False
     """keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)"""
+    split_root: bool = False
+    """fsdp2/hsdp: the embedding and the head as FSDP2 units of their own (torchtitan's layout), not
+    one root group: the head's gradient is reduced while the blocks' backward runs"""
 
 
 @dataclass

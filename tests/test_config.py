@@ -60,6 +60,7 @@ BAD_OVERRIDES = [
     (["model.dim=100", "model.n_heads=16"], "model.dim=100 is not divisible by model.n_heads=16"),
     (["sharding=hsdp", "dist.nproc=3"], "sharding.replicate=2 must divide the world size 3"),
     (["sharding=fsdp2_offload"], "sharding=fsdp2_offload offloads to host memory from a GPU; with backend=cpu use sharding=fsdp2"),
+    (["sharding=none", "sharding.split_root=true"], "sharding.split_root=true shards the embedding and head apart, and sharding=none does not shard; use sharding=fsdp2 or hsdp"),
     (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
     (["data=text", "data.text_path=/dev"], "data.text_path=/dev: not a regular file"),
     (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, kernels, kernels_cpu, profile"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from src.data.batches import TokenBatches
@@ -29,17 +30,18 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
 
 
-def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtype: str) -> None:
+def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtype: str, split_root: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         with torch.device("meta"):
             model = MiniLLM(**MODEL)
         mesh = build_mesh("cpu", WORLD, strategy, replicate=2 if strategy == "hsdp" else 1)
-        apply_fsdp(model, mesh, mixed_precision_policy(param_dtype, "float32"))
+        apply_fsdp(model, mesh, mixed_precision_policy(param_dtype, "float32"), split_root=split_root)
         materialize_and_init(model, torch.device("cpu"), SEED)
         placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters() if isinstance(p, DTensor)}
         n_params = sum(1 for _ in model.parameters())
+        units = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
         init = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
         opt = _optimizer(model)
         dp_rank = rank
@@ -52,7 +54,7 @@ def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtyp
             losses.append(loss.item())
         full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
         if rank == 0:
-            torch.save({"losses": losses, "params": full, "init": init, "placements": placements, "n_params": n_params}, out)
+            torch.save({"losses": losses, "params": full, "init": init, "placements": placements, "n_params": n_params, "units": units}, out)
     finally:
         dist.destroy_process_group()
 
@@ -73,9 +75,9 @@ def _unsharded_reference() -> dict:
     return {"losses": losses, "init": init, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _run_sharded(tmp_path: Path, strategy: str, param_dtype: str) -> dict:
+def _run_sharded(tmp_path: Path, strategy: str, param_dtype: str, split_root: bool = False) -> dict:
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_sharded_rank, args=(str(tmp_path / "rdzv"), str(out), strategy, param_dtype), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_sharded_rank, args=(str(tmp_path / "rdzv"), str(out), strategy, param_dtype, split_root), nprocs=WORLD, start_method="spawn")
     return torch.load(out, weights_only=True)  # tensors, floats and strings only: nothing is unpickled
 
 
@@ -84,9 +86,13 @@ def reference() -> dict:
     return _unsharded_reference()
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "hsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "hsdp", "fsdp2_split_root"])
 def test_fp32_sharded_training_equals_unsharded_within_float32_rounding(tmp_path, reference, strategy):
-    got = _run_sharded(tmp_path, strategy, "float32")
+    # fsdp2_split_root: the embedding and head as units of their own (sharding.split_root)
+    split_root = strategy.endswith("_split_root")
+    strategy = strategy.removesuffix("_split_root")
+    got = _run_sharded(tmp_path, strategy, "float32", split_root)
+    assert got["units"] == ["", *(["embed", "head"] if split_root else []), "layers.0", "layers.1"]
     # initial weights: each rank drew the full tensor and kept its shard, so bit-identical
     for name, ref in reference["init"].items():
         assert torch.equal(got["init"][name], ref), name

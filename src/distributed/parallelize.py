@@ -4,8 +4,8 @@ torchtitan's parallelize_llama order, on the plain model built on the meta devic
 the blocks' linears, NVTX ranges on the plain modules (profile.nvtx), torch.compile per block,
 then the sharding strategy, then materialisation. fsdp2 / hsdp: `fully_shard` on each transformer
 block, then on the root, over an explicit mesh (the root's group then holds only the embedding and
-head). none: the full model on every rank, gradients all-reduced by DDP when there is more than
-one rank; a non-fp32 param_dtype then means autocast over fp32 weights.
+head; `sharding.split_root` gives those two units of their own). none: the full model on every
+rank, gradients all-reduced by DDP when there is more than one rank; a non-fp32 param_dtype then means autocast over fp32 weights.
 """
 from __future__ import annotations
 
@@ -36,11 +36,28 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    split_root: bool = False,
 ) -> nn.Module:
     """Per-block fully_shard, then the root. Each block's parameters are all-gathered just before its
     forward and freed after it (reshard_after_forward), so peak memory holds one full block at a time.
+
+    `split_root`: the embedding, and the head unless it computes the fused loss, become units of
+    their own first (torchtitan's layout). In the seed's layout the root's one group holds both,
+    so the head's gradient, the first one backward computes, waits for the embedding's, the last,
+    and the two are reduce-scattered together after all the blocks (131M parameters in fp32 for
+    mini_llm, nothing left to hide behind); split, the head's reduction runs beside the blocks'
+    backward and only the embedding's is left at the end.
     """
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    if split_root:
+        embed, head = getattr(model, "embed", None), getattr(model, "head", None)
+        if isinstance(embed, nn.Module):
+            fully_shard(embed, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+        # A fused head + loss is called as head.loss(...), not head(...): FSDP2's hooks would not
+        # gather its weight, so it stays in the root's group, whose hooks wrap the whole forward.
+        if isinstance(head, nn.Module) and getattr(head, "loss", None) is None:
+            # backward starts with the head: keeping it gathered saves one all-gather for nothing
+            fully_shard(head, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     # The root's parameters (embedding, head) are needed again at the start of backward: keeping
@@ -123,7 +140,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     if mesh is not None:
         apply_fsdp(
             model, mesh, mixed_precision_policy(cfg.precision.param_dtype, cfg.precision.reduce_dtype),
-            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload,
+            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root,
         )
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute

@@ -144,6 +144,8 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if sharding.strategy == "hsdp":
         if sharding.replicate < 1 or world % sharding.replicate:
             raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")
+    if sharding.split_root and sharding.strategy not in ("fsdp2", "hsdp"):
+        raise ConfigError(f"sharding.split_root=true shards the embedding and head apart, and sharding={sharding.name} does not shard; use sharding=fsdp2 or hsdp")
     if sharding.cpu_offload and backend != "cuda":
         raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")
     if cfg.train.steps < 1:
