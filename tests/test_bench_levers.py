@@ -66,3 +66,10 @@ def test_variant_names_and_the_fp8_loss_gap():
             bench.parse_variant(bad)
     gap = compare([3.0, 2.5, 2.4, 2.3], [3.1, 2.6, 2.43, 2.28], last=2)
     assert gap["steps_compared"] == 2 and gap["max_abs_gap"] == pytest.approx(0.03) and gap["mean_gap"] == pytest.approx(0.005)
+    # curves: single steps far apart (+-0.2, batch to batch) that average out over the window
+    bf16 = [2.0] * 8
+    fp8 = [2.2, 1.8, 2.2, 1.8, 2.2, 1.8, 2.2, 1.8]
+    curve = compare(bf16, fp8, last=4, window=2)
+    assert curve["steps_compared"] == 4 and curve["max_abs_gap"] == pytest.approx(0.0, abs=1e-9)
+    assert curve["max_abs_step_gap"] == pytest.approx(0.2) and curve["window"] == 2
+    assert compare(bf16, [x + 0.1 for x in bf16], last=4, window=3)["mean_gap"] == pytest.approx(0.1)
