@@ -42,6 +42,36 @@ def test_forward_and_backward_match_torch(shape, dtype):
     torch.testing.assert_close(w1.grad.float(), w2.grad.float(), atol=atol * 10, rtol=rtol * 5)
 
 
+@pytest.mark.parametrize("rows", [(4, 2), (2, 4)], ids=["fwd4-bwd2", "fwd2-bwd4"])
+@pytest.mark.parametrize("shape", [(5, 123), (3, 7, 257)], ids=lambda s: "x".join(map(str, s)))
+def test_multi_row_tiles_match_torch(shape, rows, monkeypatch):
+    """Several rows per tile (FWD_ROWS, BWD_ROWS): row counts that do not divide into tiles, and
+    backward programs whose rows end inside a tile, give torch's results, with and without the add."""
+    import kernels.triton.rms_norm as rn
+
+    monkeypatch.setattr(rn, "FWD_ROWS", rows[0])
+    monkeypatch.setattr(rn, "BWD_ROWS", rows[1])
+    monkeypatch.setattr(rn, "BWD_PROGRAMS_PER_SM", 1)  # 4 programs on a CPU: 5 rows end mid-tile
+    torch.manual_seed(2)
+    atol, rtol = TOLERANCE[torch.float32]
+    n = shape[-1]
+    x, r, dy, ds = (torch.randn(shape, device=DEVICE) for _ in range(4))
+    w = torch.rand(n, device=DEVICE) + 0.5
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    s, y = fused_add_rms_norm(*leaves, 1e-6)
+    torch.autograd.backward([s, y], [ds, dy])
+    y1 = fused_rms_norm(leaves[0], leaves[2], 1e-6)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    ref_s = ref_leaves[0] + ref_leaves[1]
+    ref_y = _reference(ref_s, ref_leaves[2], 1e-6)
+    torch.autograd.backward([ref_s, ref_y], [ds, dy])
+    torch.testing.assert_close(s, ref_s, atol=atol, rtol=rtol)
+    torch.testing.assert_close(y, ref_y, atol=atol, rtol=rtol)
+    torch.testing.assert_close(y1, _reference(x, w, 1e-6), atol=atol, rtol=rtol)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, atol=atol * 10, rtol=rtol * 5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(5, 123), (3, 7, 257)], ids=lambda s: "x".join(map(str, s)))
 def test_residual_add_and_norm_match_torch(shape, dtype):

@@ -26,46 +26,51 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS rows per program, as one (ROWS, BLOCK) tile: their loads are in flight together."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # s = x + r is the residual stream the next block adds to; y normalises it
-        x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = x.to(S.dtype.element_ty)  # normalise the sum as stored, as the unfused add then norm does
-        tl.store(S + row * stride_s + cols, x, mask=mask)
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
         x = x.to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     # fp32 statistics whatever the input dtype: bf16 has 8 mantissa bits, too few for a mean of squares
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
-    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=rows < M)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Each program walks its rows_per_program rows ROWS at a time (one (ROWS, BLOCK) tile, loads
+    in flight together) and writes one fp32 partial dw."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     start = pid * rows_per_program
-    for i in range(0, rows_per_program):
-        row = (start + i).to(tl.int64)
-        if row < M:
-            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row)
-            x_hat = x * rstd
-            wdy = w * dy
-            # d/dx of x * rstd(x): rstd * (wdy - x_hat * mean(wdy * x_hat))
-            dx = rstd * (wdy - x_hat * (tl.sum(wdy * x_hat, axis=0) / N))
-            if HAS_DS:  # the residual sum's own gradient joins the norm's: d(x + r) = ds + dnorm
-                dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            dw += dy * x_hat
-    tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
+    end = tl.minimum(start + rows_per_program, M)
+    for first in range(start, end, ROWS):
+        rows = (first + tl.arange(0, ROWS)).to(tl.int64)
+        row_mask = rows < end
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        x_hat = x * rstd[:, None]
+        wdy = w[None, :] * dy
+        # d/dx of x * rstd(x): rstd * (wdy - x_hat * mean(wdy * x_hat))
+        dx = rstd[:, None] * (wdy - x_hat * (tl.sum(wdy * x_hat, axis=1) / N)[:, None])
+        if HAS_DS:  # the residual sum's own gradient joins the norm's: d(x + r) = ds + dnorm
+            dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+    tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
 
 
 # Launch settings (src/bench/kernel_configs.py sweeps them on a GPU): warps per row program by the
@@ -75,6 +80,10 @@ BWD_WARPS = {2048: 8, 8192: 16}
 # 4 programs per SM: the backward kernel's best on an H200 at 8192x2048 (36 us, 2.8 TB/s; 1, 2,
 # 8-64 per SM were 1-40% slower), and the dw partials stay small (programs x N fp32).
 BWD_PROGRAMS_PER_SM = 4
+# Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
+# flight per program; src/bench/kernel_configs.py sweeps 2 and 4 against it.
+FWD_ROWS = 1
+BWD_ROWS = 1
 
 
 def _block(n: int) -> int:
@@ -111,9 +120,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty_like(x2) if residual is not None else x2
     block = _block(N)
-    _rms_norm_fwd[(M,)](
-        x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block, FWD_WARPS),
+    _rms_norm_fwd[(triton.cdiv(M, FWD_ROWS),)](
+        x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, num_warps=_warps(block, FWD_WARPS),
     )
     return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
 
@@ -133,7 +142,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     block = _block(N)
     _rms_norm_bwd[(programs,)](
         dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        HAS_DS=ds is not None, BLOCK=block, num_warps=_warps(block, BWD_WARPS),
+        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, num_warps=_warps(block, BWD_WARPS),
     )
     # summed in fp32, rounded once (sum(dtype=bf16) would round each partial to bf16 first)
     return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype)

@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--out DIR]
+    python -m src.bench.kernel_configs [--only cross_entropy rms_norm rms_rows softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
@@ -18,25 +18,30 @@ from src.kernel_bench.cases import forward_backward, make_case, seed, variant
 from src.kernel_bench.timing import graph_ms, host_us_per_call
 
 
-def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16):
-    """(run, leaves, bytes moved) for op at shape, forward + backward."""
+def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16, forward_only: bool = False):
+    """(run, leaves, bytes moved) for op at shape, forward + backward (or the forward alone)."""
     case = make_case(op, shape)
     seed("cuda")
-    inputs = case.inputs(torch.device("cuda"), dtype, True)
+    inputs = case.inputs(torch.device("cuda"), dtype, not forward_only)
     leaves = [t for t in inputs if t.requires_grad]
-    run = forward_backward(variant(op, "triton"), inputs)
+    fn = variant(op, "triton")
     size = torch.finfo(dtype).bits // 8
-    return run, leaves, case.bytes_fwd(size) + case.bytes_bwd(size)
+    if forward_only:
+        return (lambda: fn(*inputs)), leaves, case.bytes_fwd(size)
+    return forward_backward(fn, inputs), leaves, case.bytes_fwd(size) + case.bytes_bwd(size)
 
 
-def _time(op: str, shape: list[int]) -> dict:
-    run, leaves, nbytes = _fwd_bwd(op, shape)
+def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
+    run, leaves, nbytes = _fwd_bwd(op, shape, forward_only=forward_only)
     device = torch.device("cuda")
     ms = graph_ms(run, device, grad_to_none=leaves)
     return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
 
 
-def sweep() -> list[dict]:
+GROUPS = ("cross_entropy", "rms_norm", "rms_rows", "softmax")
+
+
+def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     import kernels.triton.cross_entropy as ce
     import kernels.triton.rms_norm as rn
     import kernels.triton.softmax as sm
@@ -45,36 +50,48 @@ def sweep() -> list[dict]:
 
     def record(kernel: str, setting: str, op: str, shape: list[int]) -> None:
         try:
-            r = _time(op, shape)
+            r = _time(op.removesuffix("_fwd"), shape, forward_only=op.endswith("_fwd"))
         except Exception as err:  # a setting that does not compile (too many registers) is a row, not an end
             r = {"error": str(err).splitlines()[0][:120] if str(err) else type(err).__name__}
         rows.append({"kernel": kernel, "setting": setting, "shape": "x".join(map(str, shape)), **r})
         print(json.dumps(rows[-1]), flush=True)
 
-    for block, warps, in_regs in [(4096, 8, False), (2048, 8, False), (8192, 16, False), (4096, 16, False), (32768, 16, True), (32768, 32, True)]:
+    for block, warps, in_regs in [] if "cross_entropy" not in groups else [(4096, 8, False), (2048, 8, False), (8192, 16, False), (4096, 16, False), (32768, 16, True), (32768, 32, True)]:
         ce.BLOCK_MAX, ce.NUM_WARPS = block, warps
         ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = (65536 if in_regs else 0), warps
         record("cross_entropy", f"block={block} warps={warps} row_in_registers={in_regs}", "cross_entropy", [8192, 32000])
     ce.BLOCK_MAX, ce.NUM_WARPS, ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = 4096, 8, 0, 16
 
     fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
-    for fw in (2, 4, 8, 16):
+    if "rms_rows" in groups:  # rows per tile: more loads in flight per program
+        rows = rn.FWD_ROWS, rn.BWD_ROWS
+        for fr, br, programs, warps in [(1, 1, 4, 8), (2, 1, 4, 8), (4, 1, 4, 8), (2, 1, 4, 16), (4, 1, 4, 16),
+                                        (1, 2, 4, 8), (1, 4, 4, 8), (1, 2, 2, 16), (1, 4, 2, 16), (1, 8, 1, 16), (1, 4, 1, 16)]:
+            rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = fr, br, programs
+            rn.FWD_WARPS, rn.BWD_WARPS = {2048: warps, 8192: 16}, {2048: warps, 8192: 16}
+            setting = f"fwd_rows={fr} bwd_rows={br} bwd_programs_per_sm={programs} warps={warps}"
+            record("rms_norm", setting, "rms_norm", [8192, 2048])
+            record("add_rms_norm", setting, "add_rms_norm", [8192, 2048])
+            record("rms_norm_fwd", setting, "rms_norm_fwd", [8192, 2048])
+        rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = rows
+        rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
+    for fw in (2, 4, 8, 16) if "rms_norm" in groups else ():
         for bw in (4, 8, 16):
             rn.FWD_WARPS, rn.BWD_WARPS = {2048: fw, 8192: fw}, {2048: bw, 8192: bw}
             record("rms_norm", f"fwd_warps={fw} bwd_warps={bw}", "rms_norm", [8192, 2048])
             record("add_rms_norm", f"fwd_warps={fw} bwd_warps={bw}", "add_rms_norm", [8192, 2048])
     rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
-    for programs in (1, 2, 4, 8):
+    for programs in (1, 2, 4, 8) if "rms_norm" in groups else ():
         rn.BWD_PROGRAMS_PER_SM = programs
         record("rms_norm", f"bwd_programs_per_sm={programs}", "rms_norm", [8192, 2048])
     rn.BWD_PROGRAMS_PER_SM = per_sm
-    for fw in (4, 8, 16, 32):
+    for fw in (4, 8, 16, 32) if "rms_norm" in groups else ():
         rn.FWD_WARPS, rn.BWD_WARPS = {2048: fw, 4096: fw}, {2048: fw, 4096: fw}
         record("rms_norm", f"warps={fw}", "rms_norm", [8192, 4096])
     rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
 
     launch = sm._launch
-    for warps in (4, 8, 16, 32):
+    for warps in (4, 8, 16, 32) if "softmax" in groups else ():
         sm._launch = lambda n, w=warps: (launch(n)[0], w)
         record("softmax", f"warps={warps}", "softmax", [8192, 4096])
     sm._launch = launch
@@ -84,9 +101,10 @@ def sweep() -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS), help="which sweeps to run")
     ap.add_argument("--out", type=Path, default=Path("bench_out/kernel_configs"))
     args = ap.parse_args()
-    rows = sweep()
+    rows = sweep(tuple(args.only))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_configs.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{torch.cuda.get_device_name()}, bf16, forward + backward replayed from a CUDA graph\n")
