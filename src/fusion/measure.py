@@ -129,8 +129,8 @@ def _head_loss(candidate: str, loss_fp32: bool) -> Callable:
 def gpu_timer(dtype: torch.dtype, loss_fp32: bool) -> Timer:
     """Median GPU time of forward + backward, as called (triton.testing.do_bench): the host path
     counts, as it does in the training step."""
-    from src.kernel_bench.cases import forward_backward, make_case, seed, variant
-    from src.kernel_bench.timing import median_ms
+    from src.fusion.cases import forward_backward, make_case, seed, variant
+    from src.fusion.timing import median_ms
 
     device = torch.device("cuda", torch.cuda.current_device())
 
