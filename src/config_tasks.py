@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from src.dtypes import Dtype, ShortDtype
-from src.profiling.classify import Thresholds
 
 
 class BenchMode(StrEnum):
@@ -45,6 +44,23 @@ class ProfileConfig:
     """the step wrapped in the NVTX range 'profiled_step' (what task=diagnose gives ncu); -1: none"""
     gemm_peak_tflops: float = 790.0
     """the GEMM floor's rate in anatomy.json: model FLOPs per step / this (790: bf16 dense GEMM measured on H200)"""
+
+
+@dataclass
+class Thresholds:
+    """diagnose.classifier: SEED.md's readings for the bound verdict (src/profiling/classify.py applies them)."""
+
+    hbm_bound_pct: float = 75.0
+    """HBM throughput at or above this, with HBM the busiest unit: memory-bound"""
+    sm_bound_pct: float = 75.0
+    """SM throughput at or above this, with SM the busiest unit: compute-bound"""
+    sm_idle_pct: float = 25.0
+    """SEED.md's 'Tensor Cores sit idle' mark: a memory-bound kernel below it is textbook, and
+    below it any kernel with HBM >= hbm_low_pct is memory-bound"""
+    hbm_low_pct: float = 50.0
+    """SEED.md's 'low to moderate HBM' mark: a compute-bound kernel below it is textbook"""
+    occupancy_low_pct: float = 40.0
+    """achieved occupancy below this names occupancy, not latency, as the limiter"""
 
 
 @dataclass

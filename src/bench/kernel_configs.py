@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from src.kernel_bench.cases import forward_backward, make_case, seed, variant
-from src.kernel_bench.timing import graph_ms, host_us_per_call
+from src.fusion.cases import forward_backward, make_case, seed, variant
+from src.fusion.timing import graph_ms, host_us_per_call
 
 
 def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16, forward_only: bool = False):

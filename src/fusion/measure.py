@@ -167,7 +167,7 @@ def _time_block(use: Use, candidate: str, model_cfg: DictConfig, dtype: torch.dt
     under torch.compile (compiled once before timing)."""
     from src.fusion.compiled import apply_compiled
     from src.fusion.registry import apply_fused
-    from src.kernel_bench.timing import median_ms
+    from src.fusion.timing import median_ms
     from src.models.mini_llm import TransformerBlock
 
     m = model_cfg
@@ -194,8 +194,8 @@ def _time_block(use: Use, candidate: str, model_cfg: DictConfig, dtype: torch.dt
 def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None = None) -> Timer:
     """Median GPU time of forward + backward, as called (triton.testing.do_bench): the host path
     counts, as it does in the training step. `model_cfg`: the model whose block is timed."""
-    from src.kernel_bench.cases import forward_backward, make_case, seed, variant
-    from src.kernel_bench.timing import median_ms
+    from src.fusion.cases import forward_backward, make_case, seed, variant
+    from src.fusion.timing import median_ms
 
     device = torch.device("cuda", torch.cuda.current_device())
 

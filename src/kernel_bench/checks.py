@@ -15,7 +15,7 @@ _INTERPRETER_MAX_ELEMENTS = 1 << 20  # a [64, 256] row takes ~1 s in the interpr
 
 def check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) -> None:
     from src.dtypes import TORCH_DTYPES
-    from src.kernel_bench.cases import OPS
+    from src.fusion.cases import OPS
 
     b = cfg.kernel_bench
     if backend not in ("cpu", "cuda"):

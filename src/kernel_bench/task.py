@@ -14,8 +14,8 @@ import torch
 from omegaconf import DictConfig
 
 from src.dtypes import torch_dtype
-from src.kernel_bench.cases import Case, forward_backward, make_case, max_rel_err, output_of, seed, variant
-from src.kernel_bench.timing import copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
+from src.fusion.cases import Case, forward_backward, make_case, max_rel_err, output_of, seed, variant
+from src.fusion.timing import copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
 from src.runtime import RunContext
 
 log = logging.getLogger("src.run")

@@ -15,6 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from src.config_tasks import Thresholds  # the schema of diagnose.classifier: its fields are settings
+
+SEED_THRESHOLDS = Thresholds()
+
 MEMORY_BOUND, COMPUTE_BOUND, NEITHER = "memory-bound", "compute-bound", "neither"
 
 REMEDIES = {
@@ -26,21 +30,6 @@ REMEDIES = {
 # A GEMM below the compute roof is not helped by smaller blocks (cuBLAS picked its tiles); at
 # mini_llm's sizes they read SM 67-73% on an H200: give each call more work, or cheaper work.
 GEMM_REMEDY = "more work per GEMM (larger batch x seq, QKV / gate-up projections merged into one GEMM), FP8, shapes in multiples of 128"
-
-
-@dataclass
-class Thresholds:
-    hbm_bound_pct: float = 75.0
-    """HBM throughput at or above this, with HBM the busiest unit: memory-bound"""
-    sm_bound_pct: float = 75.0
-    """SM throughput at or above this, with SM the busiest unit: compute-bound"""
-    sm_idle_pct: float = 25.0
-    """SEED.md's 'Tensor Cores sit idle' mark: a memory-bound kernel below it is textbook, and
-    below it any kernel with HBM >= hbm_low_pct is memory-bound"""
-    hbm_low_pct: float = 50.0
-    """SEED.md's 'low to moderate HBM' mark: a compute-bound kernel below it is textbook"""
-    occupancy_low_pct: float = 40.0
-    """achieved occupancy below this names occupancy, not latency, as the limiter"""
 
 
 @dataclass(frozen=True)
@@ -62,7 +51,7 @@ def margin(sm_pct: float, hbm_pct: float, t: Thresholds) -> float:
                abs(hbm_pct - t.hbm_low_pct), abs(hbm_pct - sm_pct))
 
 
-def classify(sm_pct: float, hbm_pct: float, occupancy_pct: float | None = None, t: Thresholds = Thresholds()) -> Verdict:
+def classify(sm_pct: float, hbm_pct: float, occupancy_pct: float | None = None, t: Thresholds = SEED_THRESHOLDS) -> Verdict:
     if math.isnan(sm_pct) or math.isnan(hbm_pct):
         return Verdict(NEITHER, "unknown", False, "profile with --section SpeedOfLight to get SM and DRAM throughput")
     v = _verdict(sm_pct, hbm_pct, occupancy_pct, t)

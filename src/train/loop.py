@@ -96,13 +96,26 @@ def train_step(
     label_smoothing: float = 0.0,
     after_optimizer: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step: forward_backward_step, then the global grad norm, clipping and the
-    optimizer; returns (loss, global grad norm) as device tensors, not yet synced.
-    `mark(name)` wraps loss, backward and optimizer in named ranges (NVTX for ncu) when asked.
-    `skip_nonfinite` drops the optimizer step when the gradient norm is NaN/inf (a device sync).
-    `after_optimizer` runs after the update (float8: the next step's weight scales)."""
+    """One optimizer step: forward_backward_step, then optimizer_step; returns (loss, global grad
+    norm) as device tensors, not yet synced. `mark(name)` wraps loss, backward and optimizer in
+    named ranges (NVTX for ncu) when asked. src/train/trainer.py's Trainer.train_step is the same
+    step with its settings held by the Trainer."""
     optimizer.zero_grad(set_to_none=True)
     loss = forward_backward_step(model, inputs, targets, autocast_dtype, loss_fp32, mark, loss_hook, loss_fn, loss_in_model, label_smoothing)
+    return loss.detach(), optimizer_step(model, optimizer, grad_clip, mark, skip_nonfinite, after_optimizer)
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float = 0.0,
+    mark: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
+    skip_nonfinite: bool = False,
+    after_optimizer: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """After backward: the global grad norm, clipping and the optimizer; returns the norm as a
+    device tensor. `skip_nonfinite` drops the optimizer step when the norm is NaN/inf (a device
+    sync). `after_optimizer` runs after the update (float8: the next step's weight scales)."""
     with mark("optimizer"):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
@@ -110,13 +123,13 @@ def train_step(
             norm = norm.full_tensor()
         if skip_nonfinite and not bool(torch.isfinite(norm)):
             optimizer.zero_grad(set_to_none=True)
-            return loss.detach(), norm.detach()
+            return norm.detach()
         if grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
         optimizer.step()
         if after_optimizer is not None:
             after_optimizer()
-    return loss.detach(), norm.detach()
+    return norm.detach()
 
 
 def _reduce_across_ranks(loss: torch.Tensor, norm: torch.Tensor, mem: tuple[float, float]) -> tuple[float, float, float, float]:
@@ -147,7 +160,7 @@ class LoopResult:
 
 
 def train_loop(
-    model: nn.Module,
+    step_fn: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     optimizer: torch.optim.Optimizer,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
@@ -156,30 +169,19 @@ def train_loop(
     world_size: int,
     flops_per_token: float,
     peak_flops: float | None,
-    grad_clip: float = 0.0,
-    autocast_dtype: torch.dtype | None = None,
-    loss_fp32: bool = True,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    loss_in_model: bool = False,
-    label_smoothing: float = 0.0,
     log_every: int = 1,
     on_step: Iterable[Callable[[StepStats], None]] = (),
-    fault: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-    mark: Callable[[str], contextlib.AbstractContextManager] | None = None,
-    profiled_step: int = -1,
-    profiled_step_range: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    after_step: Callable[[], None] | None = None,
     start_step: int = 0,
     checkpoint_due: Callable[[int], bool] = lambda steps_done: False,
     save_checkpoint: Callable[[int], None] | None = None,
     nonfinite: str = "fail",
-    lr_at: Callable[[int], float] | None = None,
-    after_optimizer: Callable[[], None] | None = None,
 ) -> LoopResult:
-    """Run `steps` optimizer steps. Step time spans data, forward, backward, optimizer and the one
-    device sync that reading the loss needs (the seed's loss.item()); what follows it (memory
-    stats, callbacks) is counted apart as overhead so its share of the step can be reported.
-    Steps count from 0: `start_step` is the first one run, a checkpoint after N steps resumes at N."""
+    """Run `steps` optimizer steps: `step_fn(step, inputs, targets)` is one (Trainer.run_step) and
+    returns (loss, grad norm) as device tensors; `optimizer` is read for the learning rate it used.
+    Step time spans data, forward, backward, optimizer and the one device sync that reading the
+    loss needs (the seed's loss.item()); what follows it (memory stats, callbacks) is counted apart
+    as overhead so its share of the step can be reported. Steps count from 0: `start_step` is the
+    first one run, a checkpoint after N steps resumes at N."""
     results: list[StepStats] = []
     skipped: list[int] = []
     overhead = 0.0
@@ -189,19 +191,7 @@ def train_loop(
         if interval_start is None:
             interval_start = time.perf_counter()
         inputs, targets = next(batches)
-        if lr_at is not None:
-            lr = lr_at(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        hook = (lambda loss, step=step: fault(step, loss)) if fault is not None else None
-        with profiled_step_range() if step == profiled_step else contextlib.nullcontext():
-            loss, norm = train_step(
-                model, optimizer, inputs, targets, grad_clip, autocast_dtype, loss_fp32,
-                **({"mark": mark} if mark else {}), loss_hook=hook, skip_nonfinite=nonfinite == "skip", loss_fn=loss_fn, loss_in_model=loss_in_model, label_smoothing=label_smoothing,
-                after_optimizer=after_optimizer,
-            )
-        if after_step is not None:
-            after_step()
+        loss, norm = step_fn(step, inputs, targets)
         # train_step already synced on the norm to decide; reading it again costs no device time.
         if nonfinite == "skip" and not bool(torch.isfinite(norm)):
             skipped.append(step)

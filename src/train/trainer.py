@@ -3,17 +3,18 @@ group and opens the tracker; `build()` makes the model (meta device, fused swaps
 the optimizer, the checkpointer and the data; `train()` runs the loop and returns the summary
 (the same dict on every rank; rank 0 also writes summary.json, curves.png and the MLflow run).
 
-The step itself (`forward_backward_step`, then `train_step`: grad norm, clipping, AdamW) is
-src/train/loop.py's; this class is what feeds it and what records it.
+The step is the Trainer's, as torchtitan's is: `forward_backward_step(inputs, targets)`, then
+`train_step(inputs, targets)` (grad norm, clipping, AdamW), each with the settings build() holds;
+src/train/loop.py runs the steps, times them and reads their figures.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import traceback
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import RUN_ARTIFACTS, default_run_name, start_tracker, write_json
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
-from src.train.loop import LoopResult, summarize, train_loop
+from src.train.loop import LoopResult, forward_backward_step, optimizer_step, summarize, train_loop
 from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
 from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.progress import ProgressReporter
@@ -72,6 +73,11 @@ class Trainer:
         self.tracker = make_tracker(cfg, ctx, env, self.run_dir)
         self.reporter: ProgressReporter | None = None
         self.metrics_file: MetricsFile | None = None
+        self.step = 0
+        """the step being run, counted from 0 (a checkpoint after N steps resumes at N)"""
+        self.session: TorchProfileSession | None = None
+        nvtx = cfg.profile.nvtx
+        self.mark = step_marker(nvtx) if nvtx else (lambda name: contextlib.nullcontext())
 
     def build(self) -> None:
         """The model on the meta device, its fused swaps, parallelize(), then optimizer, checkpoint
@@ -153,30 +159,20 @@ class Trainer:
         cfg, env, ctx = self.cfg, self.env, self.ctx
         self.build()
         ck = cfg.checkpoint
-        session = profile_session(cfg, self.fpt * cfg.data.batch_size * cfg.data.seq_len) if cfg.task.name == "profile" else None
+        self.session = session = profile_session(cfg, self.fpt * cfg.data.batch_size * cfg.data.seq_len) if cfg.task.name == "profile" else None
         if session is not None:
             session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
         reset_peak_memory(env.device)
         try:
             result = train_loop(
-                self.model, self.optimizer, self.batches, cfg.train.steps, env.device,
+                self.run_step, self.optimizer, self.batches, cfg.train.steps, env.device,
                 tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
                 world_size=env.world_size, flops_per_token=self.fpt, peak_flops=self.peak,
-                grad_clip=cfg.optim.grad_clip, autocast_dtype=self.autocast_dtype, loss_fp32=cfg.train.loss_fp32,
-                loss_fn=self.kernels.loss_fn, loss_in_model=self.kernels.loss_in_model, label_smoothing=cfg.train.label_smoothing,
                 log_every=cfg.train.log_every, on_step=self.callbacks,
-                fault=partial(inject, cfg.fault.kind, cfg.fault.rank, cfg.fault.step, env.rank),
-                mark=step_marker(cfg.profile.nvtx) if cfg.profile.nvtx else None,
-                profiled_step=cfg.profile.nvtx_step,
-                profiled_step_range=profiled_step,
-                after_step=session.step if session is not None else None,
                 start_step=self.start_step,
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=self.checkpointer.save if self.checkpointer is not None and ck.enabled else None,
                 nonfinite=cfg.train.nonfinite,
-                after_optimizer=self.after_optimizer,
-                lr_at=partial(lr_at, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
-                              total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio),
             )
             if self.checkpointer is not None:
                 self.checkpointer.wait()
@@ -191,6 +187,44 @@ class Trainer:
         if self.metrics_file:
             self.metrics_file.close()
         return self._finish(result, session)
+
+    def forward_backward_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward, loss and backward under this run's autocast, loss (fused or not, fp32 or not)
+        and fault; returns the loss, gradients left in the parameters' .grad."""
+        cfg = self.cfg
+        return forward_backward_step(
+            self.model, inputs, targets, self.autocast_dtype, cfg.train.loss_fp32, self.mark, self._fault,
+            self.kernels.loss_fn, self.kernels.loss_in_model, cfg.train.label_smoothing,
+        )
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step: forward_backward_step, then grad norm, clipping, the optimizer (and
+        float8's scales); returns (loss, global grad norm) as device tensors, not yet synced."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward_step(inputs, targets)
+        norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
+                              self.cfg.train.nonfinite == "skip", self.after_optimizer)
+        return loss.detach(), norm
+
+    def run_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What train_loop calls per step: the step's learning rate, train_step (inside ncu's range
+        on profile.nvtx_step), then the profiler's step."""
+        cfg = self.cfg
+        self.step = step
+        lr = lr_at(step, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
+                   total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with profiled_step() if step == cfg.profile.nvtx_step else contextlib.nullcontext():
+            loss, norm = self.train_step(inputs, targets)
+        if self.session is not None:
+            self.session.step()
+        return loss, norm
+
+    def _fault(self, loss: torch.Tensor) -> torch.Tensor:
+        """cfg.fault at its step on its rank (src/train/faults.py); the loss itself otherwise."""
+        f = self.cfg.fault
+        return inject(f.kind, f.rank, f.step, self.env.rank, self.step, loss)
 
     def _finish(self, result: LoopResult, session: TorchProfileSession | None) -> dict[str, Any]:
         """summary.json, curves.png and the run's artifacts; the tracker FINISHED; the last log line."""

@@ -1,4 +1,4 @@
-"""What `task=kernel_bench` times: per op, its inputs, the bytes it must move, and its variants.
+"""What `task=kernel_bench` and kernels=auto (measure.py) time: per op, its inputs, the bytes it must move, and its variants.
 
 Effective bandwidth counts each input read once and each output written once (the least any
 kernel must move), over the measured time: the figure to hold against the device's copy ceiling.
