@@ -16,7 +16,7 @@ pytest.importorskip("iree.turbine")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
-from src.edge.compile import build, load_artifacts  # noqa: E402
+from src.edge.compile import NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
 from src.edge.runtime import IreeRunner, Readback, vulkan_devices  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -75,6 +75,33 @@ def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
     assert "decode(0rr_rr)" in repr(runner.module.lookup_function("decode"))
     assert artifacts.manifest["module_bytes"] < 400_000 and artifacts.manifest["cooperative_matrix"] is False
     assert artifacts.manifest["variant"] == "llvmpipe-nocoop"
+
+
+@needs_vulkan
+def test_no_growing_hoists_take_the_constant_copy_and_its_gpu_wait_out_of_decode(tmp_path, cache):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_no_growing_hoists_match_torch, tmp_path, cache).result()
+
+
+def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
+    default = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "default", cache, params=False)
+    flagged = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "flagged", cache, extra_flags=(NO_GROWING_HOISTS,))
+    # by default decode copies the hoisted scatter indices of its KV-cache write into a fresh buffer
+    # and its other allocations wait on that copy; without growing hoists, two allocations that wait
+    # only on the previous call, the one command buffer, and one dealloca
+    assert default.manifest["decode_queue_ops"] == {"alloca": 3, "barrier": 1, "copy": 1, "dealloca": 2, "execute.indirect": 1}, default.manifest
+    assert flagged.manifest["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, flagged.manifest
+    assert flagged.manifest["variant"] == "llvmpipe-nocoop-nogrowhoist" and flagged.manifest["key"] != default.manifest["key"]
+    runner = IreeRunner(flagged, "vulkan")
+    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
+    gen = generate(runner, tokens, STEPS, check=True)
+    want = reference_logits(ref, tokens, gen.tokens[:-1])
+    errors = relative_errors(gen.logits, want)
+    assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE["fp32"], errors
+    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    k, v = runner.kv_cache()  # the position computed in the call lands where the hoisted indices put it
+    assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
 
 
 @needs_vulkan
