@@ -105,6 +105,17 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
 
 
 @needs_vulkan
+def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(tmp_path, cache):
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, 1)
+    art = build(ref, TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache, {"seed": 0}, extra_flags=(NO_GROWING_HOISTS,), params=False)
+    proc = run_cli(["--module", str(art.dir), "--steps", "4", "--json", str(tmp_path / "probe.json")], cwd=tmp_path, module="src.bench.edge_roundtrip")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads((tmp_path / "probe.json").read_text())
+    assert row["tokens_agree"] is True and row["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, row
+    assert all(row[k] > 0 for k in ("sync_ms", "async_wait_ms", "async_poll_ms", "enqueue_ms", "pipelined_ms_per_step", "read_wait_ms", "read_poll_ms"))
+
+
+@needs_vulkan
 def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp_path, cache):
     proc = _cli(["edge.action=compile", f"edge.artifacts={tmp_path / 'art'}", "tracking=none"], tmp_path, cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
