@@ -16,7 +16,7 @@ pytest.importorskip("iree.turbine")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
-from src.edge.compile import build, load_artifacts  # noqa: E402
+from src.edge.compile import NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
 from src.edge.runtime import IreeRunner, Readback, vulkan_devices  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -75,6 +75,44 @@ def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
     assert "decode(0rr_rr)" in repr(runner.module.lookup_function("decode"))
     assert artifacts.manifest["module_bytes"] < 400_000 and artifacts.manifest["cooperative_matrix"] is False
     assert artifacts.manifest["variant"] == "llvmpipe-nocoop"
+
+
+@needs_vulkan
+def test_no_growing_hoists_take_the_constant_copy_and_its_gpu_wait_out_of_decode(tmp_path, cache):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_no_growing_hoists_match_torch, tmp_path, cache).result()
+
+
+def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
+    default = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "default", cache, params=False)
+    flagged = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "flagged", cache, extra_flags=(NO_GROWING_HOISTS,))
+    # by default decode copies the hoisted scatter indices of its KV-cache write into a fresh buffer
+    # and its other allocations wait on that copy; without growing hoists, two allocations that wait
+    # only on the previous call, the one command buffer, and one dealloca
+    assert default.manifest["decode_queue_ops"] == {"alloca": 3, "barrier": 1, "copy": 1, "dealloca": 2, "execute.indirect": 1}, default.manifest
+    assert flagged.manifest["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, flagged.manifest
+    assert flagged.manifest["variant"] == "llvmpipe-nocoop-nogrowhoist" and flagged.manifest["key"] != default.manifest["key"]
+    runner = IreeRunner(flagged, "vulkan")
+    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
+    gen = generate(runner, tokens, STEPS, check=True)
+    want = reference_logits(ref, tokens, gen.tokens[:-1])
+    errors = relative_errors(gen.logits, want)
+    assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE["fp32"], errors
+    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    k, v = runner.kv_cache()  # the position computed in the call lands where the hoisted indices put it
+    assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
+
+
+@needs_vulkan
+def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(tmp_path, cache):
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, 1)
+    art = build(ref, TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache, {"seed": 0}, extra_flags=(NO_GROWING_HOISTS,), params=False)
+    proc = run_cli(["--module", str(art.dir), "--steps", "4", "--json", str(tmp_path / "probe.json")], cwd=tmp_path, module="src.bench.edge_roundtrip")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads((tmp_path / "probe.json").read_text())
+    assert row["tokens_agree"] is True and row["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, row
+    assert all(row[k] > 0 for k in ("sync_ms", "async_wait_ms", "async_poll_ms", "enqueue_ms", "pipelined_ms_per_step", "read_wait_ms", "read_poll_ms"))
 
 
 @needs_vulkan

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -51,6 +52,21 @@ class Artifacts:
     @property
     def irpa(self) -> Path:
         return self.params or self.dir / "params.irpa"
+
+
+# Hoist no constant expression whose result is larger than its inputs. The decode's KV-cache write
+# (`index_copy_`, src/edge/model.py) lowers to a scatter whose index tensor, (L*B*heads*head_dim, 5)
+# int64 (80 KiB for model=small at batch 1), is constant but for the position column. By default
+# IREE hoists it into a global, and each decode call then copies it into a fresh buffer
+# (queue.alloca + queue.copy) for the dispatches to write the position in; the call's other two
+# allocations wait on that copy, i.e. on the GPU, in the middle of the call, and a dealloca and a
+# barrier follow: decode's queue ops are 3 alloca, 1 copy, 1 execute, 2 dealloca, 1 barrier. With
+# this flag the index tensor is made by a dispatch inside the call's one command buffer: 2 alloca
+# (waiting only on the previous call), 1 execute, 1 dealloca. The weight transposes IREE hoists
+# grow nothing and stay hoisted. (docs/PERFORMANCE.md 6d)
+NO_GROWING_HOISTS = "--iree-opt-const-expr-max-size-increase-threshold=0"
+# short names in a variant's name for flags whose own would make it unreadable
+FLAG_NAMES = {NO_GROWING_HOISTS: "nogrowhoist"}
 
 
 def compile_flags(device: str, target: str, features: str = "", msl_dir: Path | None = None) -> list[str]:
@@ -166,8 +182,10 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
             ic.compile_file(str(mlir), output_file=str(staging / "module.vmfb"), extra_args=compile_flags(device, target, features, msl) + list(extra_flags) + dump)
             compile_s = time.perf_counter() - t1
             coop = uses_cooperative_matrix(binaries) if device == "vulkan" else False
+            decode_ops = queue_ops(staging / "module.vmfb", "decode$async")
             log.info("exported in %.1f s, compiled for %s %s %s in %.1f s", export_s, device, target, " ".join(extra_flags), compile_s)
-            (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": flags, "cooperative_matrix": coop}))
+            (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": flags, "cooperative_matrix": coop,
+                                                              "decode_queue_ops": decode_ops}))
             try:
                 staging.rename(cached)  # atomic: a concurrent job that got there first wins
             except OSError:
@@ -180,6 +198,7 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     manifest = {
         "schema": SCHEMA, "key": key, "cache": "hit" if hit else "miss", "device": device, "target": target, "flags": flags,
         "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags),
+        "decode_queue_ops": compiled.get("decode_queue_ops"),
         "cooperative_matrix": compiled.get("cooperative_matrix", False),
         "model": model_cfg, "weights": weights or {}, "batch": lm.batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
         "functions": ["prefill", "decode", "kv_cache"], "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],
@@ -192,8 +211,43 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
 
 def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[str, ...] | list[str] = ()) -> str:
     """A short name for how a module was compiled: target, coop or nocoop, then any extra flags."""
-    extras = [f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
+    extras = [FLAG_NAMES.get(f) or f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
     return "-".join([target, "coop" if cooperative_matrix else "nocoop", *extras])
+
+
+def queue_ops(vmfb: Path, function: str = "decode$async") -> dict[str, int] | None:
+    """How many of each `hal.device.queue.*` call `function` of the compiled module makes, from
+    `iree-dump-module`'s disassembly (iree-base-runtime), e.g. {"alloca": 2, "dealloca": 1,
+    "execute.indirect": 1} for decode compiled with NO_GROWING_HOISTS. IREE 3.13's Vulkan HAL does
+    each alloca, dealloca and barrier on the host, once its wait fences are reached: one that waits
+    on work of the same call waits for the GPU. None where the tool is missing or the function is
+    not in the module."""
+    import subprocess
+
+    exe = shutil.which("iree-dump-module") or _runtime_tool("iree-dump-module")
+    if exe is None:
+        return None
+    try:
+        text = subprocess.run([exe, "--output=disassembly", str(vmfb)], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    start = text.find(f"vm.func @{function}(")
+    if start < 0:
+        return None
+    end = text.find("\n}", start)
+    counts: dict[str, int] = {}
+    for op in re.findall(r"@hal\.device\.queue\.([a-z_.]+)[( ]", text[start:end if end > 0 else None]):
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _runtime_tool(name: str) -> str | None:
+    try:
+        import iree._runtime_libs as libs
+    except ImportError:
+        return None
+    path = Path(libs.__file__).parent / name
+    return str(path) if path.is_file() else None
 
 
 def _ensure(path: Path) -> Path:
