@@ -12,6 +12,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+# each task package declares its figures (src/tracking/figures.py) when imported: sweeps and
+# src.compare read them in this process
+import src.diagnose  # noqa: F401
+import src.edge  # noqa: F401
+import src.kernel_bench  # noqa: F401
+import src.train  # noqa: F401
 from src.distributed.env import launched_as_worker
 from src.runtime import RunContext, save_resolved_config, setup_logging
 
