@@ -18,7 +18,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from src.tracking.figures import TASK_FIGURES, best_row, headline, is_number, lower_is_better
+# each task package declares its figures when imported (src/tracking/figures.py)
+import src.diagnose  # noqa: F401
+import src.edge  # noqa: F401
+import src.train  # noqa: F401
+from src.tracking.figures import best_row, figures_of, headline, is_number, lower_is_better
 
 PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size")
 # Short headers: five figures and a run name fit 100 columns (tokens_per_s_per_device alone is 23).
@@ -99,7 +103,7 @@ def render(rows: list[dict[str, Any]], metric: str | None, console: Console) -> 
     lower = lower_is_better(metric)
     rows = sorted(rows, key=lambda r: (not is_number(r.get(metric)), 0.0 if not is_number(r.get(metric)) else (r[metric] if lower else -r[metric])))
     best = best_row(rows, metric)
-    figures = [metric] + [m for m in TASK_FIGURES.get(task, ()) if m != metric and any(is_number(r.get(m)) for r in rows)]
+    figures = [metric] + [m for m in figures_of(task).shown if m != metric and any(is_number(r.get(m)) for r in rows)]
     labels = _labels(rows)
     varying = [p for p in PARAMS if len({str(r.get(p)) for r in rows}) > 1 and not all(f"{p}=" in lab for lab in labels)]
     same = [f"{p}={rows[0][p]}" for p in PARAMS if len({str(r.get(p)) for r in rows}) == 1 and rows[0].get(p) is not None]

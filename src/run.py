@@ -138,11 +138,12 @@ def _sweep_marker(sweep_dir: Path, name: str) -> str | None:
 
 
 def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
-    """Run one job. A failure is recorded (summary.json, MLflow FAILED) and, in a sweep, returned
-    so the sweep goes on; a single run exits 1 with the error on one line."""
+    """Run one job. Its task has recorded a failure (src/tasks.py's task_wrapper: summary.json,
+    MLflow FAILED or KILLED); here it is reported: in a sweep returned so the sweep goes on, a
+    single run exits 1 (130 when interrupted) with the error on one line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from src.tasks import record_job_failure
+    from src.tasks import failure_message, interruption
 
     try:
         summary = run_task(cfg, ctx)
@@ -151,24 +152,13 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
         return summary
     except (KeyboardInterrupt, SignalException) as err:
         # SignalException is an Exception: left to Hydra, it prints ~40 lines and exits 1.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
-        name = getattr(getattr(err, "sigval", None), "name", "SIGINT")
-        record_job_failure(cfg, ctx, f"interrupted by {name}", status="killed")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         where = f"; the run in {ctx.run_dir} is recorded as KILLED" if ctx.run_dir else ""
-        _fail(f"interrupted by {name}{where}", code=EXIT_INTERRUPTED)
+        _fail(f"{interruption(err)}{where}", code=EXIT_INTERRUPTED)
     except ConfigError as err:
         _fail(str(err))
     except Exception as err:
-        from src.distributed.launch import RankFailed
-
-        message = str(err) if isinstance(err, RankFailed) else f"{type(err).__name__}: {err}"
-        log.error("job failed: %s", message, exc_info=not isinstance(err, RankFailed))
-        if isinstance(err, RankFailed) and err.ranks and 0 not in err.ranks:
-            # Several nodes, each an agent: rank 0 ran on another node, whose process records the
-            # run (its summary.json, its MLflow run); a second record here would be a second run.
-            log.error("rank 0 ran on another node, whose record of the run stands")
-        else:
-            record_job_failure(cfg, ctx, message)
+        message = failure_message(err)
         if multirun:
             return {"task": cfg.task.name, "status": "failed", "error": message}
         _fail(message, code=1)

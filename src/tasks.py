@@ -1,8 +1,10 @@
-"""cfg.task.name -> the function that runs it. Each takes the composed config and the RunContext."""
+"""cfg.task.name -> the function that runs it. Each takes the composed config and the RunContext,
+goes through task_wrapper (its failure recorded once) and returns its summary."""
 from __future__ import annotations
 
 import functools
 import logging
+import signal
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -10,12 +12,69 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+# each task package declares its figures (src/tracking/figures.py) when imported: sweeps and
+# src.compare read them in this process
+import src.diagnose  # noqa: F401
+import src.edge  # noqa: F401
+import src.kernel_bench  # noqa: F401
+import src.train  # noqa: F401
 from src.distributed.env import launched_as_worker
 from src.runtime import RunContext, save_resolved_config, setup_logging
 
 log = logging.getLogger("src.run")
 
 
+def failure_message(err: BaseException) -> str:
+    """The one line a failed job is recorded and reported with: a RankFailed's own (the rank's
+    error as the launcher read it), else the exception's type and message."""
+    from src.distributed.launch import RankFailed
+
+    return str(err) if isinstance(err, RankFailed) else f"{type(err).__name__}: {err}"
+
+
+def interruption(err: BaseException) -> str:
+    """`interrupted by SIGTERM`: the signal a SignalException carries, SIGINT for a Ctrl-C."""
+    return f"interrupted by {getattr(getattr(err, 'sigval', None), 'name', 'SIGINT')}"
+
+
+def task_wrapper(run: Callable[[DictConfig, RunContext], Any]) -> Callable[[DictConfig, RunContext], Any]:
+    """What every task entry goes through (lightning-hydra-template's task_wrapper): it runs the
+    task and returns its summary. On an exception it records the failure, once: summary.json with
+    the error and the MLflow run FAILED (KILLED when interrupted), made if the task never opened
+    one; then it raises the exception again for run_job to report in one line. A ConfigError met
+    at run time is only reported: nothing of the run has started."""
+
+    @functools.wraps(run)
+    def task(cfg: DictConfig, ctx: RunContext) -> Any:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        from src.compose import ConfigError
+        from src.distributed.launch import RankFailed
+
+        try:
+            return run(cfg, ctx)
+        except (KeyboardInterrupt, SignalException) as err:
+            # SignalException is an Exception: the launcher's SIGTERM, recorded as a Ctrl-C is.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
+            record_job_failure(cfg, ctx, interruption(err), status="killed")
+            raise
+        except ConfigError:
+            raise
+        except Exception as err:
+            message = failure_message(err)
+            log.error("job failed: %s", message, exc_info=not isinstance(err, RankFailed))
+            if isinstance(err, RankFailed) and err.ranks and 0 not in err.ranks:
+                # Several nodes, each an agent: rank 0 ran on another node, whose process records the
+                # run (its summary.json, its MLflow run); a second record here would be a second run.
+                log.error("rank 0 ran on another node, whose record of the run stands")
+            else:
+                record_job_failure(cfg, ctx, message)
+            raise
+
+    return task
+
+
+@task_wrapper
 def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """task=train and task=profile: in this process for one rank, else through the elastic launcher:
     this node's agent, one of dist.nnodes (a submitit job's nodes meet on its first node)."""
@@ -62,6 +121,7 @@ def one_shot(run: Callable[[DictConfig, RunContext], Any]) -> Callable[[DictConf
     return task
 
 
+@task_wrapper
 @one_shot
 def run_diagnose(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.diagnose.task import run_diagnose as diagnose
@@ -69,6 +129,7 @@ def run_diagnose(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     return diagnose(cfg, ctx)
 
 
+@task_wrapper
 @one_shot
 def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.kernel_bench.task import run_kernel_bench as bench
@@ -76,6 +137,7 @@ def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     return bench(cfg, ctx)
 
 
+@task_wrapper
 @one_shot
 def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.edge.task import run_infer as infer

@@ -111,3 +111,15 @@ def test_compare_with_no_store_creates_none_and_names_uri(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert "--uri" in err and "python -m src.run" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # no mlflow.db left behind
+
+
+def test_each_task_declares_its_figures_beside_it():
+    from src.tasks import TASKS
+    from src.tracking.figures import figures_of, headline
+
+    assert {task: headline(task) for task in TASKS} == {
+        "train": "tokens_per_s_per_device", "profile": "tokens_per_s_per_device", "diagnose": "share_memory_bound",
+        "kernel_bench": "tokens_per_s_per_device", "infer": "decode_tokens_per_s",
+    }
+    assert [task for task in TASKS if figures_of(task).sweep_plots] == ["infer"]
+    assert figures_of("kernel_bench").shown == ()  # its figures are its table's rows

@@ -67,7 +67,7 @@ class _RecordsDeadJobs:
             return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value={"status": "failed", "error": message})
 
     def _record_dead_job(self, overrides: list[str], idx: int, message: str) -> None:
-        """summary.json and the MLflow run FAILED, as run_job does for a job that could say why."""
+        """summary.json and the MLflow run FAILED, as src/tasks.py's task_wrapper does for a job that could say why."""
         from omegaconf import OmegaConf, open_dict
 
         from src.run import job_context

@@ -6,6 +6,11 @@ diagnosis); target.py: the process ncu profiles.
 """
 from __future__ import annotations
 
+from src.tracking.figures import register_figures
+
+# task=diagnose's figures, the headline first
+register_figures("diagnose", ("share_memory_bound",), extra=("device_name",))
+
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m src.diagnose`: here so that importing the task does not import the CLI."""

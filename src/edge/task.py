@@ -27,8 +27,8 @@ IREE_DEVICE = {"vulkan": "vulkan", "mps": "metal"}
 
 class EdgeRunFailed(RankFailed):
     """A run that ended with a reason already said in one line (module refused by the driver, wrong
-    numbers, a target that does not match the device): run_job prints a RankFailed without a
-    traceback, exits 1, and the summary and the MLflow run were recorded FAILED before raising."""
+    numbers, a target that does not match the device): task_wrapper logs a RankFailed without a
+    traceback, run_job exits 1, and the figures and the MLflow run were recorded FAILED before raising."""
 
 
 def load_hint(manifest: dict) -> str:
@@ -150,7 +150,7 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         if (artifacts.dir / "msl").is_dir():
             tracker.log_artifact(artifacts.dir / "msl", "edge/msl")
     if summary["status"] == "failed":
-        write_json(run_dir / "edge_summary.json", summary)  # run_job's failure record replaces summary.json with the error alone
+        write_json(run_dir / "edge_summary.json", summary)  # task_wrapper's failure record replaces summary.json with the error alone
         tracker.set_tags({"variant": str(summary.get("variant")), "status": "failed"})
         tracker.finish("FAILED", _metrics(summary), error=summary["error"])
         raise EdgeRunFailed(summary["error"])

@@ -1,35 +1,52 @@
 """Which figures each task reports, which one it is compared on, and which way is better.
 
 Shared by a sweep's parent run and table (src/tracking/sweep.py) and `python -m src.compare`, so a
-latency is never starred for being the largest.
+latency is never starred for being the largest. Each task declares its own (register_figures, in
+its package's __init__.py); src/tasks.py and src/compare.py import every task package, so
+whatever runs tasks or compares them has the declarations.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-_TRAIN = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "final_loss", "step_time_s")
-# The figures shown and compared per task, the headline first.
-TASK_FIGURES: dict[str, tuple[str, ...]] = {
-    "train": _TRAIN,
-    "profile": _TRAIN,
-    "diagnose": ("share_memory_bound",),
-    "infer": ("decode_tokens_per_s", "decode_p50_ms", "ttft_p50_ms", "prefill_tokens_per_s", "rel_err"),
-}
-# What a task's sweep.csv holds beyond those: the p90s and sizes a table in a terminal leaves out.
-TASK_EXTRA: dict[str, tuple[str, ...]] = {
-    "train": ("tokens_per_s", "overhead_frac"),
-    "profile": ("tokens_per_s",),
-    "diagnose": ("device_name",),
-    "infer": ("device_name", "ttft_p90_ms", "decode_p90_ms", "compile_s"),
-}
+
+@dataclass(frozen=True)
+class TaskFigures:
+    """What one task declares (a register_figures call beside it, in its package's __init__.py)."""
+
+    shown: tuple[str, ...]
+    """the figures shown and compared, the headline first"""
+    extra: tuple[str, ...] = ()
+    """what a sweep.csv holds beyond those: the p90s and sizes a table in a terminal leaves out"""
+    sweep_plots: tuple[str, ...] = ()
+    """charts a sweep draws beside its headline's (src/tracking/sweep_plots.py's SWEEP_PLOTS)"""
+
+
+# task name -> its figures, filled by the tasks: tracking/ names no task, and imports none
+_REGISTRY: dict[str, TaskFigures] = {}
+# What a task that declares none (kernel_bench, whose figures are its table's rows) is compared on.
+DEFAULT_HEADLINE = "tokens_per_s_per_device"
+
+
+def register_figures(task: str, shown: tuple[str, ...], extra: tuple[str, ...] = (), sweep_plots: tuple[str, ...] = ()) -> None:
+    """Declare a task's figures: `shown` with its headline first, what sweep.csv adds, the sweep's charts."""
+    _REGISTRY[task] = TaskFigures(tuple(shown), tuple(extra), tuple(sweep_plots))
+
+
+def figures_of(task: str) -> TaskFigures:
+    """The task's declaration; none shown, none extra, no charts for a task that made none."""
+    return _REGISTRY.get(task, TaskFigures(()))
+
+
 LOWER_IS_BETTER = {"peak_mem_gb", "peak_mem_reserved_gb", "final_loss", "step_time_s", "share_memory_bound", "overhead_frac",
                    "rel_err", "compile_s", "first_run_s", "skipped_steps"}
 
 
 def headline(task: str) -> str:
-    return TASK_FIGURES.get(task, _TRAIN)[0]
+    return (figures_of(task).shown or (DEFAULT_HEADLINE,))[0]
 
 
 def lower_is_better(metric: str) -> bool:

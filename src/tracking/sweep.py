@@ -4,8 +4,9 @@ callback under hydra.callbacks).
 on_multirun_start opens the parent and leaves its id in the sweep directory, where each job, in
 this process or in a joblib worker, finds it and tags its own run as a child. on_multirun_end
 reads the jobs' summary.json files (present even when a job failed or its store was down),
-writes the comparison table (CSV, and a PNG bar chart of the sweep's headline metric), ends the
-parent with the counts of finished and failed jobs, and exits 1 if any job failed.
+writes the comparison table (CSV, a PNG bar chart of the sweep's headline metric, and the charts
+its task declares: src/tracking/figures.py), ends the parent with the counts of finished and
+failed jobs, and exits 1 if any job failed.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from src.tracking.sweep_plots import plot_headline, plot_latency
+from src.tracking.sweep_plots import SWEEP_PLOTS, plot_headline
 
 log = logging.getLogger("src.sweep")
 
@@ -28,7 +29,7 @@ SETTING_COLUMNS = ("model", "sharding", "precision", "backend", "kernels", "data
 
 def collect_jobs(sweep_dir: Path, sweep_keys: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per job directory (multirun/DATE/TIME/N/): its name, settings, figures, status."""
-    from src.tracking.figures import TASK_EXTRA, TASK_FIGURES
+    from src.tracking.figures import figures_of
 
     rows = []
     for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
@@ -40,7 +41,8 @@ def collect_jobs(sweep_dir: Path, sweep_keys: list[str] | None = None) -> list[d
         row = {"job": int(job_dir.name), "run": " ".join(varying) or f"job {job_dir.name}", "status": summary.get("status", "failed"), "task": summary.get("task", "")}
         row.update({k: summary.get("settings", {}).get(k) for k in SETTING_COLUMNS})
         task = row["task"] or "train"
-        row.update({k: summary.get(k) for k in (*TASK_FIGURES.get(task, ()), *TASK_EXTRA.get(task, ()))})
+        declared = figures_of(task)
+        row.update({k: summary.get(k) for k in (*declared.shown, *declared.extra)})
         row["mlflow_run_id"] = summary.get("mlflow_run_id")
         row["error"] = summary.get("error", "")
         rows.append(row)
@@ -126,7 +128,7 @@ class MlflowSweepCallback(Callback):
         log.info("sweep parent run %s in experiment '%s'", self.parent_run_id, name)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from src.tracking.figures import TASK_FIGURES, best_row, headline
+        from src.tracking.figures import best_row, figures_of, headline
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = collect_jobs(sweep_dir, self.sweep_keys) if sweep_dir.exists() else []
@@ -137,7 +139,7 @@ class MlflowSweepCallback(Callback):
         if rows:
             table = write_table(rows, sweep_dir / "sweep.csv")
             chart = plot_headline(rows, metric, sweep_dir / "sweep.png", best)
-            extra = [plot_latency(rows, sweep_dir / "latency.png")] if task == "infer" else []
+            extra = [SWEEP_PLOTS[name](rows, sweep_dir / f"{name}.png") for name in figures_of(task).sweep_plots]
             log.info("sweep: %d jobs, %d finished, %d failed -> %s", len(rows), len(rows) - len(failed), len(failed), table)
             for r in failed:
                 log.error("job %d (%s) failed: %s", r["job"], r["run"], r["error"])
@@ -149,7 +151,7 @@ class MlflowSweepCallback(Callback):
                     self.client.log_artifact(self.parent_run_id, str(path))
             metrics = [Metric("jobs_finished", len(rows) - len(failed), 0, 0), Metric("jobs_failed", len(failed), 0, 0)]
             if best is not None:  # the best job's figures under the children's names: one chart column holds all
-                metrics += [Metric(f"summary.{k}", float(best[k]), 0, 0) for k in TASK_FIGURES.get(task, ()) if isinstance(best.get(k), (int, float))]
+                metrics += [Metric(f"summary.{k}", float(best[k]), 0, 0) for k in figures_of(task).shown if isinstance(best.get(k), (int, float))]
                 self.client.set_tag(self.parent_run_id, "best_job", f"{best['run']} ({metric} {best[metric]:.4g})")
             params = [Param(k, v) for k, v in parent_params(rows, self.sweep_keys).items()]
             self.client.log_batch(self.parent_run_id, metrics=metrics, params=params)

@@ -62,3 +62,7 @@ def plot_latency(rows: list[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# the charts a task may declare for its sweeps (register_figures(..., sweep_plots=...)), each written as NAME.png
+SWEEP_PLOTS = {"latency": plot_latency}
