@@ -65,7 +65,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
 
     fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
     if "rms_rows" in groups:  # rows per tile: more loads in flight per program
-        rows = rn.FWD_ROWS, rn.BWD_ROWS
+        saved_rows = rn.FWD_ROWS, rn.BWD_ROWS
         for fr, br, programs, warps in [(1, 1, 4, 8), (2, 1, 4, 8), (4, 1, 4, 8), (2, 1, 4, 16), (4, 1, 4, 16),
                                         (1, 2, 4, 8), (1, 4, 4, 8), (1, 2, 2, 16), (1, 4, 2, 16), (1, 8, 1, 16), (1, 4, 1, 16)]:
             rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = fr, br, programs
@@ -74,7 +74,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
             record("rms_norm", setting, "rms_norm", [8192, 2048])
             record("add_rms_norm", setting, "add_rms_norm", [8192, 2048])
             record("rms_norm_fwd", setting, "rms_norm_fwd", [8192, 2048])
-        rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = rows
+        rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = *saved_rows, per_sm
         rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
     for fw in (2, 4, 8, 16) if "rms_norm" in groups else ():
         for bw in (4, 8, 16):
