@@ -113,6 +113,13 @@ def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(t
     (row,) = json.loads((tmp_path / "probe.json").read_text())
     assert row["tokens_agree"] is True and row["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, row
     assert all(row[k] > 0 for k in ("sync_ms", "async_wait_ms", "async_poll_ms", "enqueue_ms", "pipelined_ms_per_step", "read_wait_ms", "read_poll_ms"))
+    # the same module's decode, each dispatch timed by the device (IREE's HAL profiling)
+    proc = run_cli(["--module", str(art.dir), "--calls", "3", "--json", str(tmp_path / "dispatches.json")], cwd=tmp_path, module="src.bench.edge_dispatches")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "dispatches.json").read_text())[art.dir.name]
+    assert rows and all(r["us_per_call"] > 0 and r["per_call"] >= 1 for r in rows), rows
+    assert any("matmul" in r["dispatch"] for r in rows) and rows == sorted(rows, key=lambda r: -r["us_per_call"])
+    assert "GPU time per decode call" in proc.stdout
 
 
 @needs_vulkan
