@@ -155,7 +155,8 @@ class Readback:
         if local.is_cuda:
             self.values = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
             self.values.copy_(local, non_blocking=True)
-            self.event = torch.cuda.Event()
+            # timed: the step's end on the device clock, whenever the host gets to read it
+            self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
         else:
             self.values = local
@@ -206,16 +207,26 @@ def train_loop(
     skipped: list[int] = []
     overhead = 0.0
     start = time.perf_counter()
-    last_read: tuple[int, float] | None = None  # (step, when its values reached the host)
+    origin = None
+    if device.type == "cuda":
+        origin = torch.cuda.Event(enable_timing=True)
+        origin.record()
+    # (step, when it ended): a CUDA event on a GPU, where the host reads a step late by design (it
+    # queues the next one first), so host clocks would put part of one step in the next; else the
+    # host's time of the read
+    last_read: tuple[int, float | torch.cuda.Event | None] = (start_step - 1, origin if origin is not None else start)
     pending: tuple[int, Readback, float | None, bool] | None = None  # a logged step not yet read
 
     def record(step: int, readback: Readback, lr: float | None, ckpt: bool) -> None:
         nonlocal last_read, overhead
         loss_v, norm_v, mem_alloc, mem_reserved = readback.read()
         t1 = time.perf_counter()
-        since, t0 = last_read if last_read is not None else (start_step - 1, start)
-        dt = (t1 - t0) / (step - since)  # mean step time since the last step read
-        last_read = (step, t1)
+        since, t0 = last_read
+        if readback.event is not None and isinstance(t0, torch.cuda.Event):
+            dt = t0.elapsed_time(readback.event) / 1e3 / (step - since)  # mean step time since the last step read
+            last_read = (step, readback.event)
+        else:  # read at once (CPU): the next interval starts after this read's callbacks, below
+            dt = (t1 - t0) / (step - since)
         if nonfinite == "fail" and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             # Checked before any checkpoint of this step is written: NaN weights are never saved.
             raise NonFiniteLoss(f"non-finite loss {loss_v} (grad norm {norm_v}) at step {step}")
@@ -238,8 +249,16 @@ def train_loop(
         for callback in on_step:
             callback(stats)
         overhead += time.perf_counter() - t1
+        if not isinstance(last_read[1], torch.cuda.Event):
+            last_read = (step, time.perf_counter())
         if ckpt and save_checkpoint is not None:
             save_checkpoint(step + 1)
+            if isinstance(last_read[1], torch.cuda.Event):  # the save's time is overhead, not the next step's
+                resume = torch.cuda.Event(enable_timing=True)
+                resume.record()
+                last_read = (step, resume)
+            else:
+                last_read = (step, time.perf_counter())
 
     for step in range(start_step, steps):
         inputs, targets = next(batches)
@@ -263,8 +282,9 @@ def train_loop(
             continue  # no sync: the device runs ahead until the next logged step
         readback = Readback(loss, norm, peak_memory_gb(device))
         lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
-        if ckpt or step == steps - 1:
-            record(step, readback, lr, ckpt)  # a checkpoint is of this step's weights, checked first
+        if ckpt or step == steps - 1 or readback.event is None:
+            # a checkpoint is of this step's weights, checked first; on a CPU the step is done already
+            record(step, readback, lr, ckpt)
         else:
             pending = (step, readback, lr, ckpt)
     return LoopResult(results, overhead, time.perf_counter() - start, skipped)
