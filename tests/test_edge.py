@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("iree.turbine")
 
@@ -103,6 +104,20 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
     k, v = runner.kv_cache()  # the position computed in the call lands where the hoisted indices put it
     assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
 
+
+
+def test_the_greedy_token_is_torch_argmax_with_ties_to_the_first_index():
+    from src.edge.model import greedy_token
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 4099)
+    logits[1, 7] = logits[1, 4000] = 50.0  # a tie: the first index wins, as torch.argmax's
+    logits[2, -1] = 60.0
+    for dtype in (torch.float32, torch.float16):
+        got = greedy_token(logits.to(dtype))
+        assert got.dtype == torch.int32 and torch.equal(got.long(), logits.to(dtype).argmax(-1))
+    logits[3] = float("nan")  # nothing equals a NaN maximum: still a token of the vocabulary
+    assert 0 <= int(greedy_token(logits)[3]) < 4099
 
 @needs_vulkan
 def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(tmp_path, cache):
