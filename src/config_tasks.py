@@ -16,6 +16,12 @@ class BenchMode(StrEnum):
     fwd_bwd = "fwd_bwd"
 
 
+class HostWait(StrEnum):
+    auto = "auto"
+    poll = "poll"
+    block = "block"
+
+
 class EdgeAction(StrEnum):
     bench = "bench"
     compile = "compile"
@@ -145,3 +151,7 @@ class EdgeConfig:
     seed: int = 0
     runtime_flags: list[str] = field(default_factory=list)
     """backend=vulkan: IREE runtime flags, e.g. edge.runtime_flags='["--vulkan_tracing=false"]'"""
+    host_wait: HostWait = HostWait.auto
+    """backend=vulkan: how the host waits for a decode call and a token read: poll the semaphore
+    (as CUDA's default sync spins), or block in the driver; auto polls on a GPU and blocks on
+    lavapipe, whose CPU threads the poll would take"""

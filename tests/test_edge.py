@@ -94,7 +94,9 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
     assert default.manifest["decode_queue_ops"] == {"alloca": 3, "barrier": 1, "copy": 1, "dealloca": 2, "execute.indirect": 1}, default.manifest
     assert flagged.manifest["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, flagged.manifest
     assert flagged.manifest["variant"] == "llvmpipe-nocoop-nogrowhoist" and flagged.manifest["key"] != default.manifest["key"]
-    runner = IreeRunner(flagged, "vulkan")
+    # and the host polls: decode$async with its fence on the runner's semaphore, reads spun on too
+    runner = IreeRunner(flagged, "vulkan", host_wait="poll")
+    assert runner.poll and runner.readback.poll
     tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
     gen = generate(runner, tokens, STEPS, check=True)
     want = reference_logits(ref, tokens, gen.tokens[:-1])
