@@ -54,6 +54,8 @@ class Readback:
         self.rt, self.device, self.modes = rt, device, modes
         self.targets: dict[int, tuple[Any, np.ndarray]] = {}
         self.mode = ""
+        self._done: Any = None
+        self._reads = 0
 
     def _target(self, nbytes: int) -> tuple[Any, np.ndarray]:
         rt, alloc = self.rt, self.device.allocator
@@ -90,9 +92,12 @@ class Readback:
         if nbytes not in self.targets:
             self.targets[nbytes] = self._target(nbytes)
         target, host = self.targets[nbytes]
-        done = self.device.create_semaphore(0)
-        self.device.queue_copy(buffer, target, [], [(done, 1)])
-        spin_wait(done, 1) if self.poll else done.wait(1)
+        # one timeline for every read (a semaphore made per read costs a driver call each time)
+        if self._done is None:
+            self._done, self._reads = self.device.create_semaphore(0), 0
+        self._reads += 1
+        self.device.queue_copy(buffer, target, [], [(self._done, self._reads)])
+        spin_wait(self._done, self._reads) if self.poll else self._done.wait(self._reads)
         return host[:nbytes].view(array.dtype).reshape(array.shape).copy()
 
 
