@@ -17,7 +17,7 @@ pytest.importorskip("iree.turbine")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
-from src.edge.compile import NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
+from src.edge.compile import GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
 from src.edge.runtime import IreeRunner, Readback, vulkan_devices  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -79,21 +79,24 @@ def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
 
 
 @needs_vulkan
-def test_no_growing_hoists_take_the_constant_copy_and_its_gpu_wait_out_of_decode(tmp_path, cache):
+def test_no_growing_hoists_by_default_take_the_constant_copy_and_its_gpu_wait_out_of_decode(tmp_path, cache):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         pool.submit(_no_growing_hoists_match_torch, tmp_path, cache).result()
 
 
 def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
     ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
-    default = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "default", cache, params=False)
-    flagged = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "flagged", cache, extra_flags=(NO_GROWING_HOISTS,))
-    # by default decode copies the hoisted scatter indices of its KV-cache write into a fresh buffer
-    # and its other allocations wait on that copy; without growing hoists, two allocations that wait
-    # only on the previous call, the one command buffer, and one dealloca
-    assert default.manifest["decode_queue_ops"] == {"alloca": 3, "barrier": 1, "copy": 1, "dealloca": 2, "execute.indirect": 1}, default.manifest
+    growing = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "growing", cache, extra_flags=(GROWING_HOISTS,), params=False)
+    flagged = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "flagged", cache)
+    # with IREE's default hoisting, decode copies the hoisted scatter indices of its KV-cache write
+    # into a fresh buffer and its other allocations wait on that copy; without growing hoists (the
+    # Vulkan default here), two allocations that wait only on the previous call, the one command
+    # buffer, and one dealloca
+    assert growing.manifest["decode_queue_ops"] == {"alloca": 3, "barrier": 1, "copy": 1, "dealloca": 2, "execute.indirect": 1}, growing.manifest
     assert flagged.manifest["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, flagged.manifest
-    assert flagged.manifest["variant"] == "llvmpipe-nocoop-nogrowhoist" and flagged.manifest["key"] != default.manifest["key"]
+    assert NO_GROWING_HOISTS in flagged.manifest["flags"] and NO_GROWING_HOISTS not in growing.manifest["flags"]
+    assert flagged.manifest["hoisting"] == "no growing hoists" and growing.manifest["hoisting"] == "IREE's default"
+    assert growing.manifest["variant"] == "llvmpipe-nocoop-growhoist" and flagged.manifest["variant"] == "llvmpipe-nocoop"
     # and the host polls: decode$async with its fence on the runner's semaphore, reads spun on too
     runner = IreeRunner(flagged, "vulkan", host_wait="poll")
     assert runner.poll and runner.readback.poll
@@ -124,7 +127,7 @@ def test_the_greedy_token_is_torch_argmax_with_ties_to_the_first_index():
 @needs_vulkan
 def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(tmp_path, cache):
     ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, 1)
-    art = build(ref, TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache, {"seed": 0}, extra_flags=(NO_GROWING_HOISTS,), params=False)
+    art = build(ref, TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache, {"seed": 0}, params=False)
     proc = run_cli(["--module", str(art.dir), "--steps", "4", "--json", str(tmp_path / "probe.json")], cwd=tmp_path, module="src.bench.edge_roundtrip")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads((tmp_path / "probe.json").read_text())
@@ -267,6 +270,11 @@ def test_the_gpu_campaign_compiles_and_runs_side_by_side_on_lavapipe(tmp_path, c
                     "--cache-dir", str(cache)], cwd=tmp_path, module="src.bench.edge_vs_torch")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in art.iterdir() if p.is_dir()) == ["tiny-fp16-b2-llvmpipe-nocoop", "tiny-fp32-b1-llvmpipe-nocoop"]
+    # fp16 at batch 2 does not compile without growing hoists for llvmpipe in IREE 3.13: the fallback
+    # to IREE's default hoisting is taken and recorded
+    hoisting = {p.name: json.loads((p / "manifest.json").read_text())["hoisting"] for p in art.iterdir() if p.is_dir()}
+    assert hoisting["tiny-fp32-b1-llvmpipe-nocoop"] == "no growing hoists", hoisting
+    assert hoisting["tiny-fp16-b2-llvmpipe-nocoop"].startswith("IREE's default (without growing hoists: "), hoisting
     assert not list(art.rglob("*.irpa"))  # parameters are written on the device, only code travels
     proc = run_cli(["run", "--artifacts", str(art), "--out", str(out), "--torch", "cpu", "--repeats", "2", "--warmup", "1",
                     "--runtime-flags=--vulkan_tracing=false"],

@@ -1,6 +1,6 @@
 """Where a Vulkan decode step's GPU time goes: every dispatch of `decode`, timed by the device.
 
-    python -m src.bench.edge_dispatches --module ARTIFACTS/small-fp16-b1-pascal-nocoop-nogrowhoist \\
+    python -m src.bench.edge_dispatches --module ARTIFACTS/small-fp16-b1-pascal-nocoop \\
         --calls 20 --json OUT/dispatches.json
 
 Runs the module's `decode` (parameters written from the seeded initialisation where the module
