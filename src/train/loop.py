@@ -207,14 +207,20 @@ def train_loop(
     skipped: list[int] = []
     overhead = 0.0
     start = time.perf_counter()
-    origin = None
-    if device.type == "cuda":
-        origin = torch.cuda.Event(enable_timing=True)
-        origin.record()
-    # (step, when it ended): a CUDA event on a GPU, where the host reads a step late by design (it
-    # queues the next one first), so host clocks would put part of one step in the next; else the
-    # host's time of the read
-    last_read: tuple[int, float | torch.cuda.Event | None] = (start_step - 1, origin if origin is not None else start)
+
+    def clock() -> float | torch.cuda.Event:
+        """Now, on the device's clock on a GPU (where the host reads a step late by design: it queues
+        the next one first, so host clocks would put part of one step in the next), else the host's."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(t0: float | torch.cuda.Event, t1: float | torch.cuda.Event) -> float:
+        return t0.elapsed_time(t1) / 1e3 if isinstance(t0, torch.cuda.Event) else t1 - t0
+
+    last_read: tuple[int, float | torch.cuda.Event] = (start_step - 1, clock())  # (step, when it ended)
     pending: tuple[int, Readback, float | None, bool] | None = None  # a logged step not yet read
 
     def record(step: int, readback: Readback, lr: float | None, ckpt: bool) -> None:
@@ -222,11 +228,9 @@ def train_loop(
         loss_v, norm_v, mem_alloc, mem_reserved = readback.read()
         t1 = time.perf_counter()
         since, t0 = last_read
-        if readback.event is not None and isinstance(t0, torch.cuda.Event):
-            dt = t0.elapsed_time(readback.event) / 1e3 / (step - since)  # mean step time since the last step read
-            last_read = (step, readback.event)
-        else:  # read at once (CPU): the next interval starts after this read's callbacks, below
-            dt = (t1 - t0) / (step - since)
+        end = readback.event if readback.event is not None else t1
+        dt = seconds(t0, end) / (step - since)  # mean step time since the last step read
+        last_read = (step, end)
         if nonfinite == "fail" and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             # Checked before any checkpoint of this step is written: NaN weights are never saved.
             raise NonFiniteLoss(f"non-finite loss {loss_v} (grad norm {norm_v}) at step {step}")
@@ -249,16 +253,12 @@ def train_loop(
         for callback in on_step:
             callback(stats)
         overhead += time.perf_counter() - t1
-        if not isinstance(last_read[1], torch.cuda.Event):
-            last_read = (step, time.perf_counter())
         if ckpt and save_checkpoint is not None:
             save_checkpoint(step + 1)
-            if isinstance(last_read[1], torch.cuda.Event):  # the save's time is overhead, not the next step's
-                resume = torch.cuda.Event(enable_timing=True)
-                resume.record()
-                last_read = (step, resume)
-            else:
-                last_read = (step, time.perf_counter())
+        if readback.event is None or ckpt:
+            # read at once (a CPU, a checkpoint): the device waited for the host meanwhile, so the
+            # next interval starts after the callbacks and the save, which are overhead
+            last_read = (step, clock())
 
     for step in range(start_step, steps):
         inputs, targets = next(batches)
