@@ -52,7 +52,7 @@ def probe(module: Path, steps: int, flags: tuple[str, ...] = ()) -> dict[str, An
     from src.dtypes import torch_dtype
     from src.edge.compile import load_artifacts
     from src.edge.params import write_params
-    from src.edge.runtime import IreeRunner
+    from src.edge.runtime import IreeRunner, spin_wait
     from src.edge.task import reference_model
 
     art = load_artifacts(module)
@@ -80,10 +80,6 @@ def probe(module: Path, steps: int, flags: tuple[str, ...] = ()) -> dict[str, An
         rets = rt.VmVariantList(2)
         context.invoke(decode_async, args, rets)
         return rets.get_as_object(0, rt.HalBufferView), signal
-
-    def poll(value: int) -> None:
-        while sem.query() < value:
-            pass
 
     # correctness: the same greedy tokens from the synchronous and the asynchronous calls
     first, _ = runner.prefill(prompt)
@@ -115,7 +111,7 @@ def probe(module: Path, steps: int, flags: tuple[str, ...] = ()) -> dict[str, An
 
     def async_poll(i: int) -> None:
         views["view"], _ = call(views["view"], i, rt.HalFence(0))
-        poll(state["value"])
+        spin_wait(sem, state["value"])
 
     out["async_wait_ms"] = _p50(async_wait, steps)
     out["async_poll_ms"] = _p50(async_poll, steps)
@@ -138,8 +134,7 @@ def probe(module: Path, steps: int, flags: tuple[str, ...] = ()) -> dict[str, An
 
     def read_poll(i: int) -> None:
         device.queue_copy(buffer, target, [], [(done, i + 1)])
-        while done.query() < i + 1:
-            pass
+        spin_wait(done, i + 1)
 
     out["read_poll_ms"] = _p50(read_poll, steps)
     return out

@@ -5,7 +5,8 @@ the blocks' linears, NVTX ranges on the plain modules (profile.nvtx), torch.comp
 then the sharding strategy, then materialisation. fsdp2 / hsdp: `fully_shard` on each transformer
 block, then on the root, over an explicit mesh (the root's group then holds only the embedding and
 head; `sharding.split_root` gives those two units of their own). none: the full model on every
-rank, gradients all-reduced by DDP when there is more than one rank; a non-fp32 param_dtype then means autocast over fp32 weights.
+rank, gradients all-reduced by DDP when there is more than one rank; a non-fp32 param_dtype then
+means autocast over fp32 weights.
 """
 from __future__ import annotations
 

@@ -47,13 +47,15 @@ class Readback:
     `modes` are the ways it may take, in order of preference; a test names one to run that path
     where the driver would choose another (lavapipe imports, NVIDIA's driver took staging)."""
 
-    def __init__(self, rt: Any, device: Any, modes: tuple[str, ...] = READBACK_MODES):
+    def __init__(self, rt: Any, device: Any, modes: tuple[str, ...] = READBACK_MODES, poll: bool = False):
         unknown = set(modes) - set(READBACK_MODES)
         if unknown or not modes:
             raise ValueError(f"readback modes {modes}: use some of {READBACK_MODES}")
         self.rt, self.device, self.modes = rt, device, modes
         self.targets: dict[int, tuple[Any, np.ndarray]] = {}
         self.mode = ""
+        self.poll = poll
+        """spin on the copy's semaphore instead of a blocking wait (IreeRunner's host_wait)"""
         self._done: Any = None
         self._reads = 0
 
@@ -77,9 +79,6 @@ class Readback:
         # a dtype instance, not the scalar type: MappedMemory.asarray(shape, np.uint8) raises
         # `RuntimeError: std::bad_cast` (iree-base-runtime 3.13), what ended every NVIDIA Vulkan job
         return staging, staging.map().asarray((size,), np.dtype(np.uint8))
-
-    poll = False
-    """spin on the copy's semaphore instead of a blocking wait (IreeRunner's host_wait)"""
 
     def read(self, array: Any) -> np.ndarray:
         rt = self.rt
@@ -172,11 +171,10 @@ class IreeRunner:
         self._prefill, self._decode, self._kv = (rt.FunctionInvoker(self.context, self.device, main.lookup_function(name))
                                                  for name in ("prefill", "decode", "kv_cache"))
         self.positions = [rt.asdevicearray(self.device, np.array([p], dtype=np.int32)) for p in range(artifacts.manifest["max_seq"])]
-        self.readback = Readback(rt, self.device, readback)
-        self.driver = driver
         # poll: decode through decode$async, its fence signalled on a semaphore the host spins on
         self.poll = host_wait == "poll" or (host_wait == "auto" and not lavapipe)
-        self.readback.poll = self.poll
+        self.readback = Readback(rt, self.device, readback, self.poll)
+        self.driver = driver
         if self.poll:
             self._decode_async = main.lookup_function("decode$async")
             self._timeline, self._tick = self.device.create_semaphore(0), 0

@@ -103,15 +103,7 @@ def measure(ops: list[str], cfg: DictConfig, timer: Timer) -> list[OpTiming]:
     for op in todo:
         if not plan.get(op):
             continue
-        timing = OpTiming(op)
-        for candidate in CANDIDATES + (("linear_cross_entropy",) if op == "cross_entropy" else ()):
-            try:
-                timing.ms[candidate] = sum(use.per_step * timer(use, candidate) for use in plan[op])
-            except Exception as err:  # a candidate that fails (a compile error) is not chosen
-                log.info("kernels=auto: %s as %s failed to run: %s", op, candidate, str(err).splitlines()[0] if str(err) else type(err).__name__)
-                timing.ms[candidate] = None
-        timing.pick = pick(timing.ms)
-        results.append(timing)
+        results.append(_timed(op, plan[op], CANDIDATES + (("linear_cross_entropy",) if op == "cross_entropy" else ()), timer))
     in_block = {t.op: t.pick for t in results if t.op in BLOCK_OPS}
     if in_block:
         results.append(measure_block(cfg, timer, in_block))
@@ -124,14 +116,20 @@ def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTim
     than the noise."""
     m = cfg.model
     use = Use(BLOCK, [cfg.data.batch_size, cfg.data.seq_len, m.dim], m.n_layers, dict(picks))
-    timing = OpTiming(BLOCK)
-    for candidate in ("picked", "compile"):
+    return _timed(BLOCK, [use], ("picked", "compile"), timer, base="picked")
+
+
+def _timed(op: str, op_uses: list[Use], candidates: tuple[str, ...], timer: Timer, base: str = "eager") -> OpTiming:
+    """Each candidate's ms per step over `op_uses`, and the pick; a candidate that fails to run (a
+    compile error) is None, never chosen."""
+    timing = OpTiming(op)
+    for candidate in candidates:
         try:
-            timing.ms[candidate] = use.per_step * timer(use, candidate)
+            timing.ms[candidate] = sum(use.per_step * timer(use, candidate) for use in op_uses)
         except Exception as err:
-            log.info("kernels=auto: the block as %s failed to run: %s", candidate, str(err).splitlines()[0] if str(err) else type(err).__name__)
+            log.info("kernels=auto: %s as %s failed to run: %s", op, candidate, str(err).splitlines()[0] if str(err) else type(err).__name__)
             timing.ms[candidate] = None
-    timing.pick = pick(timing.ms, base="picked")
+    timing.pick = pick(timing.ms, base=base)
     return timing
 
 
