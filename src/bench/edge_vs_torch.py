@@ -76,7 +76,7 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
     from iree.compiler.tools.binaries import CompilerToolError
 
     from src.dtypes import torch_dtype
-    from src.edge.compile import build, default_variant
+    from src.edge.compile import build, compile_error_line, default_variant
     from src.edge.task import reference_model
 
     made, failures = [], []
@@ -90,7 +90,7 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
                 try:
                     art = build(lm, cfg, PROMPT, dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, tuple(flags), params=False)
                 except CompilerToolError as err:  # a row of its own in the run's table, not the end of the grid
-                    error = next((line.strip() for line in str(err).splitlines() if "error:" in line), "iree-compile failed")
+                    error = compile_error_line(err)
                     variant = default_variant(target, False, flags).replace("-nocoop", "")
                     failures.append({"backend": "vulkan", "model": model, "dtype": dtype, "batch": batch, "variant": variant,
                                      "status": "failed", "error": f"does not compile: {error[:300]}"})

@@ -57,7 +57,9 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         print(json.dumps(rows[-1]), flush=True)
 
     # fewer, wider programs hold fewer rows per SM: the second pass then re-reads its row from L2
-    for block, warps, in_regs in [] if "cross_entropy" not in groups else [(4096, 8, False), (2048, 8, False), (8192, 16, False), (4096, 16, False), (4096, 32, False), (8192, 32, False), (32768, 16, True), (32768, 32, True)]:
+    ce_settings = [(4096, 8, False), (2048, 8, False), (8192, 16, False), (4096, 16, False), (4096, 32, False), (8192, 32, False),
+                   (32768, 16, True), (32768, 32, True)]
+    for block, warps, in_regs in ce_settings if "cross_entropy" in groups else ():
         ce.BLOCK_MAX, ce.NUM_WARPS = block, warps
         ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = (65536 if in_regs else 0), warps
         record("cross_entropy", f"block={block} warps={warps} row_in_registers={in_regs}", "cross_entropy", [8192, 32000])

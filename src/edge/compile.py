@@ -191,17 +191,21 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
             dump = [f"--iree-hal-dump-executable-binaries-to={binaries}"] if device == "vulkan" else []
             t1 = time.perf_counter()
             hoisting = "no growing hoists" if NO_GROWING_HOISTS in chosen else "IREE's default"
+
+            def compile_with(extra: list[str]) -> None:
+                ic.compile_file(str(mlir), output_file=str(staging / "module.vmfb"), extra_args=compile_flags(device, target, features, msl) + extra + dump)
+
             try:
-                ic.compile_file(str(mlir), output_file=str(staging / "module.vmfb"), extra_args=compile_flags(device, target, features, msl) + chosen + dump)
+                compile_with(chosen)
             except CompilerToolError as err:
                 if not auto_hoist:
                     raise
-                first = next((line.strip() for line in str(err).splitlines() if "error:" in line), "iree-compile failed")
+                first = compile_error_line(err)
                 log.warning("does not compile without growing hoists (%s); compiling with IREE's default hoisting", first[:200])
                 shutil.rmtree(binaries, ignore_errors=True)
                 chosen = list(extra_flags)
                 hoisting = f"IREE's default (without growing hoists: {first[:200]})"
-                ic.compile_file(str(mlir), output_file=str(staging / "module.vmfb"), extra_args=compile_flags(device, target, features, msl) + chosen + dump)
+                compile_with(chosen)
             compile_s = time.perf_counter() - t1
             coop = uses_cooperative_matrix(binaries) if device == "vulkan" else False
             decode_ops = queue_ops(staging / "module.vmfb", "decode$async")
@@ -230,6 +234,11 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return Artifacts(out_dir, manifest)
+
+
+def compile_error_line(err: BaseException) -> str:
+    """The first `error:` line of an iree-compile failure (its message is the whole command and log)."""
+    return next((line.strip() for line in str(err).splitlines() if "error:" in line), "iree-compile failed")
 
 
 def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[str, ...] | list[str] = ()) -> str:
