@@ -39,6 +39,13 @@ class CompileBackend(StrEnum):
     eager = "eager"
 
 
+class SdpaBackend(StrEnum):
+    default = "default"
+    flash = "flash"
+    efficient = "efficient"
+    cudnn = "cudnn"
+
+
 class DeviceType(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
@@ -113,6 +120,10 @@ class ShardingConfig:
     split_root: bool = False
     """fsdp2/hsdp: the embedding and the head as FSDP2 units of their own (torchtitan's layout), not
     one root group: the head's gradient is reduced while the blocks' backward runs"""
+    symm_mem: bool = False
+    """fsdp2/hsdp on CUDA: the all-gathers' staging buffers in NCCL symmetric memory (FSDP2's
+    set_symm_mem_for_comm); with NCCL_CTA_POLICY=2 one node's all-gathers then run on the copy
+    engines and leave every SM to the GEMMs"""
 
 
 @dataclass
@@ -146,6 +157,9 @@ class KernelsConfig:
     """torch.compile each transformer block before sharding"""
     compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
+    attention: SdpaBackend = SdpaBackend.default
+    """scaled_dot_product_attention's kernel on CUDA: default (torch's order: flash first), or only
+    flash, efficient or cudnn (cuDNN's fused attention, written for Hopper)"""
     fused: list[str] | None = field(default_factory=list)
     """fused Triton variants to swap in (src/fusion/registry.py); null means every one"""
     auto: bool = False

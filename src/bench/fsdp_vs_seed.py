@@ -31,7 +31,7 @@ from pathlib import Path
 
 SEED_SCRIPT = Path(__file__).with_name("seed_fsdp.py")
 ENV_VAR = re.compile(r"^[A-Z][A-Z0-9_]*=")
-FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "final_loss", "host_rss_growth_mb")
+FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "host_step_time_s", "final_loss", "host_rss_growth_mb")
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -84,7 +84,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table(rows: list[dict], impls: list[str], nprocs: list[int]) -> str:
-    head = f"{'impl':<14} {'GPUs':>4} {'tok/s/GPU':>11} {'MFU %':>6} {'peak GB':>8} {'step ms':>8} {'RSS +MB':>8} {'vs seed':>8} {'runs':>5}"
+    head = f"{'impl':<14} {'GPUs':>4} {'tok/s/GPU':>11} {'MFU %':>6} {'peak GB':>8} {'step ms':>8} {'host ms':>8} {'RSS +MB':>8} {'vs seed':>8} {'runs':>5}"
     out = [head]
     for n in nprocs:
         base = _median([r for r in rows if r["impl"] == "seed" and r["nproc"] == n and "error" not in r], "tokens_per_s_per_device")
@@ -99,9 +99,10 @@ def table(rows: list[dict], impls: list[str], nprocs: list[int]) -> str:
             tps = _median(ok, "tokens_per_s_per_device")
             peak = max((r["peak_mem_gb"] for r in ok if r.get("peak_mem_gb") is not None), default=None)
             step = _median(ok, "step_time_s")
+            host = _median(ok, "host_step_time_s")
             ratio = f"{tps / base:>7.3f}x" if (base and tps) else f"{'n/a':>8}"
             out.append(f"{impl:<14} {n:>4} {_fmt(tps, ',.0f'):>11} {_fmt(_median(ok, 'mfu'), '.1f'):>6} {_fmt(peak, '.2f'):>8} "
-                       f"{_fmt(step and 1e3 * step, '.1f'):>8} {_fmt(_median(ok, 'host_rss_growth_mb'), '+.1f'):>8} {ratio} {len(ok):>3}/{len(sel)}")
+                       f"{_fmt(step and 1e3 * step, '.1f'):>8} {_fmt(host and 1e3 * host, '.1f'):>8} {_fmt(_median(ok, 'host_rss_growth_mb'), '+.1f'):>8} {ratio} {len(ok):>3}/{len(sel)}")
     return "\n".join(out)
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,6 +38,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     split_root: bool = False,
+    symm_mem: bool = False,
 ) -> nn.Module:
     """Per-block fully_shard, then the root. Each block's parameters are all-gathered just before its
     forward and freed after it (reshard_after_forward), so peak memory holds one full block at a time.
@@ -64,6 +65,11 @@ def apply_fsdp(
     # The root's parameters (embedding, head) are needed again at the start of backward: keeping
     # them gathered after forward saves one all-gather of the largest matrices for free memory.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
+    if symm_mem:
+        # per unit: set_symm_mem_for_comm changes only the module it is called on
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_symm_mem_for_comm()
     return model
 
 
@@ -141,7 +147,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     if mesh is not None:
         apply_fsdp(
             model, mesh, mixed_precision_policy(cfg.precision.param_dtype, cfg.precision.reduce_dtype),
-            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root,
+            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root, cfg.sharding.symm_mem,
         )
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute

@@ -53,6 +53,20 @@ def _check_numbers(cfg: DictConfig) -> None:
         need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
 
 
+def _check_symm_mem(sharding: DictConfig, backend: str) -> None:
+    if sharding.strategy not in ("fsdp2", "hsdp") or backend != "cuda" or sharding.cpu_offload:
+        raise ConfigError(
+            f"sharding.symm_mem=true puts FSDP2's all-gather buffers in NCCL symmetric memory; with sharding={sharding.name} "
+            f"backend={backend} use sharding=fsdp2 backend=cuda (without cpu_offload)"
+        )
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_symm_mem_for_comm"):
+        import torch
+
+        raise ConfigError(f"sharding.symm_mem=true needs FSDP2's set_symm_mem_for_comm (torch 2.11+); torch {torch.__version__} lacks it: drop the override")
+
+
 def _check_text_file(cfg: DictConfig) -> None:
     path = cfg.data.text_path
     if not path:
@@ -146,6 +160,10 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")
     if sharding.split_root and sharding.strategy not in ("fsdp2", "hsdp"):
         raise ConfigError(f"sharding.split_root=true shards the embedding and head apart, and sharding={sharding.name} does not shard; use sharding=fsdp2 or hsdp")
+    if cfg.kernels.attention != "default" and backend != "cuda":
+        raise ConfigError(f"kernels.attention={cfg.kernels.attention} picks a CUDA attention kernel; with backend={backend} use kernels.attention=default")
+    if sharding.symm_mem:
+        _check_symm_mem(sharding, backend)
     if sharding.cpu_offload and backend != "cuda":
         raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")
     if cfg.train.steps < 1:

@@ -39,6 +39,10 @@ class StepStats:
     """the learning rate this step's update used (optim.schedule)"""
     host_rss_mb: float | None = None
     """this rank's resident host memory after the step (rank 0's is the one logged)"""
+    host_step_time_s: float | None = None
+    """host time to queue a step (batch, forward, backward, optimizer launches), mean since the last
+    read: well under step_time_s, the device is the limit; near it, the host is (or the launch
+    queue is full, which blocks the host while the device catches up)"""
 
     def metrics(self) -> dict[str, float | None]:
         return {k: v for k, v in asdict(self).items() if k != "step"}
@@ -221,15 +225,17 @@ def train_loop(
         return t0.elapsed_time(t1) / 1e3 if isinstance(t0, torch.cuda.Event) else t1 - t0
 
     last_read: tuple[int, float | torch.cuda.Event] = (start_step - 1, clock())  # (step, when it ended)
+    queued_s = 0.0  # host time spent queuing the steps since the last read
     pending: tuple[int, Readback, float | None, bool] | None = None  # a logged step not yet read
 
     def record(step: int, readback: Readback, lr: float | None, ckpt: bool) -> None:
-        nonlocal last_read, overhead
+        nonlocal last_read, overhead, queued_s
         loss_v, norm_v, mem_alloc, mem_reserved = readback.read()
         t1 = time.perf_counter()
         since, t0 = last_read
         end = readback.event if readback.event is not None else t1
         dt = seconds(t0, end) / (step - since)  # mean step time since the last step read
+        host_dt, queued_s = queued_s / (step - since), 0.0
         last_read = (step, end)
         if nonfinite == "fail" and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             # Checked before any checkpoint of this step is written: NaN weights are never saved.
@@ -248,6 +254,7 @@ def train_loop(
             rank0_peak_mem_alloc_gb=readback.local_alloc_gb,
             lr=lr,
             host_rss_mb=host_rss_mb(),
+            host_step_time_s=host_dt,
         )
         results.append(stats)
         for callback in on_step:
@@ -261,9 +268,11 @@ def train_loop(
             last_read = (step, clock())
 
     for step in range(start_step, steps):
+        t_queue = time.perf_counter()
         inputs, targets = next(batches)
         try:
             loss, norm = step_fn(step, inputs, targets)
+            queued_s += time.perf_counter() - t_queue
         except BaseException:
             if pending is not None:  # the last step that finished is still logged before the error
                 with contextlib.suppress(Exception):
@@ -301,7 +310,7 @@ def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]
         return {"steps": 0, "final_loss": None, "initial_loss": None, "final_grad_norm": None, "tokens_per_s": None,
                 "tokens_per_s_per_device": None, "mfu": None, "step_time_s": None, "peak_mem_gb": None,
                 "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s, "host_rss_mb": None,
-                "host_rss_growth_mb": None, **_skipped(result)}
+                "host_rss_growth_mb": None, "host_step_time_s": None, **_skipped(result)}
     steady = result.steps[untimed_steps:] or result.steps[-1:]  # by position: a resumed run warms up again
     tps_dev = statistics.median(s.tokens_per_s_per_device for s in steady)
     mfus = [s.mfu for s in steady if s.mfu is not None]
@@ -314,6 +323,7 @@ def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]
         "tokens_per_s_per_device": tps_dev,
         "mfu": statistics.median(mfus) if mfus else None,
         "step_time_s": statistics.median(s.step_time_s for s in steady),
+        "host_step_time_s": statistics.median(s.host_step_time_s for s in steady) if steady[0].host_step_time_s is not None else None,
         "peak_mem_gb": max(s.peak_mem_alloc_gb for s in result.steps),
         "peak_mem_reserved_gb": max(s.peak_mem_reserved_gb for s in result.steps),
         "overhead_frac": result.overhead_s / max(result.wall_s, 1e-9),

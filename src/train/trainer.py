@@ -27,6 +27,7 @@ from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
+from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.models import build_model
 from src.profiling.anatomy import metrics as anatomy_metrics
@@ -90,6 +91,7 @@ class Trainer:
         self.fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads,
                                    cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
         self.kernels = self._swap_kernels(model)
+        use_sdpa_backend(cfg.kernels.attention)  # before compile traces the blocks
         mesh = None
         if cfg.sharding.strategy in ("fsdp2", "hsdp"):
             mesh = build_mesh(env.device.type, env.world_size, cfg.sharding.strategy, cfg.sharding.replicate)
