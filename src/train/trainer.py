@@ -199,18 +199,20 @@ class Trainer:
             self.kernels.loss_fn, self.kernels.loss_in_model, cfg.train.label_smoothing,
         )
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, need_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step: forward_backward_step, then grad norm, clipping, the optimizer (and
-        float8's scales); returns (loss, global grad norm) as device tensors, not yet synced."""
+        float8's scales); returns (loss, global grad norm) as device tensors, not yet synced; the
+        norm None when `need_norm` is false and neither clipping nor skipping needs it."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
-                              self.cfg.train.nonfinite == "skip", self.after_optimizer)
+                              self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm)
         return loss.detach(), norm
 
-    def run_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What train_loop calls per step: the step's learning rate, train_step (inside ncu's range
-        on profile.nvtx_step), then the profiler's step."""
+        on profile.nvtx_step), then the profiler's step. `read`: train_loop will read this step's
+        figures (the grad norm among them); a step it will not read skips the norm."""
         cfg = self.cfg
         self.step = step
         lr = lr_at(step, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
@@ -218,7 +220,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with profiled_step() if step == cfg.profile.nvtx_step else contextlib.nullcontext():
-            loss, norm = self.train_step(inputs, targets)
+            loss, norm = self.train_step(inputs, targets, need_norm=read)
         if self.session is not None:
             self.session.step()
         return loss, norm
