@@ -54,6 +54,12 @@ def test_a_variant_runs_the_experiment_with_its_overrides_on_a_cpu(tmp_path):
     fig = bench.run_ours(1, args, ["backend=cpu", "model=tiny", "data.seq_len=32", "data.batch_size=2", "TORCH_CPP_LOG_LEVEL=ERROR"],
                          tmp_path / "cpu-n1-r0", timeout=300)
     assert set(fig) == set(bench.FIGURES) and fig["tokens_per_s_per_device"] > 0 and fig["host_rss_growth_mb"] is not None
+    # a variant that names an experiment runs it instead of fsdp4
+    tuned = bench.run_ours(1, args, ["+exp=fsdp4_tuned", "backend=cpu", "model=tiny", "data.seq_len=32", "data.batch_size=2",
+                                     "kernels=eager", "kernels.fused=[]"], tmp_path / "tuned-n1-r0", timeout=300)
+    assert tuned["tokens_per_s_per_device"] > 0
+    settings = json.loads((tmp_path / "tuned-n1-r0" / "summary.json").read_text())["settings"]
+    assert settings["exp"] == "fsdp4_tuned"
     bad = bench.run_ours(1, args, ["backend=cpu", "model=tiny", "optim.lr=-1"], tmp_path / "bad", timeout=300)
     assert bad == {"error": "error: optim.lr=-1.0: must be a positive finite learning rate, e.g. optim.lr=3e-4"}
 

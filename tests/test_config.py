@@ -48,6 +48,18 @@ def test_fsdp4_is_the_seeds_run():
     assert compose_config(["+exp=fsdp4", "model=tiny", "backend=cpu"]).model.name == "tiny"
 
 
+def test_fsdp4_tuned_is_the_seeds_run_with_the_measured_levers():
+    seed, tuned = compose_config(["+exp=fsdp4"]), compose_config(["+exp=fsdp4_tuned"])
+    for group in ("model", "data", "optim", "dist", "backend"):
+        assert tuned[group] == seed[group], group
+    assert tuned.kernels.compile and list(tuned.kernels.fused) == ["cross_entropy"]
+    assert (tuned.precision.param_dtype, tuned.precision.reduce_dtype) == ("bfloat16", "bfloat16")
+    assert tuned.sharding.split_root and not tuned.sharding.reshard_after_forward
+    assert tuned.train.log_every == 10 and tuned.exp == "fsdp4_tuned"
+    # each lever is an override of its own
+    assert compose_config(["+exp=fsdp4_tuned", "sharding.reshard_after_forward=true"]).sharding.reshard_after_forward
+
+
 BAD_OVERRIDES = [
     (["precision=fp9"], "precision=fp9: no such option in group 'precision'; use one of: bf16, fp32"),
     (["model.dimm=3"], "model.dimm=3: unknown key 'model.dimm'; valid keys in model: vocab_size, dim,"),
@@ -61,9 +73,12 @@ BAD_OVERRIDES = [
     (["sharding=hsdp", "dist.nproc=3"], "sharding.replicate=2 must divide the world size 3"),
     (["sharding=fsdp2_offload"], "sharding=fsdp2_offload offloads to host memory from a GPU; with backend=cpu use sharding=fsdp2"),
     (["sharding=none", "sharding.split_root=true"], "sharding.split_root=true shards the embedding and head apart, and sharding=none does not shard; use sharding=fsdp2 or hsdp"),
+    (["sharding.symm_mem=true"], "sharding.symm_mem=true puts FSDP2's all-gather buffers in NCCL symmetric memory; with sharding=fsdp2 backend=cpu use sharding=fsdp2 backend=cuda"),
+    (["kernels.attention=cudnn"], "kernels.attention=cudnn picks a CUDA attention kernel; with backend=cpu use kernels.attention=default"),
+    (["kernels.attention=cudn"], "kernels.attention=cudn: not a choice of kernels.attention; use one of: default, flash, efficient, cudnn"),
     (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
     (["data=text", "data.text_path=/dev"], "data.text_path=/dev: not a regular file"),
-    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, kernels, kernels_cpu, profile"),
+    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, fsdp4_tuned, kernels, kernels_cpu, profile"),
     # issue 14: each of these used to fail inside a rank, or train nonsense, or make folders
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
     (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),

@@ -7,13 +7,15 @@ in one call on the same GPUs, so every ratio is measured side by side.
 
 Each round runs, for each GPU count, the seed's script (and with --seed-compile its per-block
 torch.compile), then every variant: NAME=OVERRIDES, the overrides added to +exp=fsdp4 (empty: the
-experiment as it is; `tracking=mlflow` tracks into OUT/mlflow.db), where an upper-case KEY=VALUE is
+experiment as it is; `+exp=NAME` runs that experiment instead, e.g. tuned="+exp=fsdp4_tuned";
+`tracking=mlflow` tracks into OUT/mlflow.db), where an upper-case KEY=VALUE is
 an environment variable of that run instead (NCCL_ALGO=Tree, PYTORCH_CUDA_ALLOC_CONF=..., the
 communication knobs that live outside the config). A run that fails is recorded
 with its error and the call goes on. rows.json is rewritten after every run, so a call cut off
 keeps what ran; past --budget-s no new run starts (nor one that the longest run so far would
 carry past it). At the end, one median row per (impl, GPUs): tokens/s per GPU, MFU, peak memory
-(rank 0, as the seed prints it), step time, host memory growth after the warm-up steps (rank 0),
+(rank 0, as the seed prints it), step time, host time to queue a step (near the step time, the
+host is the limit), host memory growth after the warm-up steps (rank 0),
 and the ratio to the seed. Both sides take the median step over steps >= --warmup.
 """
 from __future__ import annotations
@@ -59,7 +61,10 @@ def run_seed(nproc: int, args: argparse.Namespace, compile_blocks: bool, timeout
 
 
 def run_ours(nproc: int, args: argparse.Namespace, overrides: list[str], run_dir: Path, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "src.run", "+exp=fsdp4", f"dist.nproc={nproc}", f"train.steps={args.steps}",
+    # a variant may name its own experiment (tuned=+exp=fsdp4_tuned): it replaces fsdp4
+    exp = next((o for o in overrides if o.startswith("+exp=")), "+exp=fsdp4")
+    overrides = [o for o in overrides if o != exp]
+    cmd = [sys.executable, "-m", "src.run", exp, f"dist.nproc={nproc}", f"train.steps={args.steps}",
            f"train.untimed_steps={args.warmup}", "train.progress=false", "tracking=none",
            f"hydra.run.dir={run_dir}", *overrides]
     env = dict(os.environ, **dict(o.split("=", 1) for o in overrides if ENV_VAR.match(o)))
