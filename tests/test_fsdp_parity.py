@@ -6,6 +6,7 @@ materialisation, TokenBatches slicing, train_step) and rank 0 saves losses and f
 """
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def _optimizer(model):
 def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtype: str, split_root: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    model = opt = None
     try:
         with torch.device("meta"):
             model = MiniLLM(**MODEL)
@@ -56,6 +58,11 @@ def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtyp
         if rank == 0:
             torch.save({"losses": losses, "params": full, "init": init, "placements": placements, "n_params": n_params, "units": units}, out)
     finally:
+        # Everything that holds collectives' work or tensors goes before the group: a gloo work object
+        # left to interpreter shutdown takes the GIL from a torn-down interpreter and aborts the rank
+        # ("terminate called without an active exception", seen in CI; pytorch/pytorch#179291).
+        del model, opt
+        gc.collect()
         dist.destroy_process_group()
 
 
