@@ -205,7 +205,8 @@ def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(t
     for row, results in zip(rows, (1088, 4)):
         assert row["tokens_agree"] is True and row["queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, row
         assert row["alloca_bytes"][0] == results, row
-        assert all(row[k] > 0 for k in ("sync_ms", "async_wait_ms", "async_poll_ms", "enqueue_ms", "pipelined_ms_per_step", "read_wait_ms", "read_poll_ms"))
+        assert all(row[k] > 0 for k in ("sync_ms", "async_wait_ms", "async_poll_ms", "invoke_ms", "enqueue_ms", "pipelined_ms_per_step",
+                                        "read_wait_ms", "read_poll_ms"))
     # the same module's decode, each dispatch timed by the device (IREE's HAL profiling)
     proc = run_cli(["--module", str(art.dir), "--calls", "3", "--json", str(tmp_path / "dispatches.json")], cwd=tmp_path, module="src.bench.edge_dispatches")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,6 +15,8 @@ instead of sleeping in the driver's wait. Per module, p50 ms over --steps calls 
 - sync: the function as IreeRunner's synchronous path calls it (decode_token: the `call ms` of edge_vs_torch).
 - async+wait: `$async`, then HalFence.wait on its signal fence.
 - async+poll: `$async`, then a busy loop on HalSemaphore.query: what the wake-up costs.
+- invoke: `$async` alone, the device idle when it starts (the previous call waited on, untimed):
+  the host path of one call (invocation, queue allocas, submission, dealloca), without the wait.
 - enqueue: `$async` alone, each call waiting on the one before on the device; then
   `pipelined` is the wall time of --steps such calls and one wait at the end, per step: the step
   when the host never waits (the token fed back on the device, read only at the end).
@@ -128,6 +130,13 @@ def probe(module: Path, steps: int, flags: tuple[str, ...] = (), function: str =
 
     out["async_wait_ms"] = _p50(async_wait, steps)
     out["async_poll_ms"] = _p50(async_poll, steps)
+    invoke = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        views["view"], signal = call(views["view"], i, rt.HalFence(0))
+        invoke.append(1e3 * (time.perf_counter() - t0))
+        signal.wait()
+    out["invoke_ms"] = statistics.median(invoke)
     enqueue = []
     t_all = time.perf_counter()
     wait = rt.HalFence(0)
@@ -153,8 +162,8 @@ def probe(module: Path, steps: int, flags: tuple[str, ...] = (), function: str =
     return out
 
 
-COLUMNS = ["variant", "function", "flags", "queue_ops", "alloca_bytes", "tokens_agree", "sync_ms", "async_wait_ms", "async_poll_ms", "enqueue_ms",
-           "pipelined_ms_per_step", "read_wait_ms", "read_poll_ms"]
+COLUMNS = ["variant", "function", "flags", "queue_ops", "alloca_bytes", "tokens_agree", "sync_ms", "async_wait_ms", "async_poll_ms", "invoke_ms",
+           "enqueue_ms", "pipelined_ms_per_step", "read_wait_ms", "read_poll_ms"]
 
 
 def main(argv: list[str] | None = None) -> None:
