@@ -17,7 +17,7 @@ pytest.importorskip("iree.turbine")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
-from src.edge.compile import GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
+from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
 from src.edge.runtime import IreeRunner, Readback, vulkan_devices  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -108,6 +108,74 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
     assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
     k, v = runner.kv_cache()  # the position computed in the call lands where the hoisted indices put it
     assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
+    # the timed loop's decode_token, polled through decode_token$async: the same tokens
+    timed = generate(runner, tokens, STEPS)
+    assert [t.tolist() for t in timed.tokens] == [t.tolist() for t in gen.tokens]
+
+
+@needs_vulkan
+def test_decode_token_gives_decode_tokens_and_cache_without_the_logits_result(tmp_path, cache):
+    # a process (one context) per function: on lavapipe the second kv_cache call of a context can
+    # return other data than the cache (measured: every other call, with or without decode_token)
+    got = {}
+    for function in ("decode_token", "decode"):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            got[function] = pool.submit(_generate_and_read_cache, function, tmp_path / function, cache).result()
+    (tokens, k, v), (want_tokens, want_k, want_v) = got["decode_token"], got["decode"]
+    assert tokens == want_tokens and np.array_equal(k, want_k) and np.array_equal(v, want_v)
+
+
+def _generate_and_read_cache(function: str, tmp_path: Path, cache: Path) -> tuple[list, np.ndarray, np.ndarray]:
+    """Greedy generation through `function` on a fresh context: its tokens (torch's argmax at every
+    step) and the cache it leaves (torch's)."""
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
+    art = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache)
+    m = art.manifest
+    assert m["functions"] == list(FUNCTIONS) and m["decode_token_queue_ops"] == m["decode_queue_ops"], m
+    # the same queue ops; the results' allocation shrinks from the tokens and the (2, 256) fp32
+    # logits (64-byte aligned) to the tokens, and the logits fit in the transients decode already had
+    assert m["decode_alloca_bytes"] == [2112, 26240] and m["decode_token_alloca_bytes"] == [8, 26240], m
+    runner = IreeRunner(art, "vulkan")
+    assert runner.has_decode_token and "decode_token(0rr_r)" in repr(runner.module.lookup_function("decode_token"))
+    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
+    gen = generate(runner, tokens, STEPS, check=function == "decode")  # generate's timed steps are decode_token's
+    k, v = runner.kv_cache()  # on the zeroed cache: every position read was written by this generation
+    want = reference_logits(ref, tokens, gen.tokens[:-1])
+    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
+    return [t.tolist() for t in gen.tokens], k, v
+
+
+@needs_vulkan
+def test_a_module_compiled_before_decode_token_runs_through_decode(tmp_path, cache):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_old_module_falls_back, tmp_path, cache).result()
+
+
+def _old_module_falls_back(tmp_path: Path, cache: Path) -> None:
+    import logging
+
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
+    old = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "old", cache, {"seed": 0},
+                functions=("prefill", "decode", "kv_cache"))
+    assert old.manifest["functions"] == ["prefill", "decode", "kv_cache"] and old.manifest["decode_token_queue_ops"] is None
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("src.edge").addHandler(handler)
+    for host_wait in ("block", "poll"):
+        runner = IreeRunner(old, "vulkan", host_wait=host_wait)
+        tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
+        timed = [generate(runner, tokens, STEPS) for _ in range(2)]
+        want = reference_logits(ref, tokens, timed[0].tokens[:-1])
+        assert all([t.tolist() for t in g.tokens] == [w.argmax(-1).tolist() for w in want] for g in timed)
+    # said once per runner, not once per step
+    assert [s for s in said if "decode_token" in s] == [f"{old.vmfb} has no decode_token (compiled before it): timed steps call decode and drop its logits"] * 2, said
+    # the round-trip probe says so in its row instead of failing
+    proc = run_cli(["--module", str(old.dir), "--function", "decode_token", "--json", str(tmp_path / "probe.json")], cwd=tmp_path, module="src.bench.edge_roundtrip")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads((tmp_path / "probe.json").read_text())
+    assert row["function"] == "decode_token" and row["tokens_agree"] == "not in this module (compiled before decode_token)", row
 
 
 
@@ -130,9 +198,15 @@ def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(t
     art = build(ref, TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache, {"seed": 0}, params=False)
     proc = run_cli(["--module", str(art.dir), "--steps", "4", "--json", str(tmp_path / "probe.json")], cwd=tmp_path, module="src.bench.edge_roundtrip")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (row,) = json.loads((tmp_path / "probe.json").read_text())
-    assert row["tokens_agree"] is True and row["decode_queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, row
-    assert all(row[k] > 0 for k in ("sync_ms", "async_wait_ms", "async_poll_ms", "enqueue_ms", "pipelined_ms_per_step", "read_wait_ms", "read_poll_ms"))
+    # a row per entry point: decode with its logits, decode_token without (its results' alloca
+    # 4 bytes where decode's holds the (1, 256) fp32 logits too, 64-byte aligned)
+    rows = json.loads((tmp_path / "probe.json").read_text())
+    assert [r["function"] for r in rows] == ["decode", "decode_token"], rows
+    for row, results in zip(rows, (1088, 4)):
+        assert row["tokens_agree"] is True and row["queue_ops"] == {"alloca": 2, "dealloca": 1, "execute.indirect": 1}, row
+        assert row["alloca_bytes"][0] == results, row
+        assert all(row[k] > 0 for k in ("sync_ms", "async_wait_ms", "async_poll_ms", "invoke_ms", "enqueue_ms", "pipelined_ms_per_step",
+                                        "read_wait_ms", "read_poll_ms"))
     # the same module's decode, each dispatch timed by the device (IREE's HAL profiling)
     proc = run_cli(["--module", str(art.dir), "--calls", "3", "--json", str(tmp_path / "dispatches.json")], cwd=tmp_path, module="src.bench.edge_dispatches")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,8 +15,8 @@ module records whether its SPIR-V declares CooperativeMatrixKHR (manifest `coope
 Vulkan modules are compiled without growing hoists (NO_GROWING_HOISTS, src/edge/compile.py), which
 takes the copy of a hoisted constant, and the GPU wait it brings, out of each decode call; the
 `growhoist` variants (fp32 ampere, fp16 pascal, batch 1) keep IREE's default hoisting for
-comparison. Each module's manifest records its decode's queue ops (`decode_queue_ops`) and its
-hoisting.
+comparison. Each module's manifest records the queue ops of decode and of decode_token
+(`decode_queue_ops`, `decode_token_queue_ops`; the timed steps call decode_token) and its hoisting.
 
 `run` times every module on Vulkan and every (model, dtype, batch) on torch eager, each in its own
 process under a timeout, so a module that hangs or crashes the driver is one row marked failed and

@@ -7,7 +7,8 @@ decode step latency (one call until its token is on the host, p50/p90 over every
 every timed generation), prefill and decode tokens/s (batch x tokens / p50), the largest relative
 error over the prefill and decode logits (max |a - b| / max |b| per step), and how many of the
 tokens chosen on the device differ from the argmax of the reference's logits. Timed generations
-never read the logits: a step moves one int32 per sequence to the host. And the step split in two
+never read the logits: a step is the runner's decode_token (no logits result allocated) and moves
+one int32 per sequence to the host. And the step split in two
 (`split_step`): the decode call alone and the read of its token, so per-step overhead shows apart.
 """
 from __future__ import annotations
@@ -47,7 +48,10 @@ def generate(runner: Any, tokens: np.ndarray, steps: int, check: bool = False) -
         gen.logits.append(runner.logits(logits))
     for i in range(steps):
         t0 = time.perf_counter()
-        token, logits = runner.decode(token, tokens.shape[1] + i)  # the device's token, not the host's copy
+        if check:
+            token, logits = runner.decode(token, tokens.shape[1] + i)  # the device's token, not the host's copy
+        else:
+            token = runner.decode_token(token, tokens.shape[1] + i)
         gen.tokens.append(runner.tokens(token))
         gen.decode_ms.append(1e3 * (time.perf_counter() - t0))
         if check:
@@ -80,7 +84,7 @@ def split_step(runner: Any, tokens: np.ndarray, steps: int, reads: int = 10) -> 
     calls = []
     for i in range(steps):
         t0 = time.perf_counter()
-        token, _ = runner.decode(token, tokens.shape[1] + i)
+        token = runner.decode_token(token, tokens.shape[1] + i)
         calls.append(1e3 * (time.perf_counter() - t0))
     runner.tokens(token)  # the device idle: each read below is the round trip alone
     read = []

@@ -1,8 +1,8 @@
 """Export the edge model with iree.turbine.aot and compile it with IREE, weights kept apart.
 
-One MLIR module holds the entry points (prefill, decode, kv_cache); the parameters are externalised, so the
-compiled module (.vmfb) holds code only and the weights go out as an IREE parameter archive
-(.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
+One MLIR module holds the entry points (FUNCTIONS: prefill, decode, decode_token, kv_cache); the
+parameters are externalised, so the compiled module (.vmfb) holds code only and the weights go out
+as an IREE parameter archive (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
 values: it is cached under `edge.cache_dir` by a key over the model config, the shapes, dtype,
 target device and flags, the IREE and torch versions and the exporting source; a new checkpoint needs a new archive
 only (written in well under a second), not a new compile.
@@ -35,6 +35,8 @@ from src.edge.model import EdgeLM
 log = logging.getLogger("src.edge")
 
 MANIFEST = "manifest.json"
+# the module's entry points; artifacts compiled before decode_token list the other three
+FUNCTIONS = ("prefill", "decode", "decode_token", "kv_cache")
 SCHEMA = "perflab.edge/2"  # 2: the KV cache inside the module, greedy token out
 
 
@@ -90,14 +92,15 @@ def compile_flags(device: str, target: str, features: str = "", msl_dir: Path | 
     raise ValueError(f"no IREE target device {device!r}")
 
 
-def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: str, device: str, flags: list[str]) -> str:
+def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: str, device: str, flags: list[str],
+               functions: tuple[str, ...] = FUNCTIONS) -> str:
     import iree.compiler
     import iree.turbine
 
     versions = {"iree": getattr(iree.compiler, "__version__", "") or _dist_version("iree-base-compiler"),
                 "turbine": _dist_version("iree-turbine"), "torch": torch.__version__, "code": _code_hash()}
     blob = json.dumps({"schema": SCHEMA, "model": model, "batch": batch, "prompt_len": prompt_len, "max_seq": max_seq,
-                       "dtype": dtype, "device": device, "flags": [f for f in flags if "dump-executable" not in f], **versions}, sort_keys=True)
+                       "dtype": dtype, "device": device, "functions": functions, "flags": [f for f in flags if "dump-executable" not in f], **versions}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -122,26 +125,29 @@ def _dist_version(name: str) -> str:
         return ""
 
 
-def export_module(lm: EdgeLM, prompt_len: int, mlir: Path) -> None:
-    """prefill, decode and kv_cache of `lm` (its cache sized for the batch) to one MLIR module, the
-    parameters and the cache named as external parameters."""
+def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str, ...] = FUNCTIONS) -> None:
+    """`functions` of `lm` (its cache sized for the batch; prefill, decode, decode_token and
+    kv_cache by default) to one MLIR module, the parameters and the cache named as external
+    parameters."""
     import iree.turbine.aot as aot
 
     batch = lm.batch
     aot.externalize_module_parameters(lm)
     fxb = aot.FxProgramsBuilder(lm)
 
-    @fxb.export_program(name="prefill", args=(torch.zeros(batch, prompt_len, dtype=torch.int32),), strict=False)
-    def _prefill(module, tokens):
-        return module.prefill(tokens)
-
-    @fxb.export_program(name="decode", args=(torch.zeros(batch, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)), strict=False)
-    def _decode(module, token, pos):
-        return module.decode(token, pos)
-
-    @fxb.export_program(name="kv_cache", args=(torch.zeros(1, dtype=torch.int32),), strict=False)
-    def _kv_cache(module, unused):  # a program needs an argument; clones, so no global is aliased out
-        return module.k_cache.clone(), module.v_cache.clone()
+    step = (torch.zeros(batch, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    programs = {
+        "prefill": ((torch.zeros(batch, prompt_len, dtype=torch.int32),), lambda module, tokens: module.prefill(tokens)),
+        "decode": (step, lambda module, token, pos: module.decode(token, pos)),
+        # decode without the logits result: they stay inside the call, so the timed loop's step
+        # allocates and returns one [B] int32 buffer instead of that and a [B, vocab] one
+        "decode_token": (step, lambda module, token, pos: module.decode_token(token, pos)),
+        # a program needs an argument; clones, so no global is aliased out
+        "kv_cache": ((torch.zeros(1, dtype=torch.int32),), lambda module, unused: (module.k_cache.clone(), module.v_cache.clone())),
+    }
+    for name in functions:
+        args, program = programs[name]
+        fxb.export_program(name=name, args=args, strict=False)(program)
 
     aot.export(fxb).save_mlir(str(mlir))
 
@@ -157,11 +163,12 @@ def uses_cooperative_matrix(binaries: Path) -> bool:
 
 def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str, target: str, features: str,
           out_dir: Path, cache_dir: Path, weights: dict | None = None, extra_flags: tuple[str, ...] = (), variant: str = "",
-          params: bool = True) -> Artifacts:
+          params: bool = True, functions: tuple[str, ...] = FUNCTIONS) -> Artifacts:
     """Compile (or take from the cache) the module for `device`/`target` and `lm`'s batch, write it
     (and with `params` the parameters of `lm`) to `out_dir`; returns the artifacts with their
     manifest, which records `weights` (where the parameters came from) so a later `action=run`
-    rebuilds the reference and the archive, and `variant` with the flags that make it."""
+    rebuilds the reference and the archive, and `variant` with the flags that make it.
+    `functions` without decode_token makes a module as compiled before it (for its fallback)."""
     import iree.compiler as ic
     from iree.compiler.tools.binaries import CompilerToolError
 
@@ -173,7 +180,7 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     auto_hoist = device == "vulkan" and not any(f.startswith(HOIST_THRESHOLD) for f in extra_flags)
     chosen = list(extra_flags) + ([NO_GROWING_HOISTS] if auto_hoist else [])
     flags = compile_flags(device, target, features) + chosen
-    key = module_key(model_cfg, lm.batch, prompt_len, lm.max_seq, dtype, device, flags)
+    key = module_key(model_cfg, lm.batch, prompt_len, lm.max_seq, dtype, device, flags, functions)
     cached = cache_dir / key
     t0 = time.perf_counter()
     if (cached / "module.vmfb").is_file():
@@ -183,7 +190,7 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
         hit = False
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             mlir = Path(tmp) / "module.mlir"
-            export_module(copy.deepcopy(lm), prompt_len, mlir)
+            export_module(copy.deepcopy(lm), prompt_len, mlir, functions)
             export_s = time.perf_counter() - t0
             staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_ensure(cache_dir)))
             msl = staging / "msl" if device == "metal" else None
@@ -209,9 +216,12 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
             compile_s = time.perf_counter() - t1
             coop = uses_cooperative_matrix(binaries) if device == "vulkan" else False
             decode_ops = queue_ops(staging / "module.vmfb", "decode$async")
+            token_ops = queue_ops(staging / "module.vmfb", "decode_token$async")
+            allocas = {f"{name}_alloca_bytes": alloca_bytes(staging / "module.vmfb", f"{name}$async") for name in ("decode", "decode_token")}
             log.info("exported in %.1f s, compiled for %s %s %s in %.1f s", export_s, device, target, " ".join(extra_flags), compile_s)
             (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": compile_flags(device, target, features) + chosen,
-                                                              "cooperative_matrix": coop, "decode_queue_ops": decode_ops, "hoisting": hoisting}))
+                                                              "cooperative_matrix": coop, "decode_queue_ops": decode_ops, "decode_token_queue_ops": token_ops,
+                                                              **allocas, "hoisting": hoisting}))
             try:
                 staging.rename(cached)  # atomic: a concurrent job that got there first wins
             except OSError:
@@ -225,10 +235,12 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
         "schema": SCHEMA, "key": key, "cache": "hit" if hit else "miss", "device": device, "target": target, "flags": compiled.get("flags", flags),
         "hoisting": compiled.get("hoisting"),
         "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags),
-        "decode_queue_ops": compiled.get("decode_queue_ops"),
+        "decode_queue_ops": compiled.get("decode_queue_ops"), "decode_token_queue_ops": compiled.get("decode_token_queue_ops"),
+        # bytes of each queue alloca of a call, results first then transients
+        "decode_alloca_bytes": compiled.get("decode_alloca_bytes"), "decode_token_alloca_bytes": compiled.get("decode_token_alloca_bytes"),
         "cooperative_matrix": compiled.get("cooperative_matrix", False),
         "model": model_cfg, "weights": weights or {}, "batch": lm.batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
-        "functions": ["prefill", "decode", "kv_cache"], "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],
+        "functions": list(functions), "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],
         "module_bytes": (out_dir / "module.vmfb").stat().st_size, "params_bytes": params_bytes,
         "msl_files": sorted(p.name for p in (out_dir / "msl").glob("*.metal")) if (out_dir / "msl").is_dir() else [],
     }
@@ -254,6 +266,39 @@ def queue_ops(vmfb: Path, function: str = "decode$async") -> dict[str, int] | No
     each alloca, dealloca and barrier on the host, once its wait fences are reached: one that waits
     on work of the same call waits for the GPU. None where the tool is missing or the function is
     not in the module."""
+    text = _disassembly(vmfb, function)
+    if text is None:
+        return None
+    counts: dict[str, int] = {}
+    for op in re.findall(r"@hal\.device\.queue\.([a-z_.]+)[( ]", text):
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def alloca_bytes(vmfb: Path, function: str = "decode$async") -> list[int | None] | None:
+    """The byte size of each `hal.device.queue.alloca` of `function`, in order (None for a size not
+    a constant): the op counts of decode and decode_token are the same, what differs is the size
+    of the results' allocation (tiny, batch 2: 2112 bytes with the logits, 8 without)."""
+    text = _disassembly(vmfb, function)
+    if text is None:
+        return None
+    constants: dict[str, int] = {}
+    sizes: list[int | None] = []
+    for line in text.splitlines():  # the entry block is straight-line: a register's last constant is its value
+        const = re.match(r"\s*%(i\d+)(?::\d+)? = vm\.const\.i64(?:\.zero| (-?\d+))", line)
+        if const:
+            constants[const.group(1)] = int(const.group(2) or 0)
+            continue
+        call = re.search(r"@hal\.device\.queue\.alloca\(([^)]*)\)", line)
+        if call:  # (device, affinity, wait, signal, pool, memory type, usage, size, flags)
+            size = call.group(1).split(",")[7].strip().lstrip("%").lower()  # %I: the register's last use
+            sizes.append(constants.get(size))
+    return sizes
+
+
+def _disassembly(vmfb: Path, function: str) -> str | None:
+    """`function`'s body in `iree-dump-module`'s disassembly of the module; None where the tool is
+    missing or the function is not there."""
     import subprocess
 
     exe = shutil.which("iree-dump-module") or _runtime_tool("iree-dump-module")
@@ -267,10 +312,7 @@ def queue_ops(vmfb: Path, function: str = "decode$async") -> dict[str, int] | No
     if start < 0:
         return None
     end = text.find("\n}", start)
-    counts: dict[str, int] = {}
-    for op in re.findall(r"@hal\.device\.queue\.([a-z_.]+)[( ]", text[start:end if end > 0 else None]):
-        counts[op] = counts.get(op, 0) + 1
-    return dict(sorted(counts.items()))
+    return text[start:end if end > 0 else None]
 
 
 def _runtime_tool(name: str) -> str | None:

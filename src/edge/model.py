@@ -16,9 +16,12 @@ safetensors export loads unchanged), with what ahead-of-time compilers need:
   being written through a one-hot select, so each layer needs only the old cache.
 - Greedy sampling inside the module (`greedy_token`): each call returns the argmax token (int32, one per sequence)
   for the host to read, and the logits as a device buffer the host reads only to check them.
+  `decode_token` returns the token alone: its logits stay a transient of the call, so a timed step
+  allocates no [B, vocab] result (125 KiB at vocab 32000, batch 1, fp32) that nobody reads.
 
 prefill(tokens[B, T] int32) -> (next token [B] int32, logits of the last position [B, V])
 decode(token[B] int32, pos[1] int32) -> (next token [B] int32, logits [B, V])
+decode_token(token[B] int32, pos[1] int32) -> next token [B] int32 (decode's cache update, no logits out)
 kv_cache(unused[1]) -> (k_cache, v_cache), for tests and checks
 """
 from __future__ import annotations
@@ -130,3 +133,6 @@ class EdgeLM(nn.Module):
         self.k_cache.index_copy_(3, index, torch.stack(ks))  # (L, B, nh, 1, hs) into position pos
         self.v_cache.index_copy_(3, index, torch.stack(vs))
         return self._sample(x)
+
+    def decode_token(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.decode(token, pos)[0]

@@ -1,7 +1,8 @@
 """Run compiled edge modules through iree.runtime, and the same model through torch, behind one
 interface: prefill(tokens) -> (token, logits), decode(token, pos) -> (token, logits), both handles
-to device memory; tokens(handle) reads the greedy tokens (B int32) to the host, logits(handle) the
-logits (only to check them against torch).
+to device memory, decode_token(token, pos) -> token (the timed loop's step: no logits result);
+tokens(handle) reads the greedy tokens (B int32) to the host, logits(handle) the logits (only to
+check them against torch).
 
 Decode on a GPU (issue 13): the KV cache is module state (src/edge/model.py), the token chosen on
 the device goes straight back in as the next call's input, and the position is a device array made
@@ -170,6 +171,13 @@ class IreeRunner:
         main = self.module = modules[-1]
         self._prefill, self._decode, self._kv = (rt.FunctionInvoker(self.context, self.device, main.lookup_function(name))
                                                  for name in ("prefill", "decode", "kv_cache"))
+        # modules compiled before decode_token travel to the GPU machine on their own: run them
+        # through decode, its logits dropped, rather than fail
+        self.has_decode_token = main.lookup_function("decode_token") is not None
+        if self.has_decode_token:
+            self._decode_token = rt.FunctionInvoker(self.context, self.device, main.lookup_function("decode_token"))
+        else:
+            log.warning("%s has no decode_token (compiled before it): timed steps call decode and drop its logits", artifacts.vmfb)
         self.positions = [rt.asdevicearray(self.device, np.array([p], dtype=np.int32)) for p in range(artifacts.manifest["max_seq"])]
         # poll: decode through decode$async, its fence signalled on a semaphore the host spins on
         self.poll = host_wait == "poll" or (host_wait == "auto" and not lavapipe)
@@ -177,6 +185,7 @@ class IreeRunner:
         self.driver = driver
         if self.poll:
             self._decode_async = main.lookup_function("decode$async")
+            self._decode_token_async = main.lookup_function("decode_token$async") if self.has_decode_token else None
             self._timeline, self._tick = self.device.create_semaphore(0), 0
 
     def _load(self, artifacts: Artifacts) -> list[Any]:
@@ -200,14 +209,26 @@ class IreeRunner:
     def decode(self, token: Any, pos: int) -> tuple[Any, Any]:
         if not self.poll:
             return self._decode(token, self.positions[pos])
+        return self._invoke_polled(self._decode_async, token, pos, 2)
+
+    def decode_token(self, token: Any, pos: int) -> Any:
+        """decode's step and cache update, the next token alone: no logits result is allocated."""
+        if not self.has_decode_token:
+            return self.decode(token, pos)[0]
+        if not self.poll:
+            return self._decode_token(token, self.positions[pos])
+        return self._invoke_polled(self._decode_token_async, token, pos, 1)[0]
+
+    def _invoke_polled(self, function: Any, token: Any, pos: int, results: int) -> tuple[Any, ...]:
+        """`function`$async(token, pos, wait, signal), its signal fence spun on."""
         rt = self.rt
         self._tick += 1
-        args, rets = rt.VmVariantList(4), rt.VmVariantList(2)
+        args, rets = rt.VmVariantList(4), rt.VmVariantList(results)
         for ref in (token._buffer_view, self.positions[pos]._buffer_view, rt.HalFence(0), rt.HalFence.create_at(self._timeline, self._tick)):
             args.push_ref(ref)
-        self.context.invoke(self._decode_async, args, rets)
+        self.context.invoke(function, args, rets)
         spin_wait(self._timeline, self._tick)
-        return tuple(rt.DeviceArray(self.device, rets.get_as_object(i, rt.HalBufferView)) for i in range(2))
+        return tuple(rt.DeviceArray(self.device, rets.get_as_object(i, rt.HalBufferView)) for i in range(results))
 
     def tokens(self, handle: Any) -> np.ndarray:
         return self.readback.read(handle)
@@ -266,6 +287,10 @@ class TorchRunner:
     @torch.no_grad()
     def decode(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.lm.decode(token, self.positions[pos])
+
+    @torch.no_grad()
+    def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        return self.lm.decode_token(token, self.positions[pos])
 
     def tokens(self, handle: torch.Tensor) -> np.ndarray:
         return handle.cpu().numpy()  # .cpu() waits for the device
