@@ -22,6 +22,11 @@ class HostWait(StrEnum):
     block = "block"
 
 
+class TokenOut(StrEnum):
+    caller = "caller"
+    result = "result"
+
+
 class EdgeAction(StrEnum):
     bench = "bench"
     compile = "compile"
@@ -155,3 +160,7 @@ class EdgeConfig:
     """backend=vulkan: how the host waits for a decode call and a token read: poll the semaphore
     (as CUDA's default sync spins), or block in the driver; auto polls on a GPU and blocks on
     lavapipe, whose CPU threads the poll would take"""
+    token_out: TokenOut = TokenOut.caller
+    """backend=vulkan: where a decode step's token goes: caller (decode_token_into, the runner's own
+    mapped host-visible buffers: no result allocation, no copy to read it) or result (decode_token's
+    result buffer, read through a copy); modules without decode_token_into take result"""

@@ -108,7 +108,9 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
     assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
     k, v = runner.kv_cache()  # the position computed in the call lands where the hoisted indices put it
     assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
-    # the timed loop's decode_token, polled through decode_token$async: the same tokens
+    # the timed loop's step, polled through decode_token_into$async into the runner's mapped
+    # buffers (edge.token_out=caller, the default): the same tokens
+    assert runner.token_buffers is not None
     timed = generate(runner, tokens, STEPS)
     assert [t.tolist() for t in timed.tokens] == [t.tolist() for t in gen.tokens]
 
@@ -117,12 +119,15 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
 def test_decode_token_gives_decode_tokens_and_cache_without_the_logits_result(tmp_path, cache):
     # a process (one context) per function: on lavapipe the second kv_cache call of a context can
     # return other data than the cache (measured: every other call, with or without decode_token)
+    # decode_token_into: the token written into the runner's own mapped buffers (edge.token_out=caller)
     got = {}
-    for function in ("decode_token", "decode"):
+    for function in ("decode_token_into", "decode_token", "decode"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             got[function] = pool.submit(_generate_and_read_cache, function, tmp_path / function, cache).result()
-    (tokens, k, v), (want_tokens, want_k, want_v) = got["decode_token"], got["decode"]
-    assert tokens == want_tokens and np.array_equal(k, want_k) and np.array_equal(v, want_v)
+    want_tokens, want_k, want_v = got["decode"]
+    for function in ("decode_token_into", "decode_token"):
+        tokens, k, v = got[function]
+        assert tokens == want_tokens and np.array_equal(k, want_k) and np.array_equal(v, want_v), function
 
 
 def _generate_and_read_cache(function: str, tmp_path: Path, cache: Path) -> tuple[list, np.ndarray, np.ndarray]:
@@ -135,14 +140,24 @@ def _generate_and_read_cache(function: str, tmp_path: Path, cache: Path) -> tupl
     # the same queue ops; the results' allocation shrinks from the tokens and the (2, 256) fp32
     # logits (64-byte aligned) to the tokens, and the logits fit in the transients decode already had
     assert m["decode_alloca_bytes"] == [2112, 26240] and m["decode_token_alloca_bytes"] == [8, 26240], m
-    runner = IreeRunner(art, "vulkan")
+    # into the caller's buffer: no result allocation at all, the transients alone
+    assert m["decode_token_into_alloca_bytes"] == [26240] and m["decode_token_into_queue_ops"] == {**m["decode_queue_ops"], "alloca": 1}, m
+    runner = IreeRunner(art, "vulkan", token_out="caller" if function == "decode_token_into" else "result")
     assert runner.has_decode_token and "decode_token(0rr_r)" in repr(runner.module.lookup_function("decode_token"))
+    assert (runner.token_buffers is not None) == (function == "decode_token_into")
     tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
     gen = generate(runner, tokens, STEPS, check=function == "decode")  # generate's timed steps are decode_token's
     k, v = runner.kv_cache()  # on the zeroed cache: every position read was written by this generation
     want = reference_logits(ref, tokens, gen.tokens[:-1])
     assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
     assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
+    if function == "decode_token_into":  # (after the cache read: this step writes the cache again)
+        buffers = runner.token_buffers
+        # a step writes the buffer its input is not in, and its token is read there, no copy
+        reads = runner.readback._reads
+        out = runner.decode_token(buffers.arrays[1], PROMPT + STEPS - 1)
+        assert out is buffers.arrays[0] and np.array_equal(runner.tokens(out), buffers.host[0])
+        assert runner.readback._reads == reads  # no copy was queued to read it
     return [t.tolist() for t in gen.tokens], k, v
 
 

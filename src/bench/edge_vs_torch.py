@@ -110,6 +110,7 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
 
 
 HOST_WAIT = "--host_wait="
+TOKEN_OUT = "--token_out="
 
 
 def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int, flags: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -131,10 +132,13 @@ def run_one(module: Path, backend: str, work: Path, repeats: int, warmup: int, f
         t0 = time.perf_counter()
         write_params(copy.deepcopy(reference).to(torch_dtype(m["dtype"])), art.params)
         summary["params_write_s"] = time.perf_counter() - t0
-    # `--host_wait=poll|block` rides with the runtime flags (edge.host_wait), the rest are IREE's
+    # `--host_wait=poll|block` and `--token_out=caller|result` ride with the runtime flags
+    # (edge.host_wait, edge.token_out), the rest are IREE's
     waits = [f.split("=", 1)[1] for f in flags if f.startswith(HOST_WAIT)]
+    outs = [f.split("=", 1)[1] for f in flags if f.startswith(TOKEN_OUT)]
     e = SimpleNamespace(seed=0, decode_steps=m["max_seq"] - m["prompt_len"], warmup=warmup, repeats=repeats,
-                        runtime_flags=tuple(f for f in flags if not f.startswith(HOST_WAIT)), host_wait=waits[-1] if waits else "auto")
+                        runtime_flags=tuple(f for f in flags if not f.startswith((HOST_WAIT, TOKEN_OUT))),
+                        host_wait=waits[-1] if waits else "auto", token_out=outs[-1] if outs else "caller")
     try:
         _run(backend, art, reference, settings, e, summary)
     except EdgeRunFailed as err:
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--runtime-flags", action="append", default=None, metavar="'FLAG ...'",
                    help="an IREE runtime flag set, space-separated, '' for none (repeat; each Vulkan module runs under each; "
-                        "write --runtime-flags='--vulkan_tracing=false'); default: RUNTIME_FLAGS; --host_wait=poll|block in a set chooses how the host waits (edge.host_wait)")
+                        "write --runtime-flags='--vulkan_tracing=false'); default: RUNTIME_FLAGS; --host_wait=poll|block in a set chooses how the host waits (edge.host_wait), --token_out=caller|result where the token goes (edge.token_out)")
     o = sub.add_parser("one", help="one combination (what run starts in a subprocess)")
     o.add_argument("--module", type=Path, required=True)
     o.add_argument("--backend", required=True)

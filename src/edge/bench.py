@@ -122,6 +122,9 @@ def measure(runner: Any, reference: EdgeLM, tokens: np.ndarray, steps: int, warm
         "decode_call_ms": call_ms, "token_read_ms": read_ms,
         "rel_err": max(errors), "rel_err_prefill": errors[0], "rel_err_per_step": errors,
         "greedy_mismatches": mismatches,
+        # the timed steps' tokens against the checked pass's: the timed path (decode_token or
+        # decode_token_into, read from another buffer) must generate the same sequence
+        "timed_token_mismatches": sum(int((np.stack(g.tokens) != np.stack(first.tokens)).sum()) for g in timed),
         "generated": np.stack(first.tokens, axis=1).tolist(),
     }
 

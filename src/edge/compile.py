@@ -36,7 +36,7 @@ log = logging.getLogger("src.edge")
 
 MANIFEST = "manifest.json"
 # the module's entry points; artifacts compiled before decode_token list the other three
-FUNCTIONS = ("prefill", "decode", "decode_token", "kv_cache")
+FUNCTIONS = ("prefill", "decode", "decode_token", "decode_token_into", "kv_cache")
 SCHEMA = "perflab.edge/2"  # 2: the KV cache inside the module, greedy token out
 
 
@@ -142,6 +142,10 @@ def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str,
         # decode without the logits result: they stay inside the call, so the timed loop's step
         # allocates and returns one [B] int32 buffer instead of that and a [B, vocab] one
         "decode_token": (step, lambda module, token, pos: module.decode_token(token, pos)),
+        # the token written into a caller's buffer: no result alloca at all (the runner's own
+        # host-visible buffers, read where they are mapped)
+        "decode_token_into": ((*step, torch.zeros(batch, dtype=torch.int32)),
+                              lambda module, token, pos, out: module.decode_token_into(token, pos, out)),
         # a program needs an argument; clones, so no global is aliased out
         "kv_cache": ((torch.zeros(1, dtype=torch.int32),), lambda module, unused: (module.k_cache.clone(), module.v_cache.clone())),
     }
@@ -217,10 +221,12 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
             coop = uses_cooperative_matrix(binaries) if device == "vulkan" else False
             decode_ops = queue_ops(staging / "module.vmfb", "decode$async")
             token_ops = queue_ops(staging / "module.vmfb", "decode_token$async")
-            allocas = {f"{name}_alloca_bytes": alloca_bytes(staging / "module.vmfb", f"{name}$async") for name in ("decode", "decode_token")}
+            into_ops = queue_ops(staging / "module.vmfb", "decode_token_into$async")
+            allocas = {f"{name}_alloca_bytes": alloca_bytes(staging / "module.vmfb", f"{name}$async") for name in ("decode", "decode_token", "decode_token_into")}
             log.info("exported in %.1f s, compiled for %s %s %s in %.1f s", export_s, device, target, " ".join(extra_flags), compile_s)
             (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": compile_flags(device, target, features) + chosen,
                                                               "cooperative_matrix": coop, "decode_queue_ops": decode_ops, "decode_token_queue_ops": token_ops,
+                                                              "decode_token_into_queue_ops": into_ops,
                                                               **allocas, "hoisting": hoisting}))
             try:
                 staging.rename(cached)  # atomic: a concurrent job that got there first wins
@@ -236,8 +242,10 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
         "hoisting": compiled.get("hoisting"),
         "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags),
         "decode_queue_ops": compiled.get("decode_queue_ops"), "decode_token_queue_ops": compiled.get("decode_token_queue_ops"),
+        "decode_token_into_queue_ops": compiled.get("decode_token_into_queue_ops"),
         # bytes of each queue alloca of a call, results first then transients
         "decode_alloca_bytes": compiled.get("decode_alloca_bytes"), "decode_token_alloca_bytes": compiled.get("decode_token_alloca_bytes"),
+        "decode_token_into_alloca_bytes": compiled.get("decode_token_into_alloca_bytes"),
         "cooperative_matrix": compiled.get("cooperative_matrix", False),
         "model": model_cfg, "weights": weights or {}, "batch": lm.batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
         "functions": list(functions), "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],

@@ -22,6 +22,7 @@ safetensors export loads unchanged), with what ahead-of-time compilers need:
 prefill(tokens[B, T] int32) -> (next token [B] int32, logits of the last position [B, V])
 decode(token[B] int32, pos[1] int32) -> (next token [B] int32, logits [B, V])
 decode_token(token[B] int32, pos[1] int32) -> next token [B] int32 (decode's cache update, no logits out)
+decode_token_into(token[B] int32, pos[1] int32, out[B] int32) -> pos, the token written into out
 kv_cache(unused[1]) -> (k_cache, v_cache), for tests and checks
 """
 from __future__ import annotations
@@ -136,3 +137,11 @@ class EdgeLM(nn.Module):
 
     def decode_token(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.decode(token, pos)[0]
+
+    def decode_token_into(self, token: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """decode_token written into `out`, a buffer the caller owns. Exported, the mutated argument
+        becomes an alias of the caller's buffer (hal.tensor.alias): the call allocates no result,
+        and a caller that gives host-visible memory reads the token there, no copy. Returns `pos`
+        (a program must return something, and returning `out` would allocate a result again)."""
+        out.copy_(self.decode_token(token, pos))
+        return pos

@@ -101,6 +101,35 @@ class Readback:
         return host[:nbytes].view(array.dtype).reshape(array.shape).copy()
 
 
+class TokenBuffers:
+    """The two [B] int32 buffers decode_token_into writes the next token into: the runner's own, in
+    host-visible, device-visible coherent memory, each mapped once for the run. A step then
+    allocates no result and its token is read where the device wrote it, after the call's fence:
+    no staging copy, no second submission. Two, used in turn, so a call never writes the buffer
+    its token input is read from."""
+
+    def __init__(self, rt: Any, device: Any, batch: int):
+        self.arrays, self.host, self._maps = [], [], []
+        for _ in range(2):
+            buffer = device.allocator.allocate_buffer(
+                memory_type=int(rt.MemoryType.HOST_LOCAL) | int(rt.MemoryType.HOST_COHERENT) | int(rt.MemoryType.DEVICE_VISIBLE),
+                allowed_usage=int(rt.BufferUsage.TRANSFER) | int(rt.BufferUsage.DISPATCH_STORAGE) | int(rt.BufferUsage.MAPPING),
+                allocation_size=4 * batch)
+            self.arrays.append(rt.DeviceArray(device, rt.HalBufferView(buffer, (batch,), rt.HalElementType.SINT_32)))
+            self._maps.append(buffer.map())  # held: the arrays below are views of these mappings
+            self.host.append(self._maps[-1].asarray((batch,), np.dtype(np.int32)))
+
+    def other_than(self, token: Any) -> Any:
+        return self.arrays[1] if token is self.arrays[0] else self.arrays[0]
+
+    def read(self, handle: Any) -> np.ndarray | None:
+        """The token in `handle` when it is one of these buffers (the call's fence already passed)."""
+        for array, host in zip(self.arrays, self.host):
+            if handle is array:
+                return host.copy()
+        return None
+
+
 SPIN_LIMIT_S = 30.0
 
 
@@ -148,7 +177,7 @@ class IreeRunner:
     driver the first error ends the run. The campaign runs each module in a process of its own."""
 
     def __init__(self, artifacts: Artifacts, driver: str, readback: tuple[str, ...] = READBACK_MODES, flags: tuple[str, ...] = (),
-                 host_wait: str = "auto"):
+                 host_wait: str = "auto", token_out: str = "caller"):
         import iree.runtime as rt
 
         self.rt = rt
@@ -178,6 +207,12 @@ class IreeRunner:
             self._decode_token = rt.FunctionInvoker(self.context, self.device, main.lookup_function("decode_token"))
         else:
             log.warning("%s has no decode_token (compiled before it): timed steps call decode and drop its logits", artifacts.vmfb)
+        # the token into the runner's own mapped buffers where the module has decode_token_into
+        # (and `token_out`: "caller" uses it, "result" keeps decode_token's result buffer to compare)
+        into = main.lookup_function("decode_token_into") if token_out == "caller" else None
+        self.token_buffers = TokenBuffers(rt, self.device, artifacts.manifest["batch"]) if into is not None else None
+        if into is not None:
+            self._decode_token_into = rt.FunctionInvoker(self.context, self.device, into)
         self.positions = [rt.asdevicearray(self.device, np.array([p], dtype=np.int32)) for p in range(artifacts.manifest["max_seq"])]
         # poll: decode through decode$async, its fence signalled on a semaphore the host spins on
         self.poll = host_wait == "poll" or (host_wait == "auto" and not lavapipe)
@@ -186,6 +221,7 @@ class IreeRunner:
         if self.poll:
             self._decode_async = main.lookup_function("decode$async")
             self._decode_token_async = main.lookup_function("decode_token$async") if self.has_decode_token else None
+            self._decode_token_into_async = main.lookup_function("decode_token_into$async") if into is not None else None
             self._timeline, self._tick = self.device.create_semaphore(0), 0
 
     def _load(self, artifacts: Artifacts) -> list[Any]:
@@ -213,25 +249,34 @@ class IreeRunner:
 
     def decode_token(self, token: Any, pos: int) -> Any:
         """decode's step and cache update, the next token alone: no logits result is allocated."""
+        if self.token_buffers is not None:  # written into the runner's mapped buffer: no result, no copy to read
+            out = self.token_buffers.other_than(token)
+            if self.poll:
+                self._invoke_polled(self._decode_token_into_async, token, pos, 1, out)
+            else:
+                self._decode_token_into(token, self.positions[pos], out)
+            return out
         if not self.has_decode_token:
             return self.decode(token, pos)[0]
         if not self.poll:
             return self._decode_token(token, self.positions[pos])
         return self._invoke_polled(self._decode_token_async, token, pos, 1)[0]
 
-    def _invoke_polled(self, function: Any, token: Any, pos: int, results: int) -> tuple[Any, ...]:
-        """`function`$async(token, pos, wait, signal), its signal fence spun on."""
+    def _invoke_polled(self, function: Any, token: Any, pos: int, results: int, *more: Any) -> tuple[Any, ...]:
+        """`function`$async(token, pos, *more, wait, signal), its signal fence spun on."""
         rt = self.rt
         self._tick += 1
-        args, rets = rt.VmVariantList(4), rt.VmVariantList(results)
-        for ref in (token._buffer_view, self.positions[pos]._buffer_view, rt.HalFence(0), rt.HalFence.create_at(self._timeline, self._tick)):
+        args, rets = rt.VmVariantList(4 + len(more)), rt.VmVariantList(results)
+        inputs = (token, self.positions[pos], *more)
+        for ref in (*(a._buffer_view for a in inputs), rt.HalFence(0), rt.HalFence.create_at(self._timeline, self._tick)):
             args.push_ref(ref)
         self.context.invoke(function, args, rets)
         spin_wait(self._timeline, self._tick)
         return tuple(rt.DeviceArray(self.device, rets.get_as_object(i, rt.HalBufferView)) for i in range(results))
 
     def tokens(self, handle: Any) -> np.ndarray:
-        return self.readback.read(handle)
+        mapped = self.token_buffers.read(handle) if self.token_buffers is not None else None
+        return mapped if mapped is not None else self.readback.read(handle)
 
     def logits(self, handle: Any) -> np.ndarray:
         return self.readback.read(handle)

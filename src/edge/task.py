@@ -173,7 +173,8 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
         summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
         summary.update(check_device(artifacts.manifest, summary["device_name"]))
         try:
-            runner = IreeRunner(artifacts, "vulkan", flags=tuple(getattr(e, "runtime_flags", ()) or ()), host_wait=str(getattr(e, "host_wait", "auto")))
+            runner = IreeRunner(artifacts, "vulkan", flags=tuple(getattr(e, "runtime_flags", ()) or ()), host_wait=str(getattr(e, "host_wait", "auto")),
+                                  token_out=str(getattr(e, "token_out", "caller")))
         except ModuleLoadFailed as err:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
         cache_bytes = 2 * reference.k_cache.numel() * torch_dtype(dtype).itemsize  # keys and values
@@ -192,6 +193,7 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
     summary["readback"] = getattr(getattr(runner, "readback", None), "mode", None)
     if hasattr(runner, "poll"):
         summary["host_wait"] = "poll" if runner.poll else "block"
+        summary["token_out"] = "caller" if runner.token_buffers is not None else "result"
     wrong = tolerance_error(summary)
     if wrong:
         log.info("edge inference:\n%s", table({**summary, "status": "failed"}))
