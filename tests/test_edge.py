@@ -40,13 +40,19 @@ def _cli(args: list[str], cwd: Path, cache: Path):
     return run_cli(["+exp=edge", f"edge.cache_dir={cache}", f"edge.prompt_len={PROMPT}", f"edge.decode_steps={STEPS}", "edge.repeats=2", "edge.warmup=1", *args], cwd=cwd)
 
 
+def in_own_process(fn, *args):
+    """fn(*args) in a spawned process, so its IREE context is the process's first on lavapipe
+    (later contexts of one process lose the device far more often: IreeRunner's docstring)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 @needs_vulkan
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_vulkan_prefill_and_ten_decode_steps_match_torch(dtype, tmp_path, cache):
     # in a process of its own, as the campaign runs each module: a second IREE context in one
     # process can lose lavapipe's device (src/edge/runtime.py, IreeRunner)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(_vulkan_matches_torch, dtype, tmp_path, cache).result()
+    in_own_process(_vulkan_matches_torch, dtype, tmp_path, cache)
 
 
 def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
@@ -80,8 +86,7 @@ def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
 
 @needs_vulkan
 def test_no_growing_hoists_by_default_take_the_constant_copy_and_its_gpu_wait_out_of_decode(tmp_path, cache):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(_no_growing_hoists_match_torch, tmp_path, cache).result()
+    in_own_process(_no_growing_hoists_match_torch, tmp_path, cache)
 
 
 def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
@@ -122,8 +127,7 @@ def test_decode_token_gives_decode_tokens_and_cache_without_the_logits_result(tm
     # decode_token_into: the token written into the runner's own mapped buffers (edge.token_out=caller)
     got = {}
     for function in ("decode_token_into", "decode_token", "decode"):
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            got[function] = pool.submit(_generate_and_read_cache, function, tmp_path / function, cache).result()
+        got[function] = in_own_process(_generate_and_read_cache, function, tmp_path / function, cache)
     want_tokens, want_k, want_v = got["decode"]
     for function in ("decode_token_into", "decode_token"):
         tokens, k, v = got[function]
@@ -163,8 +167,7 @@ def _generate_and_read_cache(function: str, tmp_path: Path, cache: Path) -> tupl
 
 @needs_vulkan
 def test_a_module_compiled_before_decode_token_runs_through_decode(tmp_path, cache):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(_old_module_falls_back, tmp_path, cache).result()
+    in_own_process(_old_module_falls_back, tmp_path, cache)
 
 
 def _old_module_falls_back(tmp_path: Path, cache: Path) -> None:
