@@ -219,15 +219,10 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
                 compile_with(chosen)
             compile_s = time.perf_counter() - t1
             coop = uses_cooperative_matrix(binaries) if device == "vulkan" else False
-            decode_ops = queue_ops(staging / "module.vmfb", "decode$async")
-            token_ops = queue_ops(staging / "module.vmfb", "decode_token$async")
-            into_ops = queue_ops(staging / "module.vmfb", "decode_token_into$async")
-            allocas = {f"{name}_alloca_bytes": alloca_bytes(staging / "module.vmfb", f"{name}$async") for name in ("decode", "decode_token", "decode_token_into")}
+            steps = step_figures(staging / "module.vmfb")
             log.info("exported in %.1f s, compiled for %s %s %s in %.1f s", export_s, device, target, " ".join(extra_flags), compile_s)
             (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": compile_flags(device, target, features) + chosen,
-                                                              "cooperative_matrix": coop, "decode_queue_ops": decode_ops, "decode_token_queue_ops": token_ops,
-                                                              "decode_token_into_queue_ops": into_ops,
-                                                              **allocas, "hoisting": hoisting}))
+                                                              "cooperative_matrix": coop, **steps, "hoisting": hoisting}))
             try:
                 staging.rename(cached)  # atomic: a concurrent job that got there first wins
             except OSError:
@@ -241,11 +236,9 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
         "schema": SCHEMA, "key": key, "cache": "hit" if hit else "miss", "device": device, "target": target, "flags": compiled.get("flags", flags),
         "hoisting": compiled.get("hoisting"),
         "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags),
-        "decode_queue_ops": compiled.get("decode_queue_ops"), "decode_token_queue_ops": compiled.get("decode_token_queue_ops"),
-        "decode_token_into_queue_ops": compiled.get("decode_token_into_queue_ops"),
-        # bytes of each queue alloca of a call, results first then transients
-        "decode_alloca_bytes": compiled.get("decode_alloca_bytes"), "decode_token_alloca_bytes": compiled.get("decode_token_alloca_bytes"),
-        "decode_token_into_alloca_bytes": compiled.get("decode_token_into_alloca_bytes"),
+        # each decode entry point's queue ops, and the bytes of each of its queue allocas (results
+        # first, then transients)
+        **{key: compiled.get(key) for name in STEP_FUNCTIONS for key in (f"{name}_queue_ops", f"{name}_alloca_bytes")},
         "cooperative_matrix": compiled.get("cooperative_matrix", False),
         "model": model_cfg, "weights": weights or {}, "batch": lm.batch, "prompt_len": prompt_len, "max_seq": lm.max_seq, "dtype": dtype,
         "functions": list(functions), "compile_s": compile_s, "compile_s_when_built": compiled["compile_s"],
@@ -267,29 +260,40 @@ def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[st
     return "-".join([target, "coop" if cooperative_matrix else "nocoop", *extras])
 
 
-def queue_ops(vmfb: Path, function: str = "decode$async") -> dict[str, int] | None:
-    """How many of each `hal.device.queue.*` call `function` of the compiled module makes, from
+# the decode entry points whose queue ops and allocation sizes the manifest records (`NAME_queue_ops`,
+# `NAME_alloca_bytes`, of NAME$async)
+STEP_FUNCTIONS = ("decode", "decode_token", "decode_token_into")
+
+
+def step_figures(vmfb: Path) -> dict[str, Any]:
+    """`NAME_queue_ops` and `NAME_alloca_bytes` of each of STEP_FUNCTIONS, from one disassembly of
+    the module (None where the tool is missing or the function is not in the module)."""
+    text = _disassembly(vmfb)
+    figures: dict[str, Any] = {}
+    for name in STEP_FUNCTIONS:
+        body = _function_body(text, f"{name}$async") if text is not None else None
+        figures[f"{name}_queue_ops"] = queue_ops(body) if body is not None else None
+        figures[f"{name}_alloca_bytes"] = alloca_bytes(body) if body is not None else None
+    return figures
+
+
+def queue_ops(text: str) -> dict[str, int]:
+    """How many of each `hal.device.queue.*` call a function makes, from its body in
     `iree-dump-module`'s disassembly (iree-base-runtime), e.g. {"alloca": 2, "dealloca": 1,
     "execute.indirect": 1} for decode compiled with NO_GROWING_HOISTS. IREE 3.13's Vulkan HAL does
     each alloca, dealloca and barrier on the host, once its wait fences are reached: one that waits
-    on work of the same call waits for the GPU. None where the tool is missing or the function is
-    not in the module."""
-    text = _disassembly(vmfb, function)
-    if text is None:
-        return None
+    on work of the same call waits for the GPU."""
     counts: dict[str, int] = {}
     for op in re.findall(r"@hal\.device\.queue\.([a-z_.]+)[( ]", text):
         counts[op] = counts.get(op, 0) + 1
     return dict(sorted(counts.items()))
 
 
-def alloca_bytes(vmfb: Path, function: str = "decode$async") -> list[int | None] | None:
-    """The byte size of each `hal.device.queue.alloca` of `function`, in order (None for a size not
-    a constant): the op counts of decode and decode_token are the same, what differs is the size
-    of the results' allocation (tiny, batch 2: 2112 bytes with the logits, 8 without)."""
-    text = _disassembly(vmfb, function)
-    if text is None:
-        return None
+def alloca_bytes(text: str) -> list[int | None]:
+    """The byte size of each `hal.device.queue.alloca` of a function's disassembled body, in order
+    (None for a size not a constant): the op counts of decode and decode_token are the same, what
+    differs is the size of the results' allocation (tiny, batch 2: 2112 bytes with the logits, 8
+    without)."""
     constants: dict[str, int] = {}
     sizes: list[int | None] = []
     for line in text.splitlines():  # the entry block is straight-line: a register's last constant is its value
@@ -304,9 +308,8 @@ def alloca_bytes(vmfb: Path, function: str = "decode$async") -> list[int | None]
     return sizes
 
 
-def _disassembly(vmfb: Path, function: str) -> str | None:
-    """`function`'s body in `iree-dump-module`'s disassembly of the module; None where the tool is
-    missing or the function is not there."""
+def _disassembly(vmfb: Path) -> str | None:
+    """`iree-dump-module`'s disassembly of the module; None where the tool is missing or fails."""
     import subprocess
 
     exe = shutil.which("iree-dump-module") or _runtime_tool("iree-dump-module")
@@ -316,6 +319,11 @@ def _disassembly(vmfb: Path, function: str) -> str | None:
         text = subprocess.run([exe, "--output=disassembly", str(vmfb)], capture_output=True, text=True, timeout=120).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
+    return text
+
+
+def _function_body(text: str, function: str) -> str | None:
+    """`function`'s body in a module's disassembly; None where it is not there."""
     start = text.find(f"vm.func @{function}(")
     if start < 0:
         return None
