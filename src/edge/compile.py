@@ -1,6 +1,7 @@
 """Export the edge model with iree.turbine.aot and compile it with IREE, weights kept apart.
 
-One MLIR module holds the entry points (FUNCTIONS: prefill, decode, decode_token, kv_cache); the
+One MLIR module holds the entry points (FUNCTIONS: prefill, decode, decode_token, decode_token_into,
+kv_cache); the
 parameters are externalised, so the compiled module (.vmfb) holds code only and the weights go out
 as an IREE parameter archive (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
 values: it is cached under `edge.cache_dir` by a key over the model config, the shapes, dtype,
@@ -35,7 +36,7 @@ from src.edge.model import EdgeLM
 log = logging.getLogger("src.edge")
 
 MANIFEST = "manifest.json"
-# the module's entry points; artifacts compiled before decode_token list the other three
+# the module's entry points; artifacts compiled before decode_token list prefill, decode and kv_cache
 FUNCTIONS = ("prefill", "decode", "decode_token", "decode_token_into", "kv_cache")
 SCHEMA = "perflab.edge/2"  # 2: the KV cache inside the module, greedy token out
 
@@ -126,8 +127,7 @@ def _dist_version(name: str) -> str:
 
 
 def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str, ...] = FUNCTIONS) -> None:
-    """`functions` of `lm` (its cache sized for the batch; prefill, decode, decode_token and
-    kv_cache by default) to one MLIR module, the parameters and the cache named as external
+    """`functions` of `lm` (its cache sized for the batch; FUNCTIONS by default) to one MLIR module, the parameters and the cache named as external
     parameters."""
     import iree.turbine.aot as aot
 
