@@ -1,9 +1,8 @@
 """Export the edge model with iree.turbine.aot and compile it with IREE, weights kept apart.
 
 One MLIR module holds the entry points (FUNCTIONS: prefill, decode, decode_token, decode_token_into,
-kv_cache); the
-parameters are externalised, so the compiled module (.vmfb) holds code only and the weights go out
-as an IREE parameter archive (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
+kv_cache); the parameters are externalised, so the compiled module (.vmfb) holds code only and the
+weights go out as an IREE parameter archive (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
 values: it is cached under `edge.cache_dir` by a key over the model config, the shapes, dtype,
 target device and flags, the IREE and torch versions and the exporting source; a new checkpoint needs a new archive
 only (written in well under a second), not a new compile.
@@ -127,8 +126,8 @@ def _dist_version(name: str) -> str:
 
 
 def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str, ...] = FUNCTIONS) -> None:
-    """`functions` of `lm` (its cache sized for the batch; FUNCTIONS by default) to one MLIR module, the parameters and the cache named as external
-    parameters."""
+    """`functions` of `lm` (its cache sized for the batch; FUNCTIONS by default) to one MLIR module,
+    the parameters and the cache named as external parameters."""
     import iree.turbine.aot as aot
 
     batch = lm.batch
