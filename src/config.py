@@ -124,6 +124,12 @@ class ShardingConfig:
     """fsdp2/hsdp on CUDA: the all-gathers' staging buffers in NCCL symmetric memory (FSDP2's
     set_symm_mem_for_comm); with NCCL_CTA_POLICY=2 one node's all-gathers then run on the copy
     engines and leave every SM to the GEMMs"""
+    forward_prefetch: int = 0
+    """fsdp2/hsdp: each unit's forward hook also issues the next k units' all-gathers (FSDP2's
+    set_modules_to_forward_prefetch); 0: FSDP2's implicit order, each gather at its own unit"""
+    backward_prefetch: int = 0
+    """fsdp2/hsdp: each unit's backward hook issues the all-gathers of the next k units backward
+    reaches (set_modules_to_backward_prefetch); 0: FSDP2's implicit one"""
 
 
 @dataclass

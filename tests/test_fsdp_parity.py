@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh
-from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
+from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy, prefetch_plan
 from src.models.mini_llm import MiniLLM
 from src.train.loop import train_step
 
@@ -31,7 +31,7 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
 
 
-def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtype: str, split_root: bool = False) -> None:
+def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtype: str, layout: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     model = opt = None
@@ -39,7 +39,7 @@ def _sharded_rank(rank: int, init_file: str, out: str, strategy: str, param_dtyp
         with torch.device("meta"):
             model = MiniLLM(**MODEL)
         mesh = build_mesh("cpu", WORLD, strategy, replicate=2 if strategy == "hsdp" else 1)
-        apply_fsdp(model, mesh, mixed_precision_policy(param_dtype, "float32"), split_root=split_root)
+        apply_fsdp(model, mesh, mixed_precision_policy(param_dtype, "float32"), **layout)
         materialize_and_init(model, torch.device("cpu"), SEED)
         placements = {n: repr(tuple(p.placements)) for n, p in model.named_parameters() if isinstance(p, DTensor)}
         n_params = sum(1 for _ in model.parameters())
@@ -82,9 +82,10 @@ def _unsharded_reference() -> dict:
     return {"losses": losses, "init": init, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _run_sharded(tmp_path: Path, strategy: str, param_dtype: str, split_root: bool = False) -> dict:
+def _run_sharded(tmp_path: Path, strategy: str, param_dtype: str, **layout) -> dict:
+    """`layout`: apply_fsdp's keyword arguments (split_root, prefetch counts)."""
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_sharded_rank, args=(str(tmp_path / "rdzv"), str(out), strategy, param_dtype, split_root), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_sharded_rank, args=(str(tmp_path / "rdzv"), str(out), strategy, param_dtype, layout), nprocs=WORLD, start_method="spawn")
     return torch.load(out, weights_only=True)  # tensors, floats and strings only: nothing is unpickled
 
 
@@ -95,10 +96,12 @@ def reference() -> dict:
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "hsdp", "fsdp2_split_root"])
 def test_fp32_sharded_training_equals_unsharded_within_float32_rounding(tmp_path, reference, strategy):
-    # fsdp2_split_root: the embedding and head as units of their own (sharding.split_root)
+    # fsdp2_split_root: the embedding and head as units of their own (sharding.split_root), with
+    # each unit prefetching the next two units' all-gathers in forward and in backward
     split_root = strategy.endswith("_split_root")
     strategy = strategy.removesuffix("_split_root")
-    got = _run_sharded(tmp_path, strategy, "float32", split_root)
+    layout = dict(split_root=True, forward_prefetch=2, backward_prefetch=2) if split_root else {}
+    got = _run_sharded(tmp_path, strategy, "float32", **layout)
     assert got["units"] == ["", *(["embed", "head"] if split_root else []), "layers.0", "layers.1"]
     # initial weights: each rank drew the full tensor and kept its shard, so bit-identical
     for name, ref in reference["init"].items():
@@ -133,3 +136,13 @@ def test_initial_weights_follow_the_seed():
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         if "norm" not in name and "bias" not in name:
             assert not torch.equal(pa, pb), f"{name} ignores the seed"
+
+
+def test_prefetch_plan_names_the_next_units_in_each_pass_order():
+    order = ["root", "embed", "layers.0", "layers.1", "head"]
+    assert prefetch_plan(order, 2) == [
+        ("root", ["embed", "layers.0"]), ("embed", ["layers.0", "layers.1"]),
+        ("layers.0", ["layers.1", "head"]), ("layers.1", ["head"]),
+    ]
+    # backward walks the units the other way; the last unit has nothing to prefetch
+    assert prefetch_plan(order[:0:-1], 1) == [("head", ["layers.1"]), ("layers.1", ["layers.0"]), ("layers.0", ["embed"])]

@@ -160,6 +160,12 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")
     if sharding.split_root and sharding.strategy not in ("fsdp2", "hsdp"):
         raise ConfigError(f"sharding.split_root=true shards the embedding and head apart, and sharding={sharding.name} does not shard; use sharding=fsdp2 or hsdp")
+    for knob in ("forward_prefetch", "backward_prefetch"):
+        k = sharding[knob]
+        if k < 0:
+            raise ConfigError(f"sharding.{knob}={k}: the number of units to prefetch must be 0 (FSDP2's own order) or more")
+        if k and sharding.strategy not in ("fsdp2", "hsdp"):
+            raise ConfigError(f"sharding.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
     if cfg.kernels.attention != "default" and backend != "cuda":
         raise ConfigError(f"kernels.attention={cfg.kernels.attention} picks a CUDA attention kernel; with backend={backend} use kernels.attention=default")
     if sharding.symm_mem:
