@@ -53,6 +53,20 @@ def _check_numbers(cfg: DictConfig) -> None:
         need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
 
 
+def _check_in_backward(cfg: DictConfig) -> None:
+    """optim.in_backward updates a unit before backward has reduced the others' gradients: nothing
+    that needs the global norm first, and FSDP2's reduce-scatter to hook."""
+    sharding = cfg.sharding
+    if sharding.strategy not in ("fsdp2", "hsdp"):
+        raise ConfigError(f"optim.in_backward=true updates each FSDP unit when FSDP2 has reduced its gradients, and sharding={sharding.name} has no FSDP units; use sharding=fsdp2 or hsdp")
+    if cfg.optim.grad_clip > 0:
+        raise ConfigError(f"optim.in_backward=true updates units before the global grad norm is known, so optim.grad_clip={cfg.optim.grad_clip} cannot clip; set optim.grad_clip=0")
+    if cfg.train.nonfinite == "skip":
+        raise ConfigError("optim.in_backward=true updates units before the global grad norm is known, so train.nonfinite=skip cannot skip a step; use train.nonfinite=fail")
+    if sharding.cpu_offload:
+        raise ConfigError(f"optim.in_backward=true runs each update on the GPU's reduce-scatter stream, and sharding={sharding.name} keeps the optimizer in host memory; use sharding=fsdp2")
+
+
 def _check_symm_mem(sharding: DictConfig, backend: str) -> None:
     if sharding.strategy not in ("fsdp2", "hsdp") or backend != "cuda" or sharding.cpu_offload:
         raise ConfigError(
@@ -166,6 +180,8 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"sharding.{knob}={k}: the number of units to prefetch must be 0 (FSDP2's own order) or more")
         if k and sharding.strategy not in ("fsdp2", "hsdp"):
             raise ConfigError(f"sharding.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
+    if cfg.optim.in_backward:
+        _check_in_backward(cfg)
     if cfg.kernels.attention != "default" and backend != "cuda":
         raise ConfigError(f"kernels.attention={cfg.kernels.attention} picks a CUDA attention kernel; with backend={backend} use kernels.attention=default")
     if sharding.symm_mem:

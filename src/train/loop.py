@@ -117,16 +117,19 @@ def optimizer_step(
     skip_nonfinite: bool = False,
     after_optimizer: Callable[[], None] | None = None,
     need_norm: bool = True,
+    update: Callable[[], object] | None = None,
 ) -> torch.Tensor | None:
     """After backward: the global grad norm, clipping and the optimizer; returns the norm as a
     device tensor. `skip_nonfinite` drops the optimizer step when the norm is NaN/inf (a device
     sync). `after_optimizer` runs after the update (float8: the next step's weight scales).
     `need_norm` false (a step nobody reads, no clipping, no skipping): no norm is computed and None
     returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
-    host launches a step on mini_llm over 2 GPUs."""
+    host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
+    what backward has not already updated)."""
+    update = update or optimizer.step
     with mark("optimizer"):
         if not (need_norm or grad_clip > 0 or skip_nonfinite):
-            optimizer.step()
+            update()
             if after_optimizer is not None:
                 after_optimizer()
             return None
@@ -139,7 +142,7 @@ def optimizer_step(
             return norm.detach()
         if grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
-        optimizer.step()
+        update()
         if after_optimizer is not None:
             after_optimizer()
     return norm.detach()

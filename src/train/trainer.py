@@ -44,6 +44,7 @@ from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.progress import ProgressReporter
 from src.train.records import MetricsFile, log_auto_choice, make_tracker
 from src.train.schedule import lr_at
+from src.train.step_in_backward import StepInBackward
 
 log = logging.getLogger("src.train")
 
@@ -98,6 +99,8 @@ class Trainer:
         laid = parallelize(model, cfg, mesh, env.device)
         self.model, self.autocast_dtype, self.after_optimizer = laid.model, laid.autocast_dtype, laid.after_optimizer
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload)
+        self.in_backward = StepInBackward(self.model, self.optimizer) if cfg.optim.in_backward else None
+        self.units_stepped_in_backward: int | None = None
         self._checkpoint_and_resume()
         self.batches = TokenBatches(
             cfg.data.source, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed,
@@ -206,8 +209,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
-                              self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm)
+                              self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm,
+                              self._update_rest if self.in_backward is not None else None)
         return loss.detach(), norm
+
+    def _update_rest(self) -> None:
+        """optim.in_backward: the units whose update did not run inside backward; the count that did
+        goes to the log once and to summary.json (0 would mean FSDP2 never called the hooks)."""
+        n = self.in_backward.finish()
+        if self.units_stepped_in_backward is None and self.env.is_main:
+            log.info("optim.in_backward: %d of %d FSDP units updated inside backward, as their gradients were reduced",
+                     n, len(self.in_backward.units))
+        self.units_stepped_in_backward = n
 
     def run_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What train_loop calls per step: the step's learning rate, train_step (inside ncu's range
@@ -240,6 +253,7 @@ class Trainer:
             "params": self.n_params,
             "flops_per_token": self.fpt,
             "optim_impl": optimizer_impl(cfg.optim.impl, env.device.type, cfg.sharding.cpu_offload),
+            "optim_units_in_backward": self.units_stepped_in_backward,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
             **summarize(result, cfg.train.untimed_steps),
             "start_step": self.start_step,
