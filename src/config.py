@@ -163,6 +163,10 @@ class KernelsConfig:
     """torch.compile each transformer block before sharding"""
     compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
+    cpp_wrapper: bool = False
+    """inductor: the compiled graphs' launch code in C++ instead of Python (Inductor's cpp_wrapper):
+    less host time per kernel launched, for steps the host cannot queue as fast as the GPUs run them
+    (float8's casts add hundreds of launches a step); compiles longer"""
     attention: SdpaBackend = SdpaBackend.default
     """scaled_dot_product_attention's kernel on CUDA: default (torch's order: flash first), or only
     flash, efficient or cudnn (cuDNN's fused attention, written for Hopper)"""

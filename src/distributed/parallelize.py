@@ -171,8 +171,9 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     if cfg.kernels.compile:
         # in place (nn.Module.compile), so parameter names and checkpoints stay those of eager;
         # torchtitan wraps instead (torch.compile(block)): the same graph, one per block
+        options = {"cpp_wrapper": True} if cfg.kernels.cpp_wrapper else None  # Inductor's config, these graphs only
         for block in model.layers:
-            block.compile(backend=cfg.kernels.compile_backend)
+            block.compile(backend=cfg.kernels.compile_backend, options=options)
 
     autocast_dtype = None
     if mesh is not None:

@@ -118,6 +118,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(why_not)
     if cfg.kernels.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
+    if cfg.kernels.cpp_wrapper and not (cfg.kernels.compile and cfg.kernels.compile_backend == "inductor"):
+        raise ConfigError(f"kernels.cpp_wrapper=true writes Inductor's launch code for the compiled blocks, and kernels={cfg.kernels.name} "
+                          f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; add kernels=compile")
 
     fused = selected_ops(cfg.kernels.fused)
     if cfg.kernels.auto:
