@@ -121,8 +121,9 @@ class ShardingConfig:
     """fsdp2/hsdp: the embedding and the head as FSDP2 units of their own (torchtitan's layout), not
     one root group: the head's gradient is reduced while the blocks' backward runs"""
     symm_mem: bool = False
-    """fsdp2/hsdp on CUDA: the all-gathers' staging buffers in NCCL symmetric memory (FSDP2's
-    set_symm_mem_for_comm); with NCCL_CTA_POLICY=2 one node's all-gathers then run on the copy
+    """fsdp2/hsdp on CUDA: the all-gathers' output buffers in NCCL symmetric memory (FSDP2's
+    set_symm_mem_for_comm, or its custom all-gather over NCCL's symmetric-memory pool where torch
+    has no such method: src/distributed/symm_mem.py); with NCCL_CTA_POLICY=2 one node's all-gathers then run on the copy
     engines and leave every SM to the GEMMs"""
     forward_prefetch: int = 0
     """fsdp2/hsdp: each unit's forward hook also issues the next k units' all-gathers (FSDP2's

@@ -44,3 +44,21 @@ def test_triton_kernels_give_eager_fp32_losses_on_the_seed_step(tmp_path: Path):
     assert len(losses["eager"]) == 6
     for eager, fused in zip(losses["eager"], losses["triton"]):
         assert abs(eager - fused) <= 1e-5 * max(1.0, abs(eager)), losses
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_all_gathers_in_symmetric_memory_train_as_nccl_buffers_do(tmp_path: Path):
+    """sharding.symm_mem: the all-gather outputs in NCCL's symmetric-memory pool (copy-engine
+    gathers where NCCL_CTA_POLICY=2 lets it). A gather is a copy, so the fp32 losses of 4 steps on
+    2 GPUs equal those with ordinary buffers, bit for bit."""
+    losses = {}
+    for name, extra in (("plain", []), ("symm", ["sharding.symm_mem=true"])):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = run_cli(["backend=cuda", "model=small", "dist.nproc=2", "precision=fp32", "train.steps=4", "tracking=none", *extra], cwd=cwd, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (metrics,) = list(cwd.glob("outputs/*/*/metrics.jsonl"))
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        if extra:
+            assert "sharding.symm_mem: all-gathers into NCCL symmetric memory" in proc.stdout + proc.stderr
+    assert len(losses["plain"]) == 4 and losses["symm"] == losses["plain"]

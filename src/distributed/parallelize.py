@@ -70,10 +70,12 @@ def apply_fsdp(
     if forward_prefetch or backward_prefetch:
         set_prefetch(model, forward_prefetch, backward_prefetch)
     if symm_mem:
-        # per unit: set_symm_mem_for_comm changes only the module it is called on
-        for unit in model.modules():
-            if isinstance(unit, FSDPModule):
-                unit.set_symm_mem_for_comm()
+        from src.distributed.symm_mem import use_symm_mem
+
+        route = use_symm_mem(model)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("sharding.symm_mem: all-gathers into NCCL symmetric memory (%s)",
+                     "FSDP2's set_symm_mem_for_comm" if route == "fsdp2" else "a custom FSDP2 all-gather over the symmetric-memory pool")
     return model
 
 

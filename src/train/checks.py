@@ -73,12 +73,13 @@ def _check_symm_mem(sharding: DictConfig, backend: str) -> None:
             f"sharding.symm_mem=true puts FSDP2's all-gather buffers in NCCL symmetric memory; with sharding={sharding.name} "
             f"backend={backend} use sharding=fsdp2 backend=cuda (without cpu_offload)"
         )
-    from torch.distributed.fsdp import FSDPModule
+    from src.distributed.symm_mem import symm_mem_route
 
-    if not hasattr(FSDPModule, "set_symm_mem_for_comm"):
+    if symm_mem_route() is None:
         import torch
 
-        raise ConfigError(f"sharding.symm_mem=true needs FSDP2's set_symm_mem_for_comm (torch 2.11+); torch {torch.__version__} lacks it: drop the override")
+        raise ConfigError(f"sharding.symm_mem=true needs FSDP2's set_symm_mem_for_comm or its set_custom_all_gather with NCCL symmetric-memory pools; "
+                          f"torch {torch.__version__} has neither: drop the override")
 
 
 def _check_text_file(cfg: DictConfig) -> None:
