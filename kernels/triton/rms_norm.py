@@ -45,9 +45,10 @@ def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M
 
 
 @triton.jit
-def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
     """Each program walks its rows_per_program rows ROWS at a time (one (ROWS, BLOCK) tile, loads
-    in flight together) and writes one fp32 partial dw."""
+    in flight together) and writes one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner
+    to issue the next rows' loads while this row is reduced (tl.range num_stages)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < N
@@ -55,7 +56,7 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
     dw = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     start = pid * rows_per_program
     end = tl.minimum(start + rows_per_program, M)
-    for first in range(start, end, ROWS):
+    for first in tl.range(start, end, ROWS, num_stages=STAGES):
         rows = (first + tl.arange(0, ROWS)).to(tl.int64)
         row_mask = rows < end
         mask = row_mask[:, None] & col_mask[None, :]
@@ -84,6 +85,9 @@ BWD_PROGRAMS_PER_SM = 4
 # flight per program; src/bench/kernel_configs.py sweeps 2 and 4 against it.
 FWD_ROWS = 1
 BWD_ROWS = 1
+# Software-pipelined row loop in backward: 1 is the loop as written (each row's loads wait for the
+# previous row's reduction); src/bench/kernel_configs.py's rms_stages group sweeps 2 and 3.
+BWD_STAGES = 1
 
 
 def _block(n: int) -> int:
@@ -142,7 +146,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     block = _block(N)
     _rms_norm_bwd[(programs,)](
         dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, num_warps=_warps(block, BWD_WARPS),
+        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=BWD_STAGES, num_warps=_warps(block, BWD_WARPS),
     )
     # summed in fp32, rounded once (sum(dtype=bf16) would round each partial to bf16 first)
     return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype)

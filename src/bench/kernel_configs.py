@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only cross_entropy rms_norm rms_rows softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only cross_entropy rms_norm rms_rows rms_stages softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
@@ -38,7 +38,7 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
     return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("cross_entropy", "rms_norm", "rms_rows", "softmax")
+GROUPS = ("cross_entropy", "rms_norm", "rms_rows", "rms_stages", "softmax")
 
 
 def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
@@ -66,6 +66,15 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     ce.BLOCK_MAX, ce.NUM_WARPS, ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = 4096, 8, 0, 16
 
     fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
+    if "rms_stages" in groups:  # backward's row loop software-pipelined: the next rows' loads in flight
+        saved_stages = rn.BWD_STAGES
+        for stages, programs in [(1, 4), (2, 4), (3, 4), (2, 2), (3, 2), (2, 8)]:
+            rn.BWD_STAGES, rn.BWD_PROGRAMS_PER_SM = stages, programs
+            setting = f"bwd_stages={stages} bwd_programs_per_sm={programs}"
+            record("rms_norm", setting, "rms_norm", [8192, 2048])
+            record("add_rms_norm", setting, "add_rms_norm", [8192, 2048])
+            record("rms_norm", setting, "rms_norm", [8192, 4096])
+        rn.BWD_STAGES, rn.BWD_PROGRAMS_PER_SM = saved_stages, per_sm
     if "rms_rows" in groups:  # rows per tile: more loads in flight per program
         saved_rows = rn.FWD_ROWS, rn.BWD_ROWS
         for fr, br, programs, warps in [(1, 1, 4, 8), (2, 1, 4, 8), (4, 1, 4, 8), (2, 1, 4, 16), (4, 1, 4, 16),
