@@ -106,6 +106,14 @@ BAD_OVERRIDES = [
 ]
 
 
+def test_cpp_wrapper_without_a_cpp_compiler_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or clang++ on it
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError) as err:
+        preflight(["kernels=compile", "kernels.cpp_wrapper=true"], multirun=False)
+    assert "kernels.cpp_wrapper=true compiles Inductor's launch code with a C++ compiler, and none is here" in str(err.value)
+
+
 @pytest.mark.parametrize("overrides,message", BAD_OVERRIDES, ids=[" ".join(o) for o, _ in BAD_OVERRIDES])
 def test_bad_settings_fail_in_preflight_with_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -53,6 +53,13 @@ def _check_numbers(cfg: DictConfig) -> None:
         need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
 
 
+def _cpp_compiler() -> str | None:
+    """The C++ compiler Inductor would call: $CXX, else g++ or clang++ on PATH."""
+    import shutil
+
+    return next((c for c in (os.environ.get("CXX"), "g++", "clang++") if c and shutil.which(c)), None)
+
+
 def _check_in_backward(cfg: DictConfig) -> None:
     """optim.in_backward updates a unit before backward has reduced the others' gradients: nothing
     that needs the global norm first, and FSDP2's reduce-scatter to hook."""
@@ -122,6 +129,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if cfg.kernels.cpp_wrapper and not (cfg.kernels.compile and cfg.kernels.compile_backend == "inductor"):
         raise ConfigError(f"kernels.cpp_wrapper=true writes Inductor's launch code for the compiled blocks, and kernels={cfg.kernels.name} "
                           f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; add kernels=compile")
+    if cfg.kernels.cpp_wrapper and not _cpp_compiler():
+        raise ConfigError("kernels.cpp_wrapper=true compiles Inductor's launch code with a C++ compiler, and none is here (CXX, g++, clang++); "
+                          "install g++ or drop the override")
 
     fused = selected_ops(cfg.kernels.fused)
     if cfg.kernels.auto:
