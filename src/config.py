@@ -246,8 +246,8 @@ class OptimConfig:
     impl: OptimImpl = OptimImpl.auto
     """AdamW's kernels: fused (one kernel per step), foreach (multi-tensor), for_loop; auto: fused on CUDA, else foreach"""
     in_backward: bool = False
-    """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduce-scattered, on that
-    stream beside the rest of backward (src/train/step_in_backward.py); needs grad_clip=0"""
+    """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
+    post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""
     schedule: Schedule = Schedule.constant
     """learning rate per step: constant (the seed's) or cosine (down to min_lr_ratio * lr at the last step)"""
     warmup_steps: int = 0

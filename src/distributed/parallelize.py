@@ -72,7 +72,7 @@ def apply_fsdp(
     if symm_mem:
         from src.distributed.symm_mem import use_symm_mem
 
-        route = use_symm_mem(model)
+        route = use_symm_mem(model, mesh)
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info("sharding.symm_mem: all-gathers into NCCL symmetric memory (%s)",
                      "FSDP2's set_symm_mem_for_comm" if route == "fsdp2" else "a custom FSDP2 all-gather over the symmetric-memory pool")

@@ -68,8 +68,9 @@ def symm_mem_all_gather() -> object:
     return SymmMemAllGather()
 
 
-def use_symm_mem(model: nn.Module) -> str:
-    """Every FSDP unit's all-gathers into symmetric memory; returns the route taken."""
+def use_symm_mem(model: nn.Module, mesh) -> str:
+    """Every FSDP unit's all-gathers into symmetric memory; returns the route taken. `mesh`: the
+    FSDP mesh, whose last dimension is the group the gathers run over (hsdp's dp_shard)."""
     route = symm_mem_route()
     if route is None:
         raise RuntimeError(f"torch {torch.__version__} has neither FSDP2's set_symm_mem_for_comm nor set_custom_all_gather with symmetric-memory pools")
@@ -81,7 +82,9 @@ def use_symm_mem(model: nn.Module) -> str:
     import torch.distributed._symmetric_memory as symm_mem
 
     symm_mem.set_backend("NCCL")
-    dist.barrier()  # NCCL's communicator exists before the first rendezvous looks for it
+    # the gathers' NCCL communicator exists before the first rendezvous looks for it: a subgroup's
+    # (hsdp's dp_shard) is created lazily, at its first collective
+    dist.barrier(group=mesh.get_group(mesh.ndim - 1))
     comm = symm_mem_all_gather()
     for unit in units:
         unit.set_custom_all_gather(comm)

@@ -71,7 +71,7 @@ def _check_in_backward(cfg: DictConfig) -> None:
     if cfg.train.nonfinite == "skip":
         raise ConfigError("optim.in_backward=true updates units before the global grad norm is known, so train.nonfinite=skip cannot skip a step; use train.nonfinite=fail")
     if sharding.cpu_offload:
-        raise ConfigError(f"optim.in_backward=true runs each update on the GPU's reduce-scatter stream, and sharding={sharding.name} keeps the optimizer in host memory; use sharding=fsdp2")
+        raise ConfigError(f"optim.in_backward=true runs each update on the GPU's post-reduce stream, and sharding={sharding.name} keeps the optimizer in host memory; use sharding=fsdp2")
 
 
 def _check_symm_mem(sharding: DictConfig, backend: str) -> None:
@@ -127,8 +127,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if cfg.kernels.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
     if cfg.kernels.cpp_wrapper and not (cfg.kernels.compile and cfg.kernels.compile_backend == "inductor"):
+        fix = "set kernels.compile_backend=inductor" if cfg.kernels.compile else "add kernels=compile"
         raise ConfigError(f"kernels.cpp_wrapper=true writes Inductor's launch code for the compiled blocks, and kernels={cfg.kernels.name} "
-                          f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; add kernels=compile")
+                          f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; {fix}")
     if cfg.kernels.cpp_wrapper and not _cpp_compiler():
         raise ConfigError("kernels.cpp_wrapper=true compiles Inductor's launch code with a C++ compiler, and none is here (CXX, g++, clang++); "
                           "install g++ or drop the override")

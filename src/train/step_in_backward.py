@@ -1,13 +1,16 @@
 """AdamW's update of each FSDP unit as soon as FSDP2 has reduce-scattered its gradients (optim.in_backward).
 
 FSDP2 calls a sharded parameter's post-accumulate-grad hooks right after it writes that parameter's
-reduced gradient, inside the reduce-scatter's stream context (torch.distributed.fsdp's
-foreach_reduce), and records the event that the end of backward waits on only after them. So a
-unit's update queued from the hook of its last parameter runs on the reduce-scatter stream, beside
-the GEMMs of the units backward still has to do, instead of after all of backward on the compute
-stream. On the seed's step over 2 H200s the fused AdamW of 367M fp32 parameters a GPU is 3.1 ms of
-kernels at the end of the step (docs/PERFORMANCE.md 7); in backward only the units reduced last
-(the embedding, and the root's group) are left there.
+reduced gradient, inside the post-reduce stream's context (the reduce-scatter stream; hsdp's
+all-reduce stream) in torch.distributed.fsdp's foreach_reduce, and records the event that the end
+of backward waits on only after them. So a unit's update queued from the hook of its last
+parameter runs on that stream while the compute stream goes on with the units backward still has
+to do, instead of after all of backward on the compute stream. The next unit's reduce-scatter
+queues behind it on the same stream, so an update takes the place of nothing but that stream's
+idle time when it is shorter than a unit's backward. On the seed's step over 2 H200s the fused
+AdamW of 367M fp32 parameters a GPU is 3.1 ms of kernels at the end of the step
+(docs/PERFORMANCE.md 7); in backward only the units reduced last (the embedding, and the root's
+group) are left there.
 
 One optimizer keeps every parameter's state, so checkpoints, the learning-rate schedule and
 `optim.impl` are those of the plain step: a unit's update is the optimizer's own `step()` over that
