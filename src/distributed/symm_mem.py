@@ -15,15 +15,12 @@ Two ways in, whichever the installed torch has:
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-
-log = logging.getLogger("src.train")
 
 
 def _symm_mem_pools() -> bool:
