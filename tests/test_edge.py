@@ -47,6 +47,20 @@ def in_own_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
+def _generates_torch_tokens(runner, ref, dtype: str):
+    """Prefill and STEPS greedy decode steps of BATCH random prompts through `runner`, checked
+    against `ref` (torch fp32): every step's logits within the dtype's tolerance, and the token
+    chosen on the device torch's argmax at every step and for every sequence. Returns
+    (prompt tokens, the checked generation)."""
+    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
+    gen = generate(runner, tokens, STEPS, check=True)
+    want = reference_logits(ref, tokens, gen.tokens[:-1])
+    errors = relative_errors(gen.logits, want)
+    assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE[dtype], errors
+    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    return tokens, gen
+
+
 @needs_vulkan
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_vulkan_prefill_and_ten_decode_steps_match_torch(dtype, tmp_path, cache):
@@ -63,13 +77,7 @@ def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
     lm = copy.deepcopy(ref).to({"fp32": torch.float32, "fp16": torch.float16}[dtype])
     artifacts = build(lm, TINY, PROMPT, dtype, "vulkan", "llvmpipe", "", tmp_path / "art", cache)
     runner = IreeRunner(artifacts, "vulkan")
-    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
-    gen = generate(runner, tokens, STEPS, check=True)
-    want = reference_logits(ref, tokens, gen.tokens[:-1])
-    errors = relative_errors(gen.logits, want)
-    assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE[dtype], errors
-    # the token chosen on the device is torch's argmax, at every step and for every sequence
-    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    _generates_torch_tokens(runner, ref, dtype)
     # the cache stayed in the module and holds, after prefill + 10 in-place writes, what torch's holds
     k, v = runner.kv_cache()
     assert k.shape == tuple(ref.k_cache.shape) and np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE[dtype]
@@ -105,12 +113,7 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
     # and the host polls: decode$async with its fence on the runner's semaphore, reads spun on too
     runner = IreeRunner(flagged, "vulkan", host_wait="poll")
     assert runner.poll and runner.readback.poll
-    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
-    gen = generate(runner, tokens, STEPS, check=True)
-    want = reference_logits(ref, tokens, gen.tokens[:-1])
-    errors = relative_errors(gen.logits, want)
-    assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE["fp32"], errors
-    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    tokens, gen = _generates_torch_tokens(runner, ref, "fp32")
     k, v = runner.kv_cache()  # the position computed in the call lands where the hoisted indices put it
     assert np.abs(k - ref.k_cache.numpy()).max() < 5 * TOLERANCE["fp32"] and np.abs(v - ref.v_cache.numpy()).max() < 5 * TOLERANCE["fp32"]
     # the timed loop's step, polled through decode_token_into$async into the runner's mapped
@@ -132,12 +135,7 @@ def _split_k_matches_torch(tmp_path: Path, cache: Path) -> None:
     artifacts = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "splitk", cache, extra_flags=(split_k(4),))
     assert artifacts.manifest["variant"] == "llvmpipe-nocoop-splitk4" and split_k(4) in artifacts.manifest["flags"]
     runner = IreeRunner(artifacts, "vulkan")
-    tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)
-    gen = generate(runner, tokens, STEPS, check=True)
-    want = reference_logits(ref, tokens, gen.tokens[:-1])
-    errors = relative_errors(gen.logits, want)
-    assert len(errors) == 1 + STEPS and max(errors) < TOLERANCE["fp32"], errors
-    assert [t.tolist() for t in gen.tokens] == [w.argmax(-1).tolist() for w in want]
+    _generates_torch_tokens(runner, ref, "fp32")
 
 
 @needs_vulkan
