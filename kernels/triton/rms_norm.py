@@ -3,7 +3,8 @@
 Forward reads x and w once and writes y and one fp32 rstd per row (kept for backward, so backward
 never recomputes the reduction). Backward reads dy, x, w, rstd once and writes dx, plus one fp32
 partial dw per program: each program walks `rows_per_program` rows, so the partials are
-(programs x N) instead of (rows x N), and a single torch sum finishes dw.
+(programs x N) instead of (rows x N), and one more launch sums them and rounds dw to the weight's
+dtype (torch's sum then cast took two).
 
 With a residual (`fused_add_rms_norm`), forward also reads r and writes s = x + r, the residual
 stream, and normalises s: the pre-norm block's `h = x + attn(...)` then `norm2(h)` become one
@@ -74,20 +75,38 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
     tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
 
 
+@triton.jit
+def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw = sum of the P partial rows, in fp32 in a fixed order (deterministic), rounded once to
+    the weight's dtype: one launch where torch's sum(0) then .to(dtype) take two."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for first in range(0, P, BLOCK_P):
+        rows = first + tl.arange(0, BLOCK_P)
+        acc += tl.load(DW_PARTIAL + rows[:, None] * N + cols[None, :], mask=(rows < P)[:, None] & (cols < N)[None, :], other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cols < N)
+
+
 # Launch settings (src/bench/kernel_configs.py sweeps them on a GPU): warps per row program by the
 # row's block width, and backward programs per SM.
 FWD_WARPS = {2048: 8, 8192: 16}
 BWD_WARPS = {2048: 8, 8192: 16}
-# 4 programs per SM: the backward kernel's best on an H200 at 8192x2048 (36 us, 2.8 TB/s; 1, 2,
-# 8-64 per SM were 1-40% slower), and the dw partials stay small (programs x N fp32).
-BWD_PROGRAMS_PER_SM = 4
+# Backward programs per SM, with BWD_STAGES below: 2 per SM with a 3-stage row loop was the best
+# of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 65.7 us against
+# 69.0 for 4 per SM unpipelined, add+RMSNorm 85.9 against 94.6, 8192x4096 102 against 123); the
+# dw partials stay small (programs x N fp32).
+BWD_PROGRAMS_PER_SM = 2
 # Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
 # flight per program; src/bench/kernel_configs.py sweeps 2 and 4 against it.
 FWD_ROWS = 1
 BWD_ROWS = 1
-# Software-pipelined row loop in backward: 1 is the loop as written (each row's loads wait for the
-# previous row's reduction); src/bench/kernel_configs.py's rms_stages group sweeps 2 and 3.
-BWD_STAGES = 1
+# Software-pipelined row loop in backward (tl.range num_stages): the next rows' x and dy loads are
+# issued while this row is reduced, so each program keeps ~3 rows (24 KB at 2048 bf16) in flight
+# where the loop as written (1) waits on each row's loads.
+BWD_STAGES = 3
+# The dw reduction: 64 partial rows x 32 columns a step (8 KB of fp32 loads in flight), 64
+# programs at N = 2048.
+DW_BLOCK_P, DW_BLOCK_N = 64, 32
 
 
 def _block(n: int) -> int:
@@ -148,8 +167,9 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
         dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
         HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=BWD_STAGES, num_warps=_warps(block, BWD_WARPS),
     )
-    # summed in fp32, rounded once (sum(dtype=bf16) would round each partial to bf16 first)
-    return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype)
+    dw = torch.empty_like(weight)
+    _rms_norm_dw[(triton.cdiv(N, DW_BLOCK_N),)](dw_partial, dw, programs, N, BLOCK_P=DW_BLOCK_P, BLOCK_N=DW_BLOCK_N, num_warps=4)
+    return dx.reshape(shape), dw
 
 
 class RMSNormFunction(torch.autograd.Function):

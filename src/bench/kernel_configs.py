@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only cross_entropy rms_norm rms_rows rms_stages softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only cross_entropy rms_dw rms_norm rms_rows rms_stages softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
@@ -38,7 +38,39 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
     return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("cross_entropy", "rms_norm", "rms_rows", "rms_stages", "softmax")
+GROUPS = ("cross_entropy", "rms_dw", "rms_norm", "rms_rows", "rms_stages", "softmax")
+
+
+def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
+    """RMSNorm backward's last step alone: the (programs x N) fp32 dw partials summed and rounded
+    to bf16, torch's sum(0).to() (two launches) against the one-launch Triton reduction at a few
+    tile shapes. Bytes: the partials read once, dw written once."""
+    import triton
+
+    import kernels.triton.rms_norm as rn
+
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for per_sm in programs_per_sm:
+        for n in widths:
+            partial = torch.randn(sms * per_sm, n, device=device)
+            dw = torch.empty(n, device=device, dtype=torch.bfloat16)
+            nbytes = partial.numel() * 4 + n * 2
+            candidates = {"torch sum(0).to(bf16)": lambda p=partial: p.sum(0).to(torch.bfloat16)}
+            for bp, bn in [(64, 32), (32, 64), (128, 16), (16, 128)]:
+                candidates[f"triton block_p={bp} block_n={bn}"] = (
+                    lambda p=partial, d=dw, n=n, bp=bp, bn=bn: rn._rms_norm_dw[(triton.cdiv(n, bn),)](p, d, p.shape[0], n, BLOCK_P=bp, BLOCK_N=bn, num_warps=4))
+            want = partial.sum(0).to(torch.bfloat16)
+            for name, fn in candidates.items():
+                fn()
+                got = want if name.startswith("torch") else dw
+                ok = torch.equal(got, want) or torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+                ms = graph_ms(fn, device)
+                rows.append({"kernel": "rms_norm_dw", "setting": f"{name}{'' if ok else ' (WRONG)'}", "shape": f"{sms * per_sm}x{n}",
+                             "graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(fn, device)})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
@@ -57,18 +89,21 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         print(json.dumps(rows[-1]), flush=True)
 
     # fewer, wider programs hold fewer rows per SM: the second pass then re-reads its row from L2
-    ce_settings = [(4096, 8, False), (2048, 8, False), (8192, 16, False), (4096, 16, False), (4096, 32, False), (8192, 32, False),
+    ce_settings = [(8192, 16, False), (4096, 8, False), (8192, 8, False), (16384, 16, False), (16384, 32, False), (4096, 16, False),
                    (32768, 16, True), (32768, 32, True)]
+    saved_ce = ce.BLOCK_MAX, ce.NUM_WARPS, ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS
     for block, warps, in_regs in ce_settings if "cross_entropy" in groups else ():
         ce.BLOCK_MAX, ce.NUM_WARPS = block, warps
         ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = (65536 if in_regs else 0), warps
         record("cross_entropy", f"block={block} warps={warps} row_in_registers={in_regs}", "cross_entropy", [8192, 32000])
-    ce.BLOCK_MAX, ce.NUM_WARPS, ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = 4096, 8, 0, 16
+    ce.BLOCK_MAX, ce.NUM_WARPS, ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = saved_ce
 
+    if "rms_dw" in groups:
+        rows += _dw_reduce_rows()
     fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
     if "rms_stages" in groups:  # backward's row loop software-pipelined: the next rows' loads in flight
         saved_stages = rn.BWD_STAGES
-        for stages, programs in [(1, 4), (2, 4), (3, 4), (2, 2), (3, 2), (2, 8)]:
+        for stages, programs in [(3, 2), (1, 4), (3, 4), (4, 2), (4, 1), (3, 3), (2, 2), (4, 4)]:
             rn.BWD_STAGES, rn.BWD_PROGRAMS_PER_SM = stages, programs
             setting = f"bwd_stages={stages} bwd_programs_per_sm={programs}"
             record("rms_norm", setting, "rms_norm", [8192, 2048])
