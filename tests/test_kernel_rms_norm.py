@@ -42,16 +42,19 @@ def test_forward_and_backward_match_torch(shape, dtype):
     torch.testing.assert_close(w1.grad.float(), w2.grad.float(), atol=atol * 10, rtol=rtol * 5)
 
 
-@pytest.mark.parametrize("rows", [(4, 2), (2, 4)], ids=["fwd4-bwd2", "fwd2-bwd4"])
+@pytest.mark.parametrize("rows", [(4, 2, 0), (2, 4, 0), (1, 1, 1), (2, 1, 1)], ids=["fwd4-bwd2", "fwd2-bwd4", "fwd-looped", "fwd2-looped"])
 @pytest.mark.parametrize("shape", [(5, 123), (3, 7, 257)], ids=lambda s: "x".join(map(str, s)))
 def test_multi_row_tiles_match_torch(shape, rows, monkeypatch):
     """Several rows per tile (FWD_ROWS, BWD_ROWS): row counts that do not divide into tiles, and
-    backward programs whose rows end inside a tile, give torch's results, with and without the add."""
+    backward programs whose rows end inside a tile, give torch's results, with and without the add;
+    so does a forward whose programs loop over several tiles (FWD_PROGRAMS_PER_SM > 0)."""
     import kernels.triton.rms_norm as rn
 
     monkeypatch.setattr(rn, "FWD_ROWS", rows[0])
     monkeypatch.setattr(rn, "BWD_ROWS", rows[1])
-    monkeypatch.setattr(rn, "BWD_PROGRAMS_PER_SM", 1)  # 4 programs on a CPU: 5 rows end mid-tile
+    monkeypatch.setattr(rn, "FWD_PROGRAMS_PER_SM", rows[2])  # 2 programs on a CPU: 3-21 tiles each walk
+    monkeypatch.setattr(rn, "FWD_STAGES", 2)
+    monkeypatch.setattr(rn, "BWD_PROGRAMS_PER_SM", 1)  # 2 programs on a CPU: 5 rows end mid-tile
     torch.manual_seed(2)
     atol, rtol = TOLERANCE[torch.float32]
     n = shape[-1]

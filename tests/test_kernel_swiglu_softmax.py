@@ -62,6 +62,22 @@ def test_softmax_matches_torch(shape, dtype):
     torch.testing.assert_close(out.float().sum(-1), torch.ones(shape[:-1], device=DEVICE), atol=atol * 4, rtol=0)
 
 
+@pytest.mark.parametrize("programs_stages", [(1, 2), (2, 3)], ids=["1-per-sm", "2-per-sm"])
+def test_softmax_looped_programs_match_torch(programs_stages, monkeypatch):
+    """Programs that each walk several rows (PROGRAMS_PER_SM > 0, pipelined): 2 or 4 programs on a
+    CPU over 11 rows, so rows split unevenly, give torch's forward and backward."""
+    import kernels.triton.softmax as sm
+
+    monkeypatch.setattr(sm, "PROGRAMS_PER_SM", programs_stages[0])
+    monkeypatch.setattr(sm, "STAGES", programs_stages[1])
+    torch.manual_seed(3)
+    x, dy = (torch.randn(11, 133, device=DEVICE) * 4 for _ in range(2))
+    out, (dx,) = _grads(fused_softmax, (x,), dy)
+    ref, (ref_dx,) = _grads(lambda t: torch.softmax(t, -1), (x,), dy)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, ref_dx, atol=1e-5, rtol=1e-5)
+
+
 def test_softmax_module_and_row_limit():
     x = torch.randn(3, 10, device=DEVICE)
     torch.testing.assert_close(FusedSoftmax()(x), torch.nn.Softmax(dim=-1)(x))

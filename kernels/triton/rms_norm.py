@@ -27,22 +27,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """ROWS rows per program, as one (ROWS, BLOCK) tile: their loads are in flight together."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """Tiles of ROWS rows, as one (ROWS, BLOCK) tile (their loads in flight together), tile t on
+    program t % programs. With one program a tile (the grid FWD_PROGRAMS_PER_SM = 0 gives) the loop
+    runs once; with a few programs per SM each loads w once and, for STAGES > 1, issues the next
+    tile's loads while this one is reduced (tl.range num_stages)."""
     cols = tl.arange(0, BLOCK)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:  # s = x + r is the residual stream the next block adds to; y normalises it
-        x += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = x.to(S.dtype.element_ty)  # normalise the sum as stored, as the unfused add then norm does
-        tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
-        x = x.to(tl.float32)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    # fp32 statistics whatever the input dtype: bf16 has 8 mantissa bits, too few for a mean of squares
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-    tl.store(RSTD + rows, rstd, mask=rows < M)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0), num_stages=STAGES):
+        rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # int64 before the stride multiply
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:  # s = x + r is the residual stream the next block adds to; y normalises it
+            x += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = x.to(S.dtype.element_ty)  # normalise the sum as stored, as the unfused add then norm does
+            tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+            x = x.to(tl.float32)
+        # fp32 statistics whatever the input dtype: bf16 has 8 mantissa bits, too few for a mean of squares
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=rows < M)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -91,22 +96,28 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
 # row's block width, and backward programs per SM.
 FWD_WARPS = {2048: 8, 8192: 16}
 BWD_WARPS = {2048: 8, 8192: 16}
-# Backward programs per SM, with BWD_STAGES below: 2 per SM with a 3-stage row loop was the best
-# of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 65.7 us against
-# 69.0 for 4 per SM unpipelined, add+RMSNorm 85.9 against 94.6, 8192x4096 102 against 123); the
-# dw partials stay small (programs x N fp32).
+# Backward programs per SM, with BWD_STAGES below: 2 per SM with a 4-stage row loop was the best
+# of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against
+# 65.0 for 4 per SM unpipelined, add+RMSNorm 80.8 against 90.9, 8192x4096 100 against 118; 3 stages
+# 1-8% behind); the dw partials stay small (programs x N fp32).
 BWD_PROGRAMS_PER_SM = 2
 # Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
 # flight per program; src/bench/kernel_configs.py sweeps 2 and 4 against it.
 FWD_ROWS = 1
 BWD_ROWS = 1
+# Forward programs: 0 launches one program a tile (8192 at 8192 rows, each loading w again); N > 0
+# launches N per SM, each looping over its tiles with FWD_STAGES tiles' loads in flight.
+FWD_PROGRAMS_PER_SM = 0
+FWD_STAGES = 1
 # Software-pipelined row loop in backward (tl.range num_stages): the next rows' x and dy loads are
-# issued while this row is reduced, so each program keeps ~3 rows (24 KB at 2048 bf16) in flight
+# issued while this row is reduced, so each program keeps ~4 rows (32 KB at 2048 bf16) in flight
 # where the loop as written (1) waits on each row's loads.
-BWD_STAGES = 3
-# The dw reduction: 64 partial rows x 32 columns a step (8 KB of fp32 loads in flight), 64
-# programs at N = 2048.
-DW_BLOCK_P, DW_BLOCK_N = 64, 32
+BWD_STAGES = 4
+# The dw reduction: up to DW_BLOCK_P partial rows x DW_BLOCK_N columns a step. 128 x 16 (128
+# programs at N = 2048) summed 264 x 2048 partials in 9.6 us against 16.9 for torch's sum + cast and
+# 12.2 for 64 x 32 (kernel_configs' rms_dw group, one H200): many narrow programs, the loads of one
+# program independent of each other, beat a few wide ones.
+DW_BLOCK_P, DW_BLOCK_N = 128, 16
 
 
 def _block(n: int) -> int:
@@ -125,7 +136,15 @@ def _warps(block: int, table: dict[int, int]) -> int:
 
 @functools.cache
 def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    """SMs of the CUDA device; 2 off CUDA (Triton's interpreter), so that a CPU test walks
+    several rows per program."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count if device_index >= 0 else 2
+
+
+def _device_index(t: torch.Tensor) -> int:
+    if not t.is_cuda:
+        return -1
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -143,9 +162,11 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty_like(x2) if residual is not None else x2
     block = _block(N)
-    _rms_norm_fwd[(triton.cdiv(M, FWD_ROWS),)](
+    tiles = triton.cdiv(M, FWD_ROWS)
+    programs = min(tiles, _sm_count(_device_index(x)) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
+    _rms_norm_fwd[(programs,)](
         x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, num_warps=_warps(block, FWD_WARPS),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=FWD_STAGES, num_warps=_warps(block, FWD_WARPS),
     )
     return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
 
@@ -158,8 +179,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     ds2 = _rows(ds) if ds is not None else dy2
     M, N = x2.shape
     dx = torch.empty_like(x2)
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 4
-    programs = min(M, sms * BWD_PROGRAMS_PER_SM)
+    programs = min(M, _sm_count(_device_index(x)) * BWD_PROGRAMS_PER_SM)
     rows_per_program = math.ceil(M / programs)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     block = _block(N)

@@ -10,33 +10,41 @@ fit. Wider rows are refused with the limit named.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import triton
 import triton.language as tl
 
 MAX_COLS = 65536
+# Programs: 0 launches one a row; N > 0 launches N per SM, each looping over rows with STAGES
+# rows' loads in flight (tl.range num_stages). src/bench/kernel_configs.py's softmax group sweeps them.
+PROGRAMS_PER_SM = 0
+STAGES = 1
 
 
 @triton.jit
-def _softmax_fwd(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    tl.store(Y + row * stride_y + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=mask)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        row = tl.cast(row, tl.int64)  # before the stride multiply: rows x stride may pass 2**31
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        e = tl.exp(x - tl.max(x, axis=0))
+        tl.store(Y + row * stride_y + cols, (e * (1.0 / tl.sum(e, axis=0))).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    dx = y * (dy - tl.sum(y * dy, axis=0))
-    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        row = tl.cast(row, tl.int64)  # before the stride multiply: rows x stride may pass 2**31
+        y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        dx = y * (dy - tl.sum(y * dy, axis=0))
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def _launch(n: int) -> tuple[int, int]:
@@ -44,6 +52,18 @@ def _launch(n: int) -> tuple[int, int]:
         raise ValueError(f"fused softmax holds a row in registers; rows of {n} > {MAX_COLS} elements are not supported")
     block = triton.next_power_of_2(n)
     return block, 16 if block >= 16384 else 8 if block >= 2048 else 4
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count if device_index >= 0 else 2
+
+
+def _programs(t: torch.Tensor, rows: int) -> int:
+    if not PROGRAMS_PER_SM:
+        return rows
+    index = (t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else -1
+    return min(rows, _sm_count(index) * PROGRAMS_PER_SM)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +75,7 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x)
     y = torch.empty_like(x2)
     block, warps = _launch(x2.shape[1])
-    _softmax_fwd[(x2.shape[0],)](x2, y, x2.stride(0), y.stride(0), x2.shape[1], BLOCK=block, num_warps=warps)
+    _softmax_fwd[(_programs(x2, x2.shape[0]),)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=STAGES, num_warps=warps)
     return y.reshape(x.shape)
 
 
@@ -63,7 +83,8 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dy2, y2 = _rows(dy), _rows(y)
     dx = torch.empty_like(y2)
     block, warps = _launch(y2.shape[1])
-    _softmax_bwd[(y2.shape[0],)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[1], BLOCK=block, num_warps=warps)
+    _softmax_bwd[(_programs(y2, y2.shape[0]),)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=STAGES,
+                                                  num_warps=warps)
     return dx.reshape(y.shape)
 
 

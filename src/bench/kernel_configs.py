@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only cross_entropy rms_dw rms_norm rms_rows rms_stages softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only cross_entropy rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
@@ -38,7 +38,7 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
     return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("cross_entropy", "rms_dw", "rms_norm", "rms_rows", "rms_stages", "softmax")
+GROUPS = ("cross_entropy", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -58,7 +58,7 @@ def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int
             dw = torch.empty(n, device=device, dtype=torch.bfloat16)
             nbytes = partial.numel() * 4 + n * 2
             candidates = {"torch sum(0).to(bf16)": lambda p=partial: p.sum(0).to(torch.bfloat16)}
-            for bp, bn in [(64, 32), (32, 64), (128, 16), (16, 128)]:
+            for bp, bn in [(128, 16), (64, 32), (256, 16), (512, 16), (256, 8), (128, 8)]:
                 candidates[f"triton block_p={bp} block_n={bn}"] = (
                     lambda p=partial, d=dw, n=n, bp=bp, bn=bn: rn._rms_norm_dw[(triton.cdiv(n, bn),)](p, d, p.shape[0], n, BLOCK_P=bp, BLOCK_N=bn, num_warps=4))
             want = partial.sum(0).to(torch.bfloat16)
@@ -103,13 +103,23 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
     if "rms_stages" in groups:  # backward's row loop software-pipelined: the next rows' loads in flight
         saved_stages = rn.BWD_STAGES
-        for stages, programs in [(3, 2), (1, 4), (3, 4), (4, 2), (4, 1), (3, 3), (2, 2), (4, 4)]:
+        for stages, programs in [(4, 2), (1, 4), (3, 2), (5, 2), (6, 2), (4, 3), (5, 3)]:
             rn.BWD_STAGES, rn.BWD_PROGRAMS_PER_SM = stages, programs
             setting = f"bwd_stages={stages} bwd_programs_per_sm={programs}"
             record("rms_norm", setting, "rms_norm", [8192, 2048])
             record("add_rms_norm", setting, "add_rms_norm", [8192, 2048])
             record("rms_norm", setting, "rms_norm", [8192, 4096])
         rn.BWD_STAGES, rn.BWD_PROGRAMS_PER_SM = saved_stages, per_sm
+    if "rms_fwd" in groups:  # forward: one program a tile, or a few per SM looping with their loads pipelined
+        saved = rn.FWD_PROGRAMS_PER_SM, rn.FWD_STAGES, rn.FWD_ROWS
+        for programs, stages, rows_ in [(0, 1, 1), (0, 1, 2), (2, 2, 1), (2, 3, 1), (4, 2, 1), (4, 3, 1), (8, 2, 1), (4, 2, 2), (2, 3, 2)]:
+            rn.FWD_PROGRAMS_PER_SM, rn.FWD_STAGES, rn.FWD_ROWS = programs, stages, rows_
+            setting = f"fwd_programs_per_sm={programs} fwd_stages={stages} fwd_rows={rows_}"
+            record("rms_norm_fwd", setting, "rms_norm_fwd", [8192, 2048])
+            record("rms_norm", setting, "rms_norm", [8192, 2048])
+            record("add_rms_norm", setting, "add_rms_norm", [8192, 2048])
+            record("rms_norm", setting, "rms_norm", [8192, 4096])
+        rn.FWD_PROGRAMS_PER_SM, rn.FWD_STAGES, rn.FWD_ROWS = saved
     if "rms_rows" in groups:  # rows per tile: more loads in flight per program
         saved_rows = rn.FWD_ROWS, rn.BWD_ROWS
         for fr, br, programs, warps in [(1, 1, 4, 8), (2, 1, 4, 8), (4, 1, 4, 8), (2, 1, 4, 16), (4, 1, 4, 16),
@@ -142,6 +152,11 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         sm._launch = lambda n, w=warps: (launch(n)[0], w)
         record("softmax", f"warps={warps}", "softmax", [8192, 4096])
     sm._launch = launch
+    saved_sm = sm.PROGRAMS_PER_SM, sm.STAGES
+    for programs, stages in [(0, 1), (2, 2), (2, 3), (4, 2), (4, 3), (8, 2)] if "softmax" in groups else ():
+        sm.PROGRAMS_PER_SM, sm.STAGES = programs, stages
+        record("softmax", f"programs_per_sm={programs} stages={stages}", "softmax", [8192, 4096])
+    sm.PROGRAMS_PER_SM, sm.STAGES = saved_sm
 
     return rows
 
