@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import pdl
+
 # Launch settings at 8192 x 32000 bf16 on an H200 (src/bench/kernel_configs.py sweeps them): the
 # row in blocks of BLOCK, two passes, the second served from L2 (a 64 KB row; 132 SMs hold a few
 # rows each, well inside the 50 MB L2); or the whole row in registers, one read (ROW_IN_REGISTERS).
@@ -34,9 +36,12 @@ ROW_IN_REGISTERS_WARPS = 16
 
 
 @triton.jit
-def _count_valid(TARGETS, N_VALID, rows, ignore_index, BLOCK: tl.constexpr):
+def _count_valid(TARGETS, N_VALID, rows, ignore_index, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """n_valid = max(1, #targets != ignore_index), as fp32 on the device: the mean's divisor with no
     host sync, in one launch where (targets != i).sum().clamp_min(1) takes three."""
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     count = tl.zeros((BLOCK,), dtype=tl.int32)
     for off in range(0, rows, BLOCK):
         idx = off + tl.arange(0, BLOCK)
@@ -47,11 +52,14 @@ def _count_valid(TARGETS, N_VALID, rows, ignore_index, BLOCK: tl.constexpr):
 
 @triton.jit
 def _cross_entropy_fwd_bwd(LOGITS, stride, TARGETS, LOSS, N_VALID, V, ignore_index, smoothing, BLOCK: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr,
-                           HAS_SMOOTHING: tl.constexpr):
+                           HAS_SMOOTHING: tl.constexpr, USE_GDC: tl.constexpr):
     """One row a program. At 8192 x 32000 bf16 the two passes stream 1.6 GB in 0.4 ms, about 2
     exponentials per 0.27 ns a row element on the SMs' special-function units, close to what they
     issue: the gradient multiplies by 1 / sum and 1 / n_valid, once per row, instead of dividing
     per element, and without label smoothing the row's plain sum is not taken (HAS_SMOOTHING)."""
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * stride
     target = tl.load(TARGETS + row)
@@ -100,10 +108,13 @@ def _cross_entropy_fwd_bwd(LOGITS, stride, TARGETS, LOSS, N_VALID, V, ignore_ind
 
 
 @triton.jit
-def _scale_unless_one(X, SCALE, n, BLOCK: tl.constexpr):
+def _scale_unless_one(X, SCALE, n, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """x *= scale in place, unless scale == 1 (the loss's own gradient in loss.backward()): then
     every program returns after one scalar load, so the common case costs a launch, not a pass
     over the (tokens x vocab) gradient, and needs no host sync to tell which case it is."""
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     scale = tl.load(SCALE).to(tl.float32)
     if scale != 1.0:
         step = tl.num_programs(0).to(tl.int64) * BLOCK
@@ -133,7 +144,8 @@ def launch_settings(vocab: int) -> tuple[int, int, bool]:
 def count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """max(1, number of targets that are not ignore_index), an fp32 device scalar."""
     n_valid = torch.empty((), dtype=torch.float32, device=targets.device)
-    _count_valid[(1,)](targets, n_valid, targets.numel(), ignore_index, BLOCK=1024, num_warps=4)
+    gdc = pdl.use_gdc(targets)
+    _count_valid[(1,)](targets, n_valid, targets.numel(), ignore_index, BLOCK=1024, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
     return n_valid
 
 
@@ -144,9 +156,10 @@ def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: to
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block, warps, in_registers = launch_settings(vocab)
+    gdc = pdl.use_gdc(logits)
     _cross_entropy_fwd_bwd[(rows,)](
         logits, logits.stride(0), targets, losses, n_valid, vocab, ignore_index, float(label_smoothing),
-        BLOCK=block, ROW_IN_REGISTERS=in_registers, HAS_SMOOTHING=label_smoothing != 0.0, num_warps=warps,
+        BLOCK=block, ROW_IN_REGISTERS=in_registers, HAS_SMOOTHING=label_smoothing != 0.0, USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc),
     )
     return losses
 
@@ -156,7 +169,8 @@ def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     device_index = t.device.index if t.is_cuda else -1
     if device_index is None:
         device_index = torch.cuda.current_device()
-    _scale_unless_one[(min(_programs(device_index), triton.cdiv(t.numel(), 4096)),)](t, scale, t.numel(), BLOCK=4096, num_warps=8)
+    gdc = pdl.use_gdc(t)
+    _scale_unless_one[(min(_programs(device_index), triton.cdiv(t.numel(), 4096)),)](t, scale, t.numel(), BLOCK=4096, USE_GDC=gdc, num_warps=8, **pdl.launch_options(gdc))
     return t
 
 

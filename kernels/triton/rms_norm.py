@@ -25,14 +25,19 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kernels.triton import pdl
+
 
 @triton.jit
 def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, USE_GDC: tl.constexpr):
     """Tiles of ROWS rows, as one (ROWS, BLOCK) tile (their loads in flight together), tile t on
     program t % programs. With one program a tile (the grid FWD_PROGRAMS_PER_SM = 0 gives) the loop
     runs once; with a few programs per SM each loads w once and, for STAGES > 1, issues the next
     tile's loads while this one is reduced (tl.range num_stages)."""
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0), num_stages=STAGES):
@@ -51,10 +56,14 @@ def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M
 
 
 @triton.jit
-def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
+def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                  USE_GDC: tl.constexpr):
     """Each program walks its rows_per_program rows ROWS at a time (one (ROWS, BLOCK) tile, loads
     in flight together) and writes one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner
     to issue the next rows' loads while this row is reduced (tl.range num_stages)."""
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < N
@@ -81,9 +90,12 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
 
 
 @triton.jit
-def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr):
     """dw = sum of the P partial rows, in fp32 in a fixed order (deterministic), rounded once to
     the weight's dtype: one launch where torch's sum(0) then .to(dtype) take two."""
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for first in range(0, P, BLOCK_P):
@@ -113,11 +125,11 @@ FWD_STAGES = 1
 # issued while this row is reduced, so each program keeps ~4 rows (32 KB at 2048 bf16) in flight
 # where the loop as written (1) waits on each row's loads.
 BWD_STAGES = 4
-# The dw reduction: up to DW_BLOCK_P partial rows x DW_BLOCK_N columns a step. 128 x 16 (128
-# programs at N = 2048) summed 264 x 2048 partials in 9.6 us against 16.9 for torch's sum + cast and
-# 12.2 for 64 x 32 (kernel_configs' rms_dw group, one H200): many narrow programs, the loads of one
-# program independent of each other, beat a few wide ones.
-DW_BLOCK_P, DW_BLOCK_N = 128, 16
+# The dw reduction: up to DW_BLOCK_P partial rows x DW_BLOCK_N columns a step. 512 x 16 (128
+# programs at N = 2048, the 264 partials in one step) summed 264 x 2048 partials in 7.4 us against
+# 16.6 for torch's sum + cast, 9.4 for 128 x 16 and 12.1 for 64 x 32 (kernel_configs' rms_dw group,
+# one H200): many narrow programs, each with all its loads in flight at once, beat a few wide ones.
+DW_BLOCK_P, DW_BLOCK_N = 512, 16
 
 
 def _block(n: int) -> int:
@@ -163,10 +175,11 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     s = torch.empty_like(x2) if residual is not None else x2
     block = _block(N)
     tiles = triton.cdiv(M, FWD_ROWS)
+    gdc = pdl.use_gdc(x)
     programs = min(tiles, _sm_count(_device_index(x)) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
     _rms_norm_fwd[(programs,)](
         x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=FWD_STAGES, num_warps=_warps(block, FWD_WARPS),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=FWD_STAGES, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc),
     )
     return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
 
@@ -180,15 +193,17 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     M, N = x2.shape
     dx = torch.empty_like(x2)
     programs = min(M, _sm_count(_device_index(x)) * BWD_PROGRAMS_PER_SM)
+    gdc = pdl.use_gdc(x)
     rows_per_program = math.ceil(M / programs)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     block = _block(N)
     _rms_norm_bwd[(programs,)](
         dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=BWD_STAGES, num_warps=_warps(block, BWD_WARPS),
+        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=BWD_STAGES, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc),
     )
     dw = torch.empty_like(weight)
-    _rms_norm_dw[(triton.cdiv(N, DW_BLOCK_N),)](dw_partial, dw, programs, N, BLOCK_P=DW_BLOCK_P, BLOCK_N=DW_BLOCK_N, num_warps=4)
+    _rms_norm_dw[(triton.cdiv(N, DW_BLOCK_N),)](dw_partial, dw, programs, N, BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N,
+                                                USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
     return dx.reshape(shape), dw
 
 

@@ -17,6 +17,8 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kernels.triton import pdl
+
 MAX_COLS = 65536
 # Programs: 0 launches one a row; N > 0 launches N per SM, each looping over rows with STAGES
 # rows' loads in flight (tl.range num_stages). src/bench/kernel_configs.py's softmax group sweeps them.
@@ -25,7 +27,10 @@ STAGES = 1
 
 
 @triton.jit
-def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
@@ -36,7 +41,10 @@ def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl
 
 
 @triton.jit
-def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
@@ -75,7 +83,9 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x)
     y = torch.empty_like(x2)
     block, warps = _launch(x2.shape[1])
-    _softmax_fwd[(_programs(x2, x2.shape[0]),)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=STAGES, num_warps=warps)
+    gdc = pdl.use_gdc(x2)
+    _softmax_fwd[(_programs(x2, x2.shape[0]),)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=STAGES,
+                                                USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return y.reshape(x.shape)
 
 
@@ -83,8 +93,9 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dy2, y2 = _rows(dy), _rows(y)
     dx = torch.empty_like(y2)
     block, warps = _launch(y2.shape[1])
+    gdc = pdl.use_gdc(y2)
     _softmax_bwd[(_programs(y2, y2.shape[0]),)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=STAGES,
-                                                  num_warps=warps)
+                                                  USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return dx.reshape(y.shape)
 
 

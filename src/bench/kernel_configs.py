@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only cross_entropy rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only cross_entropy pdl rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
@@ -38,7 +38,7 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
     return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("cross_entropy", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
+GROUPS = ("cross_entropy", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -58,9 +58,9 @@ def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int
             dw = torch.empty(n, device=device, dtype=torch.bfloat16)
             nbytes = partial.numel() * 4 + n * 2
             candidates = {"torch sum(0).to(bf16)": lambda p=partial: p.sum(0).to(torch.bfloat16)}
-            for bp, bn in [(128, 16), (64, 32), (256, 16), (512, 16), (256, 8), (128, 8)]:
+            for bp, bn in [(512, 16), (128, 16), (64, 32), (512, 8), (256, 8), (128, 8)]:
                 candidates[f"triton block_p={bp} block_n={bn}"] = (
-                    lambda p=partial, d=dw, n=n, bp=bp, bn=bn: rn._rms_norm_dw[(triton.cdiv(n, bn),)](p, d, p.shape[0], n, BLOCK_P=bp, BLOCK_N=bn, num_warps=4))
+                    lambda p=partial, d=dw, n=n, bp=bp, bn=bn: rn._rms_norm_dw[(triton.cdiv(n, bn),)](p, d, p.shape[0], n, BLOCK_P=bp, BLOCK_N=bn, USE_GDC=False, num_warps=4))
             want = partial.sum(0).to(torch.bfloat16)
             for name, fn in candidates.items():
                 fn()
@@ -100,6 +100,17 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
 
     if "rms_dw" in groups:
         rows += _dw_reduce_rows()
+    if "pdl" in groups:  # programmatic dependent launch: each kernel placed while the one before it runs
+        from kernels.triton import pdl
+
+        saved_pdl = pdl.ENABLED
+        for _ in range(2):  # twice, alternating: the difference is a few microseconds a kernel
+            for enabled in (False, True):
+                pdl.ENABLED = enabled
+                for op, shape in [("rms_norm", [8192, 2048]), ("add_rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096]),
+                                  ("rms_norm_fwd", [8192, 2048]), ("softmax", [8192, 4096]), ("cross_entropy", [8192, 32000])]:
+                    record(op.removesuffix("_fwd"), f"pdl={enabled}", op, shape)
+        pdl.ENABLED = saved_pdl
     fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
     if "rms_stages" in groups:  # backward's row loop software-pipelined: the next rows' loads in flight
         saved_stages = rn.BWD_STAGES

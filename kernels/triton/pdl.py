@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL) for the row kernels, on Hopper and newer.
+
+A graph-replayed norm's forward + backward runs three kernels of 7-25 us each; each pays a few
+microseconds of launch and ramp before its first load is in flight (docs/PERFORMANCE.md 5b: the
+marginal bytes stream at the copy ceiling, the fixed cost per kernel does not). With PDL a kernel
+is launched while the one before it in the stream is still running: its programs are placed, wait
+in `gdc_wait()` for the previous kernel's writes to land, and start loading at once.
+
+Each kernel that takes part, when `use_gdc` is true: calls `gdc_wait()` before its first load of
+anything another kernel may have written, then `gdc_launch_dependents()` so that the next kernel
+may be placed as this one's programs retire. The launch passes `launch_pdl=True`. Correctness
+rests on the waits alone: a kernel launched early still waits for the whole previous grid and its
+memory, so a neighbour that knows nothing of PDL (a cuBLAS GEMM) is ordered as without it.
+
+Off (`ENABLED = False`) unless src/bench/kernel_configs.py's pdl group measures it paying; Triton's
+interpreter has no griddepcontrol, so on a CPU it stays off whatever ENABLED says.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ENABLED = False
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_gdc(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with PDL (ENABLED, a CUDA tensor, compute capability >= 9)."""
+    if not (ENABLED and t.is_cuda):
+        return False
+    return _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(gdc: bool) -> dict:
+    """The launch keyword for a kernel whose USE_GDC constexpr is `gdc`."""
+    return {"launch_pdl": True} if gdc else {}
