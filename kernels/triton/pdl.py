@@ -12,8 +12,11 @@ may be placed as this one's programs retire. The launch passes `launch_pdl=True`
 rests on the waits alone: a kernel launched early still waits for the whole previous grid and its
 memory, so a neighbour that knows nothing of PDL (a cuBLAS GEMM) is ordered as without it.
 
-Off (`ENABLED = False`) unless src/bench/kernel_configs.py's pdl group measures it paying; Triton's
-interpreter has no griddepcontrol, so on a CPU it stays off whatever ENABLED says.
+Off (`ENABLED = False`): src/bench/kernel_configs.py's pdl group, alternating off and on twice on
+an H200 (docs/PERFORMANCE.md 5b), found RMSNorm 8192x2048 forward + backward slower with it (55.4 ->
+66.0 us: the backward's resident programs, placed early, take the forward's slots) and the others
+level (add+RMSNorm, softmax, cross-entropy within 1%). Triton's interpreter has no griddepcontrol,
+so on a CPU it stays off whatever ENABLED says.
 """
 from __future__ import annotations
 
