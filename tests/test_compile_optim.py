@@ -73,6 +73,9 @@ def test_inductor_with_its_cpp_wrapper_gives_the_eager_fp32_losses(tmp_path: Pat
     # forward and backward each generated, and neither with Python launch code (`def call(...)`)
     assert len(codes) >= 2 and not any("def call(" in code for code in codes)
     assert compiled == pytest.approx(eager, rel=1e-4)
+    import torch._inductor.config as inductor
+
+    assert not inductor.cpp_wrapper  # set for the run only (src/distributed/parallelize.py inductor_config)
 
 
 def test_optimizer_impl_chooses_the_adamw_kernels():

@@ -10,6 +10,7 @@ means autocast over fp32 weights.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import zlib
 from collections.abc import Callable
@@ -150,6 +151,18 @@ class Parallelized:
     """float8 all-gather: the next step's weight scales, after each optimizer step"""
 
 
+def inductor_config(cfg) -> contextlib.AbstractContextManager:
+    """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code. Set for the
+    run, not passed to torch.compile(options=...): each block's backward graph is compiled lazily at
+    the first backward, after compile's own options have been restored, and on torch 2.11 cpp_wrapper
+    then fails there ("CudaKernelParamCache not populated", pytorch/pytorch#178845, fixed in 2.12)."""
+    if not cfg.kernels.cpp_wrapper:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor
+
+    return inductor.patch(cpp_wrapper=True)
+
+
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:
     """float8 -> NVTX ranges -> compile -> fully_shard (mesh given: fsdp2, hsdp) or DDP -> init.
 
@@ -173,9 +186,10 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     if cfg.kernels.compile:
         # in place (nn.Module.compile), so parameter names and checkpoints stay those of eager;
         # torchtitan wraps instead (torch.compile(block)): the same graph, one per block
-        options = {"cpp_wrapper": True} if cfg.kernels.cpp_wrapper else None  # Inductor's config, these graphs only
+        # kernels.cpp_wrapper is Inductor config for the whole run (inductor_config below), not a
+        # per-compile option: a block's backward graph is compiled lazily, after the option is gone
         for block in model.layers:
-            block.compile(backend=cfg.kernels.compile_backend, options=options)
+            block.compile(backend=cfg.kernels.compile_backend)
 
     autocast_dtype = None
     if mesh is not None:

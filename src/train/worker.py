@@ -7,20 +7,22 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import shutdown
+from src.distributed.parallelize import inductor_config
 from src.runtime import RunContext
 from src.train.trainer import Trainer
 
 
 def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """Train on this rank. Returns the summary (the same dict on every rank; rank 0 also writes it)."""
-    trainer = Trainer(cfg, ctx)
-    try:
-        return trainer.train()
-    except BaseException as exc:
-        trainer.record_failure(exc)
-        raise
-    finally:
-        shutdown()
+    with inductor_config(cfg):  # the compiled blocks' backward graphs compile inside train()
+        trainer = Trainer(cfg, ctx)
+        try:
+            return trainer.train()
+        except BaseException as exc:
+            trainer.record_failure(exc)
+            raise
+        finally:
+            shutdown()
 
 
 def elastic_entry(cfg_container: dict, ctx_fields: dict) -> dict[str, Any]:
