@@ -245,6 +245,10 @@ class OptimConfig:
     """clip the global gradient norm to this; 0 disables clipping (the norm is still reported)"""
     impl: OptimImpl = OptimImpl.auto
     """AdamW's kernels: fused (one kernel per step), foreach (multi-tensor), for_loop; auto: fused on CUDA, else foreach"""
+    clip_in_update: bool = True
+    """fused AdamW with grad_clip > 0: the clipping factor divides each gradient inside the update
+    kernel (its grad_scale) instead of a pass of its own over the gradients; same clipping, one read
+    and write of the fp32 gradients fewer a step. Ignored by foreach and for_loop"""
     in_backward: bool = False
     """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
     post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""

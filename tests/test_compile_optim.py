@@ -89,3 +89,39 @@ def test_optimizer_impl_chooses_the_adamw_kernels():
     assert optimizer_impl("auto", "cuda", True) == "foreach" and optimizer_impl("auto", "cpu", False) == "foreach"
     with pytest.raises(ConfigError, match="optim.impl=fusd"):
         compose_config(["optim.impl=fusd"])
+
+
+def test_clipping_inside_the_fused_update_gives_the_clipped_step(tmp_path: Path, in_process_runs):
+    """optim.clip_in_update: fused AdamW dividing each gradient by the clipping factor as it reads
+    it gives the step clip_grads_with_norm_ then AdamW gives: 4 steps of fp32 losses within 1e-6 and
+    the same grad norms, on a clip small enough that every step clips (FSDP2 over the 1-rank mesh:
+    the parameters and gradients are DTensors, the divisor a plain device scalar)."""
+    common = ["optim.impl=fused", "optim.grad_clip=0.05"]
+    folded = _losses(tmp_path, "folded", [*common, "optim.clip_in_update=true"])
+    separate = _losses(tmp_path, "separate", [*common, "optim.clip_in_update=false"])
+    norms = {name: [json.loads(line)["grad_norm"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+             for name in ("folded", "separate")}
+    assert min(norms["separate"]) > 0.05  # every step clipped
+    assert folded == pytest.approx(separate, rel=1e-6)
+    assert norms["folded"] == pytest.approx(norms["separate"], rel=1e-5)
+
+
+def test_clipping_factor_rides_in_fused_adamw_only():
+    """The fold applies to torch's fused Adam/AdamW (their step reads grad_scale); foreach and
+    for-loop AdamW would ignore the divisor, so they keep clip_grads_with_norm_'s pass. Either way
+    the gradients left behind are the clipped ones (clip_grads_with_norm_ takes the parameters:
+    handed the gradients themselves it found no .grad and clipped nothing)."""
+    from src.train.loop import folds_clip, optimizer_step
+
+    cfg = compose_config(["optim.grad_clip=1.0"])
+    for impl, folds in (("fused", True), ("foreach", False), ("for_loop", False)):
+        cfg.optim.impl = impl
+        model = torch.nn.Linear(4, 3)
+        opt = build_optimizer(model.parameters(), cfg.optim, "cpu", False)
+        assert folds_clip(opt) == folds, impl
+        model(torch.randn(5, 4) * 100).square().sum().backward()  # a norm far above 1
+        grads = [p.grad.clone() for p in model.parameters()]
+        norm = optimizer_step(model, opt, grad_clip=1.0, clip_in_update=True)
+        scale = (norm + 1e-6) / 1.0
+        for p, g in zip(model.parameters(), grads):  # the gradients left behind are the clipped ones either way
+            torch.testing.assert_close(p.grad, g / scale, rtol=1e-6, atol=1e-7)

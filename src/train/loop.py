@@ -118,6 +118,7 @@ def optimizer_step(
     after_optimizer: Callable[[], None] | None = None,
     need_norm: bool = True,
     update: Callable[[], object] | None = None,
+    clip_in_update: bool = False,
 ) -> torch.Tensor | None:
     """After backward: the global grad norm, clipping and the optimizer; returns the norm as a
     device tensor. `skip_nonfinite` drops the optimizer step when the norm is NaN/inf (a device
@@ -125,7 +126,8 @@ def optimizer_step(
     `need_norm` false (a step nobody reads, no clipping, no skipping): no norm is computed and None
     returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
     host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
-    what backward has not already updated)."""
+    what backward has not already updated). `clip_in_update` (optim.clip_in_update, fused AdamW
+    only): the clipping factor goes to the update kernel instead of a pass over the gradients."""
     update = update or optimizer.step
     with mark("optimizer"):
         if not (need_norm or grad_clip > 0 or skip_nonfinite):
@@ -133,19 +135,32 @@ def optimizer_step(
             if after_optimizer is not None:
                 after_optimizer()
             return None
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads)
         if hasattr(norm, "full_tensor"):  # DTensor: the local shards' norms reduced over the mesh
             norm = norm.full_tensor()
         if skip_nonfinite and not bool(torch.isfinite(norm)):
             optimizer.zero_grad(set_to_none=True)
             return norm.detach()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(grads, grad_clip, norm)
+        if grad_clip > 0 and clip_in_update and folds_clip(optimizer):
+            # clip_grads_with_norm_ multiplies every gradient by min(1, clip / (norm + 1e-6)) in a
+            # pass of its own (read + write of the fp32 gradients); fused AdamW divides each gradient
+            # by its `grad_scale` (GradScaler's hook) as it reads it, so the same factor, inverted,
+            # rides along: one pass over the gradients fewer, no host sync
+            optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / grad_clip, min=1.0)
+        elif grad_clip > 0:  # it takes the parameters and scales their .grad (given the gradients it finds none)
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
         update()
         if after_optimizer is not None:
             after_optimizer()
     return norm.detach()
+
+
+def folds_clip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` applies a gradient divisor inside its own kernel: torch's Adam/AdamW with
+    fused=True read `optimizer.grad_scale` in step() (foreach and for-loop ones ignore it)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
 
 class Readback:

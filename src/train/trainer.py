@@ -210,7 +210,7 @@ class Trainer:
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
                               self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm,
-                              self._update_rest if self.in_backward is not None else None)
+                              self._update_rest if self.in_backward is not None else None, self.cfg.optim.clip_in_update)
         return loss.detach(), norm
 
     def _update_rest(self) -> None:
