@@ -165,7 +165,7 @@ class KernelsConfig:
     compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
     cpp_wrapper: bool = False
-    """inductor: the compiled graphs' launch code in C++ instead of Python (Inductor's cpp_wrapper):
+    """inductor: the launch code of every graph the run compiles in C++ instead of Python (Inductor's cpp_wrapper, set for the whole run):
     less host time per kernel launched, for steps the host cannot queue as fast as the GPUs run them
     (float8's casts add hundreds of launches a step); compiles longer"""
     attention: SdpaBackend = SdpaBackend.default
@@ -248,7 +248,7 @@ class OptimConfig:
     clip_in_update: bool = True
     """fused AdamW with grad_clip > 0: the clipping factor divides each gradient inside the update
     kernel (its grad_scale) instead of a pass of its own over the gradients; same clipping, one read
-    and write of the fp32 gradients fewer a step. Ignored by foreach and for_loop"""
+    of the fp32 gradients and a pass's launches fewer a step. foreach and for_loop keep the pass"""
     in_backward: bool = False
     """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
     post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""

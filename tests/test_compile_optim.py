@@ -108,7 +108,7 @@ def test_clipping_inside_the_fused_update_gives_the_clipped_step(tmp_path: Path,
 
 def test_clipping_factor_rides_in_fused_adamw_only():
     """The fold applies to torch's fused Adam/AdamW (their step reads grad_scale); foreach and
-    for-loop AdamW would ignore the divisor, so they keep clip_grads_with_norm_'s pass. Either way
+    for-loop AdamW refuse a divisor, so they keep clip_grads_with_norm_'s pass. Either way
     the gradients left behind are the clipped ones (clip_grads_with_norm_ takes the parameters:
     handed the gradients themselves it found no .grad and clipped nothing)."""
     from src.train.loop import folds_clip, optimizer_step
@@ -122,6 +122,7 @@ def test_clipping_factor_rides_in_fused_adamw_only():
         model(torch.randn(5, 4) * 100).square().sum().backward()  # a norm far above 1
         grads = [p.grad.clone() for p in model.parameters()]
         norm = optimizer_step(model, opt, grad_clip=1.0, clip_in_update=True)
+        assert not hasattr(opt, "grad_scale")  # the divisor goes with the step
         scale = (norm + 1e-6) / 1.0
         for p, g in zip(model.parameters(), grads):  # the gradients left behind are the clipped ones either way
             torch.testing.assert_close(p.grad, g / scale, rtol=1e-6, atol=1e-7)

@@ -87,6 +87,7 @@ def _fused_fwd_bwd(op: str, case) -> tuple[list[torch.Tensor], list[torch.Tensor
     return [o.detach().float() for o in out] + [g.float() for g in grads], [r.detach().float() for r in ref]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs compute capability 9")
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "softmax", "cross_entropy"])
 def test_kernels_launched_with_pdl_match_torch(op, monkeypatch):
     """With programmatic dependent launch on (kernels/triton/pdl.py) each kernel waits for the one
@@ -99,8 +100,33 @@ def test_kernels_launched_with_pdl_match_torch(op, monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     without, ref = _fused_fwd_bwd(op, case)
     monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.use_gdc(torch.empty(1, device="cuda"))
     with_pdl, _ = _fused_fwd_bwd(op, case)
     for a, b in zip(without, with_pdl):
         torch.testing.assert_close(b, a, atol=0, rtol=0)
     for got, want in zip(with_pdl, ref):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("width", [8192, 16384, 65536])
+def test_rms_norm_backward_compiles_and_matches_torch_on_wide_rows(width, dtype):
+    """The pipelined backward's stages shrink with the row (kernels/triton/device.py): with the
+    residual's gradient, 3 loads a stage, every width up to the 65536 the config allows compiles
+    and gives torch's gradients."""
+    from kernels.triton.rms_norm import fused_add_rms_norm
+
+    torch.manual_seed(0)
+    x, r, ds, dy = (torch.randn(37, width, device="cuda", dtype=dtype) for _ in range(4))
+    w = torch.rand(width, device="cuda", dtype=dtype) + 0.5
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    s, y = fused_add_rms_norm(*leaves, 1e-6)
+    torch.autograd.backward([s, y], [ds, dy])
+    ref = [t.float().clone().requires_grad_() for t in (x, r, w)]
+    ref_s = ref[0] + ref[1]
+    ref_y = torch.nn.functional.rms_norm(ref_s, (width,), ref[2], 1e-6)
+    torch.autograd.backward([ref_s, ref_y], [ds.float(), dy.float()])
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(y.float(), ref_y, atol=tol, rtol=tol)
+    torch.testing.assert_close(leaves[0].grad.float(), ref[0].grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(leaves[2].grad.float(), ref[2].grad, atol=tol * 10, rtol=tol * 5)

@@ -153,3 +153,17 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"kernels.fused=\['layer_norm'\]: no fused Triton variant"):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         validate(compose_config(["kernels=triton", "kernels.fused=[layer_norm]"]), cuda_device_count=0, mps_available=False)
+
+
+def test_pipeline_stages_fit_shared_memory(monkeypatch):
+    """A row loop gets the stages asked for while its buffered loads fit a block's shared memory,
+    fewer for wide rows, and 1 (the loop as written) when one stage alone would not fit: on an
+    H200 (227 KB) the RMSNorm backward with the residual at 16384 bf16 columns (96 KB a stage) takes
+    3, at 65536 fp32 (768 KB) 1."""
+    from kernels.triton import device
+
+    monkeypatch.setattr(device, "smem_per_block", lambda index: 232448)
+    assert device.pipeline_stages(4, 3 * 2048 * 2, 0) == 4
+    assert device.pipeline_stages(4, 3 * 16384 * 2, 0) == 3
+    assert device.pipeline_stages(4, 3 * 65536 * 4, 0) == 1
+    assert device.pipeline_stages(1, 8, 0) == 1

@@ -16,27 +16,42 @@ Off (`ENABLED = False`): src/bench/kernel_configs.py's pdl group, alternating of
 an H200 (docs/PERFORMANCE.md 5b), found RMSNorm 8192x2048 forward + backward slower with it (55.4 ->
 66.0 us: the backward's resident programs, placed early, take the forward's slots) and the others
 level (add+RMSNorm, softmax, cross-entropy within 1%). Triton's interpreter has no griddepcontrol,
-so on a CPU it stays off whatever ENABLED says.
+so under TRITON_INTERPRET=1 it stays off whatever ENABLED says.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.device import device_index
 
 ENABLED = False
 
 
 @functools.cache
-def _supported(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def use_gdc(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with PDL (ENABLED, a CUDA tensor, compute capability >= 9)."""
-    if not (ENABLED and t.is_cuda):
+    """Whether kernels on t's device launch with PDL: ENABLED, a CUDA tensor on compute capability
+    >= 9, and not Triton's interpreter (which has no griddepcontrol, whatever the tensor's device)."""
+    if not (ENABLED and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _supported(device_index(t))
+
+
+@triton.jit
+def gdc_prologue(USE_GDC: tl.constexpr):
+    """A PDL kernel's first lines: wait for the previous kernel's writes, then let the next kernel
+    be placed as this one's programs retire. Nothing when USE_GDC is false."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def launch_options(gdc: bool) -> dict:

@@ -17,7 +17,6 @@ state dicts and FSDP2 sharding see the same tensors).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -26,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
+from kernels.triton.device import device_index, pipeline_stages, sm_count
 
 
 @triton.jit
@@ -35,9 +35,7 @@ def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M
     program t % programs. With one program a tile (the grid FWD_PROGRAMS_PER_SM = 0 gives) the loop
     runs once; with a few programs per SM each loads w once and, for STAGES > 1, issues the next
     tile's loads while this one is reduced (tl.range num_stages)."""
-    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0), num_stages=STAGES):
@@ -61,9 +59,7 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
     """Each program walks its rows_per_program rows ROWS at a time (one (ROWS, BLOCK) tile, loads
     in flight together) and writes one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner
     to issue the next rows' loads while this row is reduced (tl.range num_stages)."""
-    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < N
@@ -93,9 +89,7 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
 def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr):
     """dw = sum of the P partial rows, in fp32 in a fixed order (deterministic), rounded once to
     the weight's dtype: one launch where torch's sum(0) then .to(dtype) take two."""
-    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for first in range(0, P, BLOCK_P):
@@ -146,19 +140,6 @@ def _warps(block: int, table: dict[int, int]) -> int:
     return fitting[-1] if fitting else 4
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    """SMs of the CUDA device; 2 off CUDA (Triton's interpreter), so that a CPU test walks
-    several rows per program."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count if device_index >= 0 else 2
-
-
-def _device_index(t: torch.Tensor) -> int:
-    if not t.is_cuda:
-        return -1
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -176,10 +157,12 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     block = _block(N)
     tiles = triton.cdiv(M, FWD_ROWS)
     gdc = pdl.use_gdc(x)
-    programs = min(tiles, _sm_count(_device_index(x)) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
+    programs = min(tiles, sm_count(device_index(x)) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
+    loads = 2 if residual is not None else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
+    stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * x2.element_size(), device_index(x))
     _rms_norm_fwd[(programs,)](
         x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=FWD_STAGES, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc),
     )
     return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
 
@@ -192,14 +175,16 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     ds2 = _rows(ds) if ds is not None else dy2
     M, N = x2.shape
     dx = torch.empty_like(x2)
-    programs = min(M, _sm_count(_device_index(x)) * BWD_PROGRAMS_PER_SM)
+    programs = min(M, sm_count(device_index(x)) * BWD_PROGRAMS_PER_SM)
     gdc = pdl.use_gdc(x)
     rows_per_program = math.ceil(M / programs)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     block = _block(N)
+    loads = 3 if ds is not None else 2  # x, dy (and ds): what each pipelined stage buffers
+    stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * x2.element_size(), device_index(x))
     _rms_norm_bwd[(programs,)](
         dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=BWD_STAGES, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc),
+        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc),
     )
     dw = torch.empty_like(weight)
     _rms_norm_dw[(triton.cdiv(N, DW_BLOCK_N),)](dw_partial, dw, programs, N, BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N,

@@ -10,14 +10,13 @@ fit. Wider rows are refused with the limit named.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import triton
 import triton.language as tl
 
 from kernels.triton import pdl
+from kernels.triton.device import device_index, pipeline_stages, sm_count
 
 MAX_COLS = 65536
 # Programs: 0 launches one a row; N > 0 launches N per SM, each looping over rows with STAGES
@@ -28,13 +27,11 @@ STAGES = 1
 
 @triton.jit
 def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
-        row = tl.cast(row, tl.int64)  # before the stride multiply: rows x stride may pass 2**31
+    for r in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        row = tl.cast(r, tl.int64)  # before the stride multiply: rows x stride may pass 2**31
         x = tl.load(X + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)
         e = tl.exp(x - tl.max(x, axis=0))
         tl.store(Y + row * stride_y + cols, (e * (1.0 / tl.sum(e, axis=0))).to(Y.dtype.element_ty), mask=mask)
@@ -42,13 +39,11 @@ def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl
 
 @triton.jit
 def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
-    if USE_GDC:  # kernels/triton/pdl.py: launched early, wait for the previous kernel's writes
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    for row in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
-        row = tl.cast(row, tl.int64)  # before the stride multiply: rows x stride may pass 2**31
+    for r in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
+        row = tl.cast(r, tl.int64)  # before the stride multiply: rows x stride may pass 2**31
         y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         dx = y * (dy - tl.sum(y * dy, axis=0))
@@ -62,16 +57,12 @@ def _launch(n: int) -> tuple[int, int]:
     return block, 16 if block >= 16384 else 8 if block >= 2048 else 4
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count if device_index >= 0 else 2
-
-
 def _programs(t: torch.Tensor, rows: int) -> int:
-    if not PROGRAMS_PER_SM:
-        return rows
-    index = (t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else -1
-    return min(rows, _sm_count(index) * PROGRAMS_PER_SM)
+    return min(rows, sm_count(device_index(t)) * PROGRAMS_PER_SM) if PROGRAMS_PER_SM else rows
+
+
+def _stages(t: torch.Tensor, block: int, loads: int) -> int:
+    return pipeline_stages(STAGES, loads * block * t.element_size(), device_index(t))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +75,7 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x2)
     block, warps = _launch(x2.shape[1])
     gdc = pdl.use_gdc(x2)
-    _softmax_fwd[(_programs(x2, x2.shape[0]),)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=STAGES,
+    _softmax_fwd[(_programs(x2, x2.shape[0]),)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=_stages(x2, block, 1),
                                                 USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return y.reshape(x.shape)
 
@@ -94,7 +85,7 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dx = torch.empty_like(y2)
     block, warps = _launch(y2.shape[1])
     gdc = pdl.use_gdc(y2)
-    _softmax_bwd[(_programs(y2, y2.shape[0]),)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=STAGES,
+    _softmax_bwd[(_programs(y2, y2.shape[0]),)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=_stages(y2, block, 2),
                                                   USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return dx.reshape(y.shape)
 

@@ -118,7 +118,7 @@ def optimizer_step(
     after_optimizer: Callable[[], None] | None = None,
     need_norm: bool = True,
     update: Callable[[], object] | None = None,
-    clip_in_update: bool = False,
+    clip_in_update: bool = True,
 ) -> torch.Tensor | None:
     """After backward: the global grad norm, clipping and the optimizer; returns the norm as a
     device tensor. `skip_nonfinite` drops the optimizer step when the norm is NaN/inf (a device
@@ -143,15 +143,21 @@ def optimizer_step(
         if skip_nonfinite and not bool(torch.isfinite(norm)):
             optimizer.zero_grad(set_to_none=True)
             return norm.detach()
-        if grad_clip > 0 and clip_in_update and folds_clip(optimizer):
+        folded = grad_clip > 0 and clip_in_update and folds_clip(optimizer)
+        if folded:
             # clip_grads_with_norm_ multiplies every gradient by min(1, clip / (norm + 1e-6)) in a
             # pass of its own (read + write of the fp32 gradients); fused AdamW divides each gradient
-            # by its `grad_scale` (GradScaler's hook) as it reads it, so the same factor, inverted,
-            # rides along: one pass over the gradients fewer, no host sync
+            # by its `grad_scale` (GradScaler's hook) as it reads it and writes the divided gradient
+            # back, so the same factor, inverted, rides along: one read of the gradients and the
+            # pass's launches fewer, no host sync
             optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / grad_clip, min=1.0)
         elif grad_clip > 0:  # it takes the parameters and scales their .grad (given the gradients it finds none)
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
-        update()
+        try:
+            update()
+        finally:
+            if folded:  # as GradScaler does: no divisor left for a step() outside this one
+                del optimizer.grad_scale
         if after_optimizer is not None:
             after_optimizer()
     return norm.detach()
@@ -159,7 +165,7 @@ def optimizer_step(
 
 def folds_clip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` applies a gradient divisor inside its own kernel: torch's Adam/AdamW with
-    fused=True read `optimizer.grad_scale` in step() (foreach and for-loop ones ignore it)."""
+    fused=True read `optimizer.grad_scale` in step() (foreach and for-loop ones refuse one)."""
     return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
 

@@ -1,0 +1,46 @@
+"""What the launchers ask of the device a tensor lives on: its index, SMs, shared memory, and how
+many software-pipeline stages a row loop may take. Off CUDA (Triton's interpreter on a CPU) the
+answers are small fixed numbers, so CPU tests still walk several rows per program."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Shared memory a kernel's pipeline buffers may take, below the per-block limit: room for the
+# reductions' scratch and the compiler's own (an RMSNorm backward at 3 buffers of 96 KB asked for
+# 76 bytes beyond them on an H200).
+SMEM_HEADROOM = 16 * 1024
+
+
+def device_index(t: torch.Tensor) -> int:
+    """t's CUDA device index, or -1 off CUDA."""
+    if not t.is_cuda:
+        return -1
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """SMs of CUDA device `index`; 2 off CUDA."""
+    return torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 2
+
+
+@functools.cache
+def smem_per_block(index: int) -> int:
+    """The most shared memory one block may ask for (the opt-in limit: 227 KB on an H100/H200)."""
+    if index < 0:
+        return 1 << 30  # the interpreter has no shared memory to run out of
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+
+
+def pipeline_stages(requested: int, bytes_per_stage: int, index: int) -> int:
+    """Stages for a `tl.range(..., num_stages=n)` loop whose loads take `bytes_per_stage` of shared
+    memory a stage: Triton's pipeliner keeps n - 1 stages of them buffered, so wide rows get fewer
+    stages (down to 1, the loop as written) instead of a kernel that does not fit. An RMSNorm
+    backward at 4 stages did not compile from 16384 bf16 columns with the residual (3 x 96 KB)."""
+    if requested <= 1:
+        return 1
+    room = smem_per_block(index) - SMEM_HEADROOM
+    return max(1, min(requested, 1 + room // max(1, bytes_per_stage)))
