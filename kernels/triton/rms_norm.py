@@ -26,6 +26,7 @@ import triton.language as tl
 
 from kernels.triton import pdl
 from kernels.triton.device import device_index, pipeline_stages, sm_count
+from kernels.triton.rows import as_rows, as_shape
 
 
 @triton.jit
@@ -140,19 +141,14 @@ def _warps(block: int, table: dict[int, int]) -> int:
     return fitting[-1] if fitting else 4
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """y = rmsnorm(x [+ residual]) * w; returns (y, rstd, the sum or None)."""
     shape = x.shape
-    x2 = _rows(x)
+    x2 = as_rows(x)
     M, N = x2.shape
     y = torch.empty_like(x2)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    r2 = _rows(residual) if residual is not None else x2
+    r2 = as_rows(residual) if residual is not None else x2
     s = torch.empty_like(x2) if residual is not None else x2
     block = _block(N)
     tiles = triton.cdiv(M, FWD_ROWS)
@@ -164,15 +160,15 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
         x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc),
     )
-    return y.reshape(shape), rstd, (s.reshape(shape) if residual is not None else None)
+    return as_shape(y, shape), rstd, (as_shape(s, shape) if residual is not None else None)
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, ds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of y = rmsnorm(x) * w, plus `ds` (the gradient reaching x from elsewhere, the
     residual stream's) when given; returns (dx, dw)."""
     shape = x.shape
-    x2, dy2 = _rows(x), _rows(dy)
-    ds2 = _rows(ds) if ds is not None else dy2
+    x2, dy2 = as_rows(x), as_rows(dy)
+    ds2 = as_rows(ds) if ds is not None else dy2
     M, N = x2.shape
     dx = torch.empty_like(x2)
     programs = min(M, sm_count(device_index(x)) * BWD_PROGRAMS_PER_SM)
@@ -189,7 +185,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dw = torch.empty_like(weight)
     _rms_norm_dw[(triton.cdiv(N, DW_BLOCK_N),)](dw_partial, dw, programs, N, BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N,
                                                 USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
-    return dx.reshape(shape), dw
+    return as_shape(dx, shape), dw
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.triton import pdl
 from kernels.triton.device import device_index, pipeline_stages, sm_count
+from kernels.triton.rows import as_rows, as_shape
 
 MAX_COLS = 65536
 # Programs: 0 launches one a row; N > 0 launches N per SM, each looping over rows with STAGES
@@ -65,29 +66,24 @@ def _stages(t: torch.Tensor, block: int, loads: int) -> int:
     return pipeline_stages(STAGES, loads * block * t.element_size(), device_index(t))
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def softmax_forward(x: torch.Tensor) -> torch.Tensor:
-    x2 = _rows(x)
+    x2 = as_rows(x)
     y = torch.empty_like(x2)
     block, warps = _launch(x2.shape[1])
     gdc = pdl.use_gdc(x2)
     _softmax_fwd[(_programs(x2, x2.shape[0]),)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=_stages(x2, block, 1),
                                                 USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
-    return y.reshape(x.shape)
+    return as_shape(y, x.shape)
 
 
 def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    dy2, y2 = _rows(dy), _rows(y)
+    dy2, y2 = as_rows(dy), as_rows(y)
     dx = torch.empty_like(y2)
     block, warps = _launch(y2.shape[1])
     gdc = pdl.use_gdc(y2)
     _softmax_bwd[(_programs(y2, y2.shape[0]),)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=_stages(y2, block, 2),
                                                   USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
-    return dx.reshape(y.shape)
+    return as_shape(dx, y.shape)
 
 
 class SoftmaxFunction(torch.autograd.Function):
