@@ -153,9 +153,10 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     block = _block(N)
     tiles = triton.cdiv(M, FWD_ROWS)
     gdc = pdl.use_gdc(x)
-    programs = min(tiles, sm_count(device_index(x)) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
+    index = device_index(x)
+    programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
     loads = 2 if residual is not None else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
-    stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * x2.element_size(), device_index(x))
+    stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * x2.element_size(), index)
     _rms_norm_fwd[(programs,)](
         x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc),
@@ -171,13 +172,14 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     ds2 = as_rows(ds) if ds is not None else dy2
     M, N = x2.shape
     dx = torch.empty_like(x2)
-    programs = min(M, sm_count(device_index(x)) * BWD_PROGRAMS_PER_SM)
+    index = device_index(x)
+    programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
     gdc = pdl.use_gdc(x)
     rows_per_program = math.ceil(M / programs)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     block = _block(N)
     loads = 3 if ds is not None else 2  # x, dy (and ds): what each pipelined stage buffers
-    stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * x2.element_size(), device_index(x))
+    stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * x2.element_size(), index)
     _rms_norm_bwd[(programs,)](
         dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
         HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc),

@@ -58,12 +58,15 @@ def _launch(n: int) -> tuple[int, int]:
     return block, 16 if block >= 16384 else 8 if block >= 2048 else 4
 
 
-def _programs(t: torch.Tensor, rows: int) -> int:
-    return min(rows, sm_count(device_index(t)) * PROGRAMS_PER_SM) if PROGRAMS_PER_SM else rows
-
-
-def _stages(t: torch.Tensor, block: int, loads: int) -> int:
-    return pipeline_stages(STAGES, loads * block * t.element_size(), device_index(t))
+def _grid_and_stages(t: torch.Tensor, block: int, loads: int) -> tuple[int, int]:
+    """(programs, pipeline stages) for t's rows: one program a row unless PROGRAMS_PER_SM is set,
+    and the stages that `loads` row blocks of t a stage leave room for."""
+    rows = t.shape[0]
+    if not PROGRAMS_PER_SM and STAGES <= 1:  # the default: no device query on the launch path
+        return rows, 1
+    index = device_index(t)
+    programs = min(rows, sm_count(index) * PROGRAMS_PER_SM) if PROGRAMS_PER_SM else rows
+    return programs, pipeline_stages(STAGES, loads * block * t.element_size(), index)
 
 
 def softmax_forward(x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +74,9 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x2)
     block, warps = _launch(x2.shape[1])
     gdc = pdl.use_gdc(x2)
-    _softmax_fwd[(_programs(x2, x2.shape[0]),)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=_stages(x2, block, 1),
-                                                USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
+    programs, stages = _grid_and_stages(x2, block, 1)
+    _softmax_fwd[(programs,)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=stages,
+                              USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return as_shape(y, x.shape)
 
 
@@ -81,8 +85,9 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dx = torch.empty_like(y2)
     block, warps = _launch(y2.shape[1])
     gdc = pdl.use_gdc(y2)
-    _softmax_bwd[(_programs(y2, y2.shape[0]),)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=_stages(y2, block, 2),
-                                                  USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
+    programs, stages = _grid_and_stages(y2, block, 2)
+    _softmax_bwd[(programs,)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=stages,
+                              USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return as_shape(dx, y.shape)
 
 

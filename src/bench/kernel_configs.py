@@ -48,9 +48,10 @@ def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int
     import triton
 
     import kernels.triton.rms_norm as rn
+    from kernels.triton.device import sm_count
 
     device = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(torch.cuda.current_device())
     rows = []
     for per_sm in programs_per_sm:
         for n in widths:
