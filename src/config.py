@@ -168,6 +168,10 @@ class KernelsConfig:
     """inductor: the launch code of every graph the run compiles in C++ instead of Python (Inductor's cpp_wrapper, set for the whole run):
     less host time per kernel launched, for steps the host cannot queue as fast as the GPUs run them
     (float8's casts add hundreds of launches a step); compiles longer"""
+    max_autotune: bool = False
+    """inductor: each GEMM of the run's compiled graphs timed at its shape against Inductor's Triton templates (persistent TMA
+    ones on Hopper), which can take the pointwise work after it (bias, SiLU, the residual add) into the GEMM; the fastest is
+    kept (Inductor's max_autotune, set for the whole run); the first step compiles for minutes"""
     attention: SdpaBackend = SdpaBackend.default
     """scaled_dot_product_attention's kernel on CUDA: default (torch's order: flash first), or only
     flash, efficient or cudnn (cuDNN's fused attention, written for Hopper)"""

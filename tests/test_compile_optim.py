@@ -78,6 +78,21 @@ def test_inductor_with_its_cpp_wrapper_gives_the_eager_fp32_losses(tmp_path: Pat
     assert not inductor.cpp_wrapper  # set for the run only (src/distributed/parallelize.py inductor_config)
 
 
+def test_inductor_settings_hold_for_the_run_and_are_put_back():
+    """kernels.cpp_wrapper and kernels.max_autotune are Inductor config while the run trains (its
+    blocks' backward graphs compile lazily, inside it) and nothing after."""
+    import torch._inductor.config as inductor
+
+    from src.distributed.parallelize import inductor_config
+
+    cfg = compose_config(["kernels=compile", "kernels.max_autotune=true", "kernels.cpp_wrapper=true"])
+    with inductor_config(cfg):
+        assert inductor.max_autotune and inductor.cpp_wrapper and inductor.triton.enable_persistent_tma_matmul
+    assert not (inductor.max_autotune or inductor.cpp_wrapper or inductor.triton.enable_persistent_tma_matmul)
+    with inductor_config(compose_config(["kernels=compile"])):
+        assert not inductor.max_autotune
+
+
 def test_optimizer_impl_chooses_the_adamw_kernels():
     params = [torch.nn.Parameter(torch.zeros(3))]
     cfg = compose_config([])

@@ -130,3 +130,59 @@ def test_rms_norm_backward_compiles_and_matches_torch_on_wide_rows(width, dtype)
     torch.testing.assert_close(y.float(), ref_y, atol=tol, rtol=tol)
     torch.testing.assert_close(leaves[0].grad.float(), ref[0].grad, atol=tol, rtol=tol)
     torch.testing.assert_close(leaves[2].grad.float(), ref[2].grad, atol=tol * 10, rtol=tol * 5)
+
+
+def _leaves(inputs: list[torch.Tensor], misalign: bool) -> list[torch.Tensor]:
+    """Fresh leaves with the inputs' values; `misalign` puts each floating-point one 2 bytes past a
+    16-byte boundary (a view at storage offset 1), which Triton compiles for differently."""
+    leaves = []
+    for t in inputs:
+        if misalign and t.is_floating_point():
+            view = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+            leaves.append(view.copy_(t).requires_grad_(t.requires_grad))
+        else:
+            leaves.append(t.detach().clone().requires_grad_(t.requires_grad))
+    return leaves
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "softmax", "swiglu", "cross_entropy"])
+def test_cached_launches_give_what_plain_launches_give(op):
+    """kernels/triton/launch.py: the fused ops' launches served from the cache equal, bit for bit,
+    the same launches through Triton's own `kernel[grid]`, over inputs that change how Triton
+    specialises a kernel (rows not divisible by 16, one row, a pointer off 16-byte alignment) and
+    run back to back in one process, so a key that mixed them up would hand one the other's kernel."""
+    import kernels.triton.cross_entropy as ce
+    import kernels.triton.rms_norm as rn
+    import kernels.triton.softmax as sm
+    import kernels.triton.swiglu as sw
+    from kernels.triton.launch import Launcher
+    from src.fusion.cases import _triton, make_case, seed
+
+    launchers = [v for m in (rn, sm, sw, ce) for v in vars(m).values() if isinstance(v, Launcher)]
+    fn = _triton(op)
+    width = 32000 if op == "cross_entropy" else 2048
+    settings = [(rows, misalign) for rows in (1024, 1023, 1) for misalign in (False, True)]
+    seed("cuda")
+    inputs = {s: make_case(op, [s[0], width]).inputs(torch.device("cuda"), torch.bfloat16, True) for s in settings}
+
+    def fwd_bwd(s) -> list[torch.Tensor]:
+        leaves = _leaves(inputs[s], s[1])
+        out = fn(*leaves)
+        out = out if isinstance(out, tuple) else (out,)
+        grads = torch.autograd.grad(list(out), [t for t in leaves if t.requires_grad], [torch.ones_like(o) for o in out])
+        return [o.detach().clone() for o in out] + list(grads)
+
+    plain = {}
+    for s in settings:  # each setting's first launches, with nothing cached: Triton's own path
+        for launcher in launchers:
+            launcher.compiled.clear()
+        plain[s] = fwd_bwd(s)
+    for launcher in launchers:
+        launcher.compiled.clear()
+    for s in settings:
+        fwd_bwd(s)
+    hits = sum(launcher.hits for launcher in launchers)
+    for s in settings:  # every key cached now: these run on hits alone
+        for got, want in zip(fwd_bwd(s), plain[s]):
+            assert torch.equal(got, want), f"{op} rows={s[0]} misaligned={s[1]}: the cached launch differs"
+    assert sum(launcher.hits for launcher in launchers) > hits

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels.triton import pdl
 from kernels.triton.device import device_index, sm_count
+from kernels.triton.launch import Launcher
 
 # Launch settings at 8192 x 32000 bf16 on an H200 (src/bench/kernel_configs.py sweeps them): the
 # row in blocks of BLOCK, two passes, the second served from L2 (a 64 KB row; 132 SMs hold a few
@@ -118,6 +119,10 @@ def _scale_unless_one(X, SCALE, n, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
             tl.store(X + idx, (x * scale).to(X.dtype.element_ty), mask=mask)
 
 
+# kernels/triton/launch.py: cached launches (host cost per launch)
+_launch_count, _launch_fwd_bwd, _launch_scale = Launcher(_count_valid), Launcher(_cross_entropy_fwd_bwd), Launcher(_scale_unless_one)
+
+
 def _programs(t: torch.Tensor) -> int:
     # a grid-stride loop over 4 programs per SM: enough loads in flight to stream at the copy
     # ceiling, and an early exit that costs a few microseconds when there is nothing to do
@@ -137,7 +142,7 @@ def count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """max(1, number of targets that are not ignore_index), an fp32 device scalar."""
     n_valid = torch.empty((), dtype=torch.float32, device=targets.device)
     gdc = pdl.use_gdc(targets)
-    _count_valid[(1,)](targets, n_valid, targets.numel(), ignore_index, BLOCK=1024, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
+    _launch_count((1,), targets, n_valid, targets.numel(), ignore_index, BLOCK=1024, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
     return n_valid
 
 
@@ -149,8 +154,8 @@ def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: to
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block, warps, in_registers = launch_settings(vocab)
     gdc = pdl.use_gdc(logits)
-    _cross_entropy_fwd_bwd[(rows,)](
-        logits, logits.stride(0), targets, losses, n_valid, vocab, ignore_index, float(label_smoothing),
+    _launch_fwd_bwd(
+        (rows,), logits, logits.stride(0), targets, losses, n_valid, vocab, ignore_index, float(label_smoothing),
         BLOCK=block, ROW_IN_REGISTERS=in_registers, HAS_SMOOTHING=label_smoothing != 0.0, USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc),
     )
     return losses
@@ -159,7 +164,7 @@ def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: to
 def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """t *= scale in place (t contiguous), skipped on the device when scale == 1."""
     gdc = pdl.use_gdc(t)
-    _scale_unless_one[(min(_programs(t), triton.cdiv(t.numel(), 4096)),)](t, scale, t.numel(), BLOCK=4096, USE_GDC=gdc, num_warps=8, **pdl.launch_options(gdc))
+    _launch_scale((min(_programs(t), triton.cdiv(t.numel(), 4096)),), t, scale, t.numel(), BLOCK=4096, USE_GDC=gdc, num_warps=8, **pdl.launch_options(gdc))
     return t
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from kernels.triton import pdl
 from kernels.triton.device import device_index, pipeline_stages, sm_count
+from kernels.triton.launch import Launcher
 from kernels.triton.rows import as_rows, as_shape
 
 
@@ -126,6 +127,9 @@ BWD_STAGES = 4
 # one H200): many narrow programs, each with all its loads in flight at once, beat a few wide ones.
 DW_BLOCK_P, DW_BLOCK_N = 512, 16
 
+# The launches, through kernels/triton/launch.py's cache of compiled kernels (host cost per launch).
+_launch_fwd, _launch_bwd, _launch_dw = Launcher(_rms_norm_fwd), Launcher(_rms_norm_bwd), Launcher(_rms_norm_dw)
+
 
 def _block(n: int) -> int:
     block = triton.next_power_of_2(n)
@@ -157,8 +161,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
     loads = 2 if residual is not None else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
     stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * x2.element_size(), index)
-    _rms_norm_fwd[(programs,)](
-        x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
+    _launch_fwd(
+        (programs,), x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc),
     )
     return as_shape(y, shape), rstd, (as_shape(s, shape) if residual is not None else None)
@@ -180,13 +184,13 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     block = _block(N)
     loads = 3 if ds is not None else 2  # x, dy (and ds): what each pipelined stage buffers
     stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * x2.element_size(), index)
-    _rms_norm_bwd[(programs,)](
-        dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
+    _launch_bwd(
+        (programs,), dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
         HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc),
     )
     dw = torch.empty_like(weight)
-    _rms_norm_dw[(triton.cdiv(N, DW_BLOCK_N),)](dw_partial, dw, programs, N, BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N,
-                                                USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
+    _launch_dw((triton.cdiv(N, DW_BLOCK_N),), dw_partial, dw, programs, N, BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N,
+               USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
     return as_shape(dx, shape), dw
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.triton import pdl
 from kernels.triton.device import device_index, pipeline_stages, sm_count
+from kernels.triton.launch import Launcher
 from kernels.triton.rows import as_rows, as_shape
 
 MAX_COLS = 65536
@@ -51,6 +52,9 @@ def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, BLOCK: tl.cons
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+_launch_fwd, _launch_bwd = Launcher(_softmax_fwd), Launcher(_softmax_bwd)  # kernels/triton/launch.py: cached launches
+
+
 def _launch(n: int) -> tuple[int, int]:
     if n > MAX_COLS:
         raise ValueError(f"fused softmax holds a row in registers; rows of {n} > {MAX_COLS} elements are not supported")
@@ -75,7 +79,7 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     block, warps = _launch(x2.shape[1])
     gdc = pdl.use_gdc(x2)
     programs, stages = _grid_and_stages(x2, block, 1)
-    _softmax_fwd[(programs,)](x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=stages,
+    _launch_fwd((programs,), x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=stages,
                               USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return as_shape(y, x.shape)
 
@@ -86,7 +90,7 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     block, warps = _launch(y2.shape[1])
     gdc = pdl.use_gdc(y2)
     programs, stages = _grid_and_stages(y2, block, 2)
-    _softmax_bwd[(programs,)](dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=stages,
+    _launch_bwd((programs,), dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=stages,
                               USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return as_shape(dx, y.shape)
 

@@ -16,6 +16,8 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kernels.triton.launch import Launcher
+
 BLOCK = 4096
 
 
@@ -43,6 +45,9 @@ def _swiglu_bwd(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
+_launch_fwd, _launch_bwd = Launcher(_swiglu_fwd), Launcher(_swiglu_bwd)  # kernels/triton/launch.py: cached launches
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -53,7 +58,7 @@ def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     g, u = _flat(g), _flat(u)
     y = torch.empty_like(g)
     n = g.numel()
-    _swiglu_fwd[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK, num_warps=8)
+    _launch_fwd((triton.cdiv(n, BLOCK),), g, u, y, n, BLOCK=BLOCK, num_warps=8)
     return y
 
 
@@ -61,7 +66,7 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple
     dy = _flat(dy)
     dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
-    _swiglu_bwd[(triton.cdiv(n, BLOCK),)](dy, g, u, dg, du, n, BLOCK=BLOCK, num_warps=8)
+    _launch_bwd((triton.cdiv(n, BLOCK),), dy, g, u, dg, du, n, BLOCK=BLOCK, num_warps=8)
     return dg, du
 
 

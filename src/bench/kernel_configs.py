@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only cross_entropy pdl rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
@@ -38,7 +38,7 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
     return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("cross_entropy", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
+GROUPS = ("cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -74,6 +74,32 @@ def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int
     return rows
 
 
+class _Passthrough(torch.autograd.Function):
+    """forward and backward that launch nothing: what any Python autograd.Function costs the host."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+def _python_function_floor(shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
+    """Host us of a forward + backward that launches nothing, through the same autograd.grad call
+    as every row (a Python autograd.Function, and torch's own view op): the floor under any fused
+    op's host cost as called, whatever its launches cost."""
+    device = torch.device("cuda")
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+    rows = []
+    for setting, fn in (("python autograd.Function, no launch", _Passthrough.apply), ("torch view op, no launch", lambda t: t.view_as(t))):
+        rows.append({"kernel": "floor", "setting": setting, "shape": "x".join(map(str, shape)), "graph_ms": None, "tbs": None,
+                     "host_us": host_us_per_call(forward_backward(fn, [x]), device)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     import kernels.triton.cross_entropy as ce
     import kernels.triton.rms_norm as rn
@@ -101,6 +127,17 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
 
     if "rms_dw" in groups:
         rows += _dw_reduce_rows()
+    if "launch" in groups:  # host us per call: Triton's kernel[grid] against kernels/triton/launch.py's cache
+        from kernels.triton import launch
+
+        rows += _python_function_floor()
+        for _ in range(2):  # twice, alternating: host times drift as the process warms
+            for enabled in (False, True):
+                launch.ENABLED = enabled
+                for op, shape in [("rms_norm", [8192, 2048]), ("rms_norm_fwd", [8192, 2048]), ("add_rms_norm", [8192, 2048]),
+                                  ("softmax", [8192, 4096]), ("swiglu", [8192, 11008]), ("cross_entropy", [8192, 32000])]:
+                    record(op.removesuffix("_fwd"), f"cached_launch={enabled}{' forward' if op.endswith('_fwd') else ''}", op, shape)
+        launch.ENABLED = True
     if "pdl" in groups:  # programmatic dependent launch: each kernel placed while the one before it runs
         from kernels.triton import pdl
 
@@ -187,7 +224,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | failed: {r['error']} | | |")
         else:
-            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | {r['graph_ms']:.4f} | {r['tbs']:.2f} | {r['host_us']:.1f} |")
+            gpu = f"{r['graph_ms']:.4f} | {r['tbs']:.2f}" if r["graph_ms"] is not None else "- | -"
+            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | {gpu} | {r['host_us']:.1f} |")
 
 
 if __name__ == "__main__":

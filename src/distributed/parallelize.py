@@ -152,15 +152,21 @@ class Parallelized:
 
 
 def inductor_config(cfg) -> contextlib.AbstractContextManager:
-    """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code. Set for the
-    run, not passed to torch.compile(options=...): each block's backward graph is compiled lazily at
-    the first backward, after compile's own options have been restored, and on torch 2.11 cpp_wrapper
-    then fails there ("CudaKernelParamCache not populated", pytorch/pytorch#178845, fixed in 2.12)."""
-    if not cfg.kernels.cpp_wrapper:
-        return contextlib.nullcontext()
+    """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code and
+    kernels.max_autotune's GEMM autotuning. Set for the run, not passed to torch.compile(options=...):
+    each block's backward graph is compiled lazily at the first backward, after compile's own options
+    have been restored, and on torch 2.11 cpp_wrapper then fails there ("CudaKernelParamCache not
+    populated", pytorch/pytorch#178845, fixed in 2.12)."""
     import torch._inductor.config as inductor
 
-    return inductor.patch(cpp_wrapper=True)
+    settings = {}
+    if cfg.kernels.cpp_wrapper:
+        settings["cpp_wrapper"] = True
+    if cfg.kernels.max_autotune:
+        settings["max_autotune"] = True
+        if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
+            settings["triton.enable_persistent_tma_matmul"] = True
+    return inductor.patch(settings) if settings else contextlib.nullcontext()
 
 
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:

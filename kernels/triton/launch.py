@@ -1,0 +1,86 @@
+"""A cheaper host path for launching a Triton kernel whose launches repeat with the same arguments.
+
+`kernel[grid](*args, **meta)` costs ~18 us of CPU a launch on Triton 3.6 (docs/PERFORMANCE.md 5b):
+JITFunction.run binds the arguments, works out each one's specialisation (dtype, 16-byte alignment,
+integers equal to 1 or divisible by 16) and hashes them into its cache key before the C launcher
+runs. A training step launches the same kernel with the same shapes over and over, so `Launcher`
+keys its own cache on what decides the specialisation, as cheaply as Python allows: each tensor's
+dtype and alignment, each integer's value, each constexpr and launch option. A hit calls the
+compiled kernel's launcher directly, as JITFunction.run itself ends; a miss (the first launch of a
+shape) goes through `kernel[grid]` and keeps the kernel it returns.
+
+The plain path is kept wherever the cached one would be wrong or blind: under torch.compile (Dynamo
+traces `kernel[grid]`, not this), under Triton's interpreter (no compiled kernel comes back), and
+while a launch hook is set (profilers such as Proton read each launch's metadata).
+"""
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+# False sends every launch through `kernel[grid]` (src/bench/kernel_configs.py's launch group
+# alternates the two to measure what the cache saves).
+ENABLED = True
+
+# Distinct keys kept per kernel before the cache starts over: a run has a handful of shapes (one per
+# norm width, the loss's chunks); varying token counts (inference) should not grow it without bound.
+MAX_KEYS = 256
+
+
+def arg_key(arg: object) -> object:
+    """What of a kernel argument decides how Triton specialises it: a tensor's dtype and whether its
+    address is 16-byte aligned, an integer's value (covers Triton's == 1 and % 16 checks and the
+    int32/int64 choice), a float's type alone (Triton does not specialise floats)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, float):
+        return float
+    return arg
+
+
+def _current_stream() -> int:
+    # What Triton's driver asks torch for (driver.active.get_current_stream): the raw stream handle
+    # of the current device, without building a torch.cuda.Stream object (2-3 us).
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+class Launcher:
+    """`Launcher(kernel)(grid, *args, **meta)` launches as `kernel[grid](*args, **meta)` does.
+
+    `meta` holds the constexprs and the launch options (num_warps, num_stages, launch_pdl); every
+    constexpr must be passed by keyword after the positional arguments, so that the launch can hand
+    the C launcher the full argument list in the kernel's own order."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict[tuple, tuple] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(self, grid: tuple[int, ...], *args, **meta) -> None:
+        if not ENABLED or torch.compiler.is_compiling():
+            self.kernel[grid](*args, **meta)
+            return
+        key = (torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1, tuple(map(arg_key, args)), tuple(meta.items()))
+        entry = self.compiled.get(key)
+        if entry is None or knobs.runtime.launch_enter_hook is not None:
+            self._launch_and_keep(key, grid, args, meta)
+            return
+        compiled, tail = entry
+        self.hits += 1
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+
+    def _launch_and_keep(self, key: tuple, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+        self.misses += 1
+        compiled = self.kernel[grid](*args, **meta)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an async compile's future
+        names = getattr(self.kernel, "arg_names", None)
+        if compiled is None or not hasattr(compiled, "packed_metadata") or names is None:
+            return  # the interpreter: nothing compiled to keep
+        constexprs = names[len(args):]
+        if any(name not in meta for name in constexprs):
+            return  # a parameter left to its default: the full argument list is unknown here
+        if len(self.compiled) >= MAX_KEYS:
+            self.compiled.clear()
+        self.compiled[key] = (compiled, tuple(meta[name] for name in constexprs))
