@@ -139,7 +139,7 @@ def _leaves(inputs: list[torch.Tensor], misalign: bool) -> list[torch.Tensor]:
     for t in inputs:
         if misalign and t.is_floating_point():
             view = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
-            leaves.append(view.copy_(t).requires_grad_(t.requires_grad))
+            leaves.append(view.copy_(t.detach()).requires_grad_(t.requires_grad))
         else:
             leaves.append(t.detach().clone().requires_grad_(t.requires_grad))
     return leaves
