@@ -39,21 +39,25 @@ def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, r
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
-def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 30) -> float:
+def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 30, batches: int = 5) -> float:
     """CPU microseconds to issue one call, with the GPU kept busy so the host never waits for it
-    (torch.cuda._sleep queues a spin of ~50 ms ahead of the calls). Where this exceeds the call's
-    GPU time, the op is host-bound: the GPU idles between its kernels unless a CUDA graph replays them."""
+    (torch.cuda._sleep queues a spin of ~50 ms ahead of each batch of calls): the median over
+    `batches` batches, since one batch of 30 calls varied by 1.5x between two readings of the same
+    op on an H200's host. Where this exceeds the call's GPU time, the op is host-bound: the GPU
+    idles between its kernels unless a CUDA graph replays them."""
     fn()
+    means = []
+    for _ in range(batches if device.type == "cuda" else 1):  # on a CPU the call is its own host time: one batch says it
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than `calls` host paths of 1 ms
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - t0) / calls * 1e6)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than `calls` host paths of 1 ms
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return host
+    return statistics.median(means)
 
 
 def graph_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100, grad_to_none: Sequence[torch.Tensor] = ()) -> float | None:
