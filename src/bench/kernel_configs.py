@@ -100,6 +100,23 @@ def _python_function_floor(shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
     return rows
 
 
+def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
+    """Host us of RMSNorm's forward and backward launchers called directly on this thread, no
+    autograd: what the fused op's own Python and launches cost, apart from the engine's."""
+    import kernels.triton.rms_norm as rn
+
+    device = torch.device("cuda")
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    w = torch.ones(shape[1], device=device, dtype=torch.bfloat16)
+    _, rstd, _ = rn.rms_norm_forward(x, w, 1e-6)
+    rows = []
+    for part, fn in (("forward", lambda: rn.rms_norm_forward(x, w, 1e-6)), ("backward", lambda: rn.rms_norm_backward(x, x, w, rstd))):
+        rows.append({"kernel": "rms_norm", "setting": f"{setting} {part} launcher alone", "shape": "x".join(map(str, shape)), "graph_ms": None, "tbs": None,
+                     "host_us": host_us_per_call(fn, device, calls=100)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     import kernels.triton.cross_entropy as ce
     import kernels.triton.rms_norm as rn
@@ -134,6 +151,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         for _ in range(2):  # twice, alternating: host times drift as the process warms
             for enabled in (False, True):
                 launch.ENABLED = enabled
+                rows += _rms_norm_bodies(f"cached_launch={enabled}")
                 for op, shape in [("rms_norm", [8192, 2048]), ("rms_norm_fwd", [8192, 2048]), ("add_rms_norm", [8192, 2048]),
                                   ("softmax", [8192, 4096]), ("swiglu", [8192, 11008]), ("cross_entropy", [8192, 32000])]:
                     record(op.removesuffix("_fwd"), f"cached_launch={enabled}{' forward' if op.endswith('_fwd') else ''}", op, shape)
