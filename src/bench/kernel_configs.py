@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
@@ -38,7 +38,7 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
     return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
+GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -117,6 +117,32 @@ def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> lis
     return rows
 
 
+def _size_matched_copies() -> list[dict]:
+    """The copy ceiling at each row op's own size: torch copies moving the bytes forward moves,
+    then the bytes backward moves (one copy kernel each, replayed from a CUDA graph like the ops).
+    The 4.25 TB/s ceiling is a 1 GB copy's; a 67 MB one pays the same launch, ramp and last wave
+    over a quarter of the time, and an op cannot stream faster than a copy of its own bytes."""
+    device = torch.device("cuda")
+    rows = []
+    for op, shape in [("rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096]), ("add_rms_norm", [8192, 2048]),
+                      ("softmax", [8192, 4096]), ("cross_entropy", [8192, 32000])]:
+        case = make_case(op, shape)
+        parts = [case.bytes_fwd(2), case.bytes_bwd(2)]
+        pairs = [(torch.empty(b // 4, dtype=torch.bfloat16, device=device), torch.empty(b // 4, dtype=torch.bfloat16, device=device)) for b in parts]
+        for src, _ in pairs:
+            src.normal_()
+
+        def copies(pairs=pairs) -> None:
+            for src, dst in pairs:
+                dst.copy_(src)
+
+        ms = graph_ms(copies, device)
+        rows.append({"kernel": "copy", "setting": f"{op} fwd+bwd bytes as 2 copies", "shape": "x".join(map(str, shape)), "graph_ms": ms,
+                     "tbs": sum(parts) / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(copies, device)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     import kernels.triton.cross_entropy as ce
     import kernels.triton.rms_norm as rn
@@ -142,6 +168,8 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         record("cross_entropy", f"block={block} warps={warps} row_in_registers={in_regs}", "cross_entropy", [8192, 32000])
     ce.BLOCK_MAX, ce.NUM_WARPS, ce.ROW_IN_REGISTERS_MAX, ce.ROW_IN_REGISTERS_WARPS = saved_ce
 
+    if "copy" in groups:
+        rows += _size_matched_copies()
     if "rms_dw" in groups:
         rows += _dw_reduce_rows()
     if "launch" in groups:  # host us per call: Triton's kernel[grid] against kernels/triton/launch.py's cache
