@@ -85,12 +85,16 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
 
     from src.distributed.parallelize import inductor_config
 
+    def settings() -> tuple:
+        return inductor.max_autotune, inductor.cpp_wrapper, getattr(inductor.triton, "enable_persistent_tma_matmul", True)
+
+    before = settings()  # whatever the environment set (TORCHINDUCTOR_MAX_AUTOTUNE=1 included)
     cfg = compose_config(["kernels=compile", "kernels.max_autotune=true", "kernels.cpp_wrapper=true"])
     with inductor_config(cfg):
-        assert inductor.max_autotune and inductor.cpp_wrapper and inductor.triton.enable_persistent_tma_matmul
-    assert not (inductor.max_autotune or inductor.cpp_wrapper or inductor.triton.enable_persistent_tma_matmul)
+        assert settings() == (True, True, True)
+    assert settings() == before
     with inductor_config(compose_config(["kernels=compile"])):
-        assert not inductor.max_autotune
+        assert settings() == before
 
 
 def test_optimizer_impl_chooses_the_adamw_kernels():

@@ -23,28 +23,42 @@ from triton import knobs
 # alternates the two to measure what the cache saves).
 ENABLED = True
 
-# Distinct keys kept per kernel before the cache starts over: a run has a handful of shapes (one per
-# norm width, the loss's chunks); varying token counts (inference) should not grow it without bound.
+# Distinct keys kept per kernel before the cache starts over: a run has a handful (one per dtype,
+# width and alignment); integers are keyed by their specialisation, not their value, so varying
+# token counts add at most a few.
 MAX_KEYS = 256
 
 
 def arg_key(arg: object) -> object:
     """What of a kernel argument decides how Triton specialises it: a tensor's dtype and whether its
-    address is 16-byte aligned, an integer's value (covers Triton's == 1 and % 16 checks and the
-    int32/int64 choice), a float's type alone (Triton does not specialise floats)."""
+    address is 16-byte aligned; an integer's type (bool and int differ: u1 against i32), whether it
+    is 1, whether it divides by 16 and whether it needs 32 or 64 bits; a float's type alone (Triton
+    does not specialise floats); anything else by type and value. Integers keyed by what Triton
+    looks at, not by value, so a run whose token count changes still hits."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool):
+        return bool, arg
+    if isinstance(arg, int):
+        return int, arg == 1, arg % 16 == 0, 0 if -(1 << 31) <= arg < 1 << 31 else 1 if -(1 << 63) <= arg < 1 << 63 else 2
     if isinstance(arg, float):
         return float
-    return arg
+    return type(arg), arg
+
+
+def _compile_knobs() -> tuple:
+    """Triton's settings that JITFunction.run adds to its own cache key (read per launch, 0.07 us
+    each): turning one on mid-process must not be answered with a kernel compiled without it."""
+    compilation = knobs.compilation
+    return (knobs.runtime.debug, getattr(compilation, "instrumentation_mode", None), getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
 def _hooked() -> bool:
-    """Whether a launch hook is set. Triton 3.5+ keeps an empty HookChain there when none is (and
-    then builds each launch's metadata anyway: part of the 23-25 us `kernel[grid]` costs on an H200
-    host); older versions keep None."""
-    hook = knobs.runtime.launch_enter_hook
-    return bool(getattr(hook, "calls", hook))
+    """Whether a launch hook (enter or exit) is set. Triton 3.5+ keeps an empty HookChain there when
+    none is (and then builds each launch's metadata anyway: part of the 23-25 us `kernel[grid]`
+    costs on an H200 host); older versions keep None."""
+    runtime = knobs.runtime
+    return any(bool(getattr(hook, "calls", hook)) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 def _current_stream() -> int:
@@ -70,7 +84,8 @@ class Launcher:
         if not ENABLED or torch.compiler.is_compiling():
             self.kernel[grid](*args, **meta)
             return
-        key = (torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1, tuple(map(arg_key, args)), tuple(meta.items()))
+        key = (torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1, tuple(map(arg_key, args)),
+               tuple((name, type(value), value) for name, value in meta.items()), _compile_knobs())
         entry = self.compiled.get(key)
         if entry is None or _hooked():
             self._launch_and_keep(key, grid, args, meta)
@@ -88,8 +103,9 @@ class Launcher:
         if compiled is None or not hasattr(compiled, "packed_metadata") or names is None:
             return  # the interpreter: nothing compiled to keep
         constexprs = names[len(args):]
-        if any(name not in meta for name in constexprs):
-            return  # a parameter left to its default: the full argument list is unknown here
+        params = getattr(self.kernel, "params", ())
+        if any(name not in meta for name in constexprs) or not all(getattr(p, "is_constexpr", False) for p in params[len(args):]):
+            return  # a parameter left to its default, or a runtime argument passed by keyword: launched the plain way
         if len(self.compiled) >= MAX_KEYS:
             self.compiled.clear()
         self.compiled[key] = (compiled, tuple(meta[name] for name in constexprs))

@@ -120,8 +120,9 @@ def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> lis
 def _size_matched_copies() -> list[dict]:
     """The copy ceiling at each row op's own size: torch copies moving the bytes forward moves,
     then the bytes backward moves (one copy kernel each, replayed from a CUDA graph like the ops).
-    The 4.25 TB/s ceiling is a 1 GB copy's; a 67 MB one pays the same launch, ramp and last wave
-    over a quarter of the time, and an op cannot stream faster than a copy of its own bytes."""
+    The 4.25 TB/s ceiling is a 1 GB copy's; a copy of a sixteenth of that pays the same launch, ramp
+    and last wave over a sixteenth of the time, and an op can hardly stream faster than a copy of
+    its own bytes."""
     device = torch.device("cuda")
     rows = []
     for op, shape in [("rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096]), ("add_rms_norm", [8192, 2048]),
@@ -176,14 +177,16 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         from kernels.triton import launch
 
         rows += _python_function_floor()
-        for _ in range(2):  # twice, alternating: host times drift as the process warms
-            for enabled in (False, True):
-                launch.ENABLED = enabled
-                rows += _rms_norm_bodies(f"cached_launch={enabled}")
-                for op, shape in [("rms_norm", [8192, 2048]), ("rms_norm_fwd", [8192, 2048]), ("add_rms_norm", [8192, 2048]),
-                                  ("softmax", [8192, 4096]), ("swiglu", [8192, 11008]), ("cross_entropy", [8192, 32000])]:
-                    record(op.removesuffix("_fwd"), f"cached_launch={enabled}{' forward' if op.endswith('_fwd') else ''}", op, shape)
-        launch.ENABLED = True
+        try:
+            for _ in range(2):  # twice, alternating: host times drift as the process warms
+                for enabled in (False, True):
+                    launch.ENABLED = enabled
+                    rows += _rms_norm_bodies(f"cached_launch={enabled}")
+                    for op, shape in [("rms_norm", [8192, 2048]), ("rms_norm_fwd", [8192, 2048]), ("add_rms_norm", [8192, 2048]),
+                                      ("softmax", [8192, 4096]), ("swiglu", [8192, 11008]), ("cross_entropy", [8192, 32000])]:
+                        record(op.removesuffix("_fwd"), f"cached_launch={enabled}{' forward' if op.endswith('_fwd') else ''}", op, shape)
+        finally:
+            launch.ENABLED = True
     if "pdl" in groups:  # programmatic dependent launch: each kernel placed while the one before it runs
         from kernels.triton import pdl
 
