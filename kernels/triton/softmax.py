@@ -80,7 +80,7 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     gdc = pdl.use_gdc(x2)
     programs, stages = _grid_and_stages(x2, block, 1)
     _launch_fwd((programs,), x2, y, x2.stride(0), y.stride(0), x2.shape[0], x2.shape[1], BLOCK=block, STAGES=stages,
-                              USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
+                USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return as_shape(y, x.shape)
 
 
@@ -91,7 +91,7 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     gdc = pdl.use_gdc(y2)
     programs, stages = _grid_and_stages(y2, block, 2)
     _launch_bwd((programs,), dy2, y2, dx, dy2.stride(0), y2.stride(0), dx.stride(0), y2.shape[0], y2.shape[1], BLOCK=block, STAGES=stages,
-                              USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
+                USE_GDC=gdc, num_warps=warps, **pdl.launch_options(gdc))
     return as_shape(dx, y.shape)
 
 

@@ -86,18 +86,21 @@ class _Passthrough(torch.autograd.Function):
         return dy
 
 
+def _host_row(kernel: str, setting: str, shape, host_us: float) -> dict:
+    """A row with host us alone (nothing on the GPU worth timing), printed as it is taken."""
+    row = {"kernel": kernel, "setting": setting, "shape": "x".join(map(str, shape)), "graph_ms": None, "tbs": None, "host_us": host_us}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def _python_function_floor(shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
     """Host us of a forward + backward that launches nothing, through the same autograd.grad call
     as every row (a Python autograd.Function, and torch's own view op): the floor under any fused
     op's host cost as called, whatever its launches cost."""
     device = torch.device("cuda")
     x = torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
-    rows = []
-    for setting, fn in (("python autograd.Function, no launch", _Passthrough.apply), ("torch view op, no launch", lambda t: t.view_as(t))):
-        rows.append({"kernel": "floor", "setting": setting, "shape": "x".join(map(str, shape)), "graph_ms": None, "tbs": None,
-                     "host_us": host_us_per_call(forward_backward(fn, [x]), device)})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return [_host_row("floor", setting, shape, host_us_per_call(forward_backward(fn, [x]), device))
+            for setting, fn in (("python autograd.Function, no launch", _Passthrough.apply), ("torch view op, no launch", lambda t: t.view_as(t)))]
 
 
 def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
@@ -109,12 +112,8 @@ def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> lis
     x = torch.randn(shape, device=device, dtype=torch.bfloat16)
     w = torch.ones(shape[1], device=device, dtype=torch.bfloat16)
     _, rstd, _ = rn.rms_norm_forward(x, w, 1e-6)
-    rows = []
-    for part, fn in (("forward", lambda: rn.rms_norm_forward(x, w, 1e-6)), ("backward", lambda: rn.rms_norm_backward(x, x, w, rstd))):
-        rows.append({"kernel": "rms_norm", "setting": f"{setting} {part} launcher alone", "shape": "x".join(map(str, shape)), "graph_ms": None, "tbs": None,
-                     "host_us": host_us_per_call(fn, device, calls=100)})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return [_host_row("rms_norm", f"{setting} {part} launcher alone", shape, host_us_per_call(fn, device, calls=100))
+            for part, fn in (("forward", lambda: rn.rms_norm_forward(x, w, 1e-6)), ("backward", lambda: rn.rms_norm_backward(x, x, w, rstd)))]
 
 
 def _size_matched_copies() -> list[dict]:
