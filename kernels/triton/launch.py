@@ -7,9 +7,9 @@ integers equal to 1 or divisible by 16) and hashes them into its cache key befor
 runs. A training step launches the same kernel with the same shapes over and over, so `Launcher`
 keys its own cache on what decides the specialisation, as cheaply as Python allows (~4 us): each
 tensor's dtype and alignment, each integer's specialisation, each constexpr and launch option, and
-Triton's compile knobs. A hit calls the
-compiled kernel's launcher directly, as JITFunction.run itself ends; a miss (the first launch of a
-shape) goes through `kernel[grid]` and keeps the kernel it returns.
+Triton's compile knobs. A hit calls the compiled kernel's launcher directly, as JITFunction.run
+itself ends; a miss (the first launch of a shape) goes through `kernel[grid]` and keeps the kernel
+it returns.
 
 The plain path is kept wherever the cached one would be wrong or blind: under torch.compile (Dynamo
 traces `kernel[grid]`, not this), under Triton's interpreter (no compiled kernel comes back), and
@@ -82,13 +82,13 @@ class Launcher:
         self.misses = 0
 
     def __call__(self, grid: tuple[int, ...], *args, **meta) -> None:
-        if not ENABLED or torch.compiler.is_compiling():
+        if not ENABLED or torch.compiler.is_compiling() or _hooked():
             self.kernel[grid](*args, **meta)
             return
         key = (torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1, tuple(map(arg_key, args)),
                tuple((name, type(value), value) for name, value in meta.items()), _compile_knobs())
         entry = self.compiled.get(key)
-        if entry is None or _hooked():
+        if entry is None:
             self._launch_and_keep(key, grid, args, meta)
             return
         compiled, tail = entry

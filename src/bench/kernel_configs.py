@@ -86,9 +86,9 @@ class _Passthrough(torch.autograd.Function):
         return dy
 
 
-def _host_row(kernel: str, setting: str, shape, host_us: float) -> dict:
-    """A row with host us alone (nothing on the GPU worth timing), printed as it is taken."""
-    row = {"kernel": kernel, "setting": setting, "shape": "x".join(map(str, shape)), "graph_ms": None, "tbs": None, "host_us": host_us}
+def _row(kernel: str, setting: str, shape, host_us: float, graph_ms: float | None = None, tbs: float | None = None) -> dict:
+    """A row of the table (graph ms and TB/s None where nothing on the GPU is worth timing), printed as it is taken."""
+    row = {"kernel": kernel, "setting": setting, "shape": "x".join(map(str, shape)), "graph_ms": graph_ms, "tbs": tbs, "host_us": host_us}
     print(json.dumps(row), flush=True)
     return row
 
@@ -99,7 +99,7 @@ def _python_function_floor(shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
     op's host cost as called, whatever its launches cost."""
     device = torch.device("cuda")
     x = torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
-    return [_host_row("floor", setting, shape, host_us_per_call(forward_backward(fn, [x]), device))
+    return [_row("floor", setting, shape, host_us_per_call(forward_backward(fn, [x]), device))
             for setting, fn in (("python autograd.Function, no launch", _Passthrough.apply), ("torch view op, no launch", lambda t: t.view_as(t)))]
 
 
@@ -112,7 +112,7 @@ def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> lis
     x = torch.randn(shape, device=device, dtype=torch.bfloat16)
     w = torch.ones(shape[1], device=device, dtype=torch.bfloat16)
     _, rstd, _ = rn.rms_norm_forward(x, w, 1e-6)
-    return [_host_row("rms_norm", f"{setting} {part} launcher alone", shape, host_us_per_call(fn, device, calls=100))
+    return [_row("rms_norm", f"{setting} {part} launcher alone", shape, host_us_per_call(fn, device, calls=100))
             for part, fn in (("forward", lambda: rn.rms_norm_forward(x, w, 1e-6)), ("backward", lambda: rn.rms_norm_backward(x, x, w, rstd)))]
 
 
@@ -137,9 +137,7 @@ def _size_matched_copies() -> list[dict]:
                 dst.copy_(src)
 
         ms = graph_ms(copies, device)
-        rows.append({"kernel": "copy", "setting": f"{op} fwd+bwd bytes as 2 copies", "shape": "x".join(map(str, shape)), "graph_ms": ms,
-                     "tbs": sum(parts) / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(copies, device)})
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(_row("copy", f"{op} fwd+bwd bytes as 2 copies", shape, host_us_per_call(copies, device), ms, sum(parts) / (ms * 1e-3) / 1e12))
     return rows
 
 
