@@ -10,6 +10,7 @@ from src.profiling.anatomy import (
     category,
     device_anatomy,
     format_table,
+    kernel_family,
     merge,
     metrics,
     overlap,
@@ -91,3 +92,21 @@ def test_a_gpu_trace_ties_kernels_to_the_fsdp_and_optimizer_ranges_they_were_lau
     table = format_table(a)
     assert "FSDP2 copy-in/out" in table and "communication exposed" in table and "GEMM floor @790 TFLOP/s" in table
     assert metrics(a)["anatomy.step_over_floor"] == pytest.approx(1.5)
+
+
+def test_top_kernels_name_what_each_category_is_made_of():
+    """Launches of one kernel group by name less call arguments and inner template arguments, so
+    a cast and an add (two functors of one elementwise kernel) stay apart; longest first, per step."""
+    cast = "void at::native::vectorized_elementwise_kernel<4, at::native::CopyFunctor<float>, std::array<char*, 2ul> >(int, ...)"
+    add = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >(int, ...)"
+    assert kernel_family(cast) == "void at::native::vectorized_elementwise_kernel<4, at::native::CopyFunctor<>, std::array<> >"
+    assert kernel_family("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "ncclDevKernel_AllGather_RING_LL"
+    ks = [Kernel(cast, 0, 4, 7, "norm_elementwise_cast"), Kernel(cast, 10, 4, 7, "norm_elementwise_cast"),
+          Kernel(add, 20, 6, 7, "norm_elementwise_cast"), Kernel("nvjet_tst_gemm", 30, 50, 7, "gemm")]
+    a = device_anatomy(ks, steps=2)
+    elementwise = a["top_kernels"]["norm_elementwise_cast"]
+    assert [k["kernel"] for k in elementwise] == [kernel_family(cast), kernel_family(add)]
+    assert elementwise[0]["ms"] == pytest.approx(8e-3 / 2) and elementwise[0]["calls"] == 1.0
+    assert a["top_kernels"]["gemm"] == [{"kernel": "nvjet_tst_gemm", "ms": pytest.approx(25e-3), "calls": 0.5}]
+    table = format_table({**a, "profiled_steps": 2, "source": "device kernels", "gemm_floor_ms": None})
+    assert "CopyFunctor<>" in table and "nvjet_tst_gemm" in table

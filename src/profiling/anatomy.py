@@ -108,6 +108,41 @@ class Kernel:
     category: str = ""
 
 
+TOP_PER_CATEGORY = 5  # enough to name what a category is made of; the full list is key_averages.txt
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name with its call arguments dropped and templates kept one level deep, so the
+    launches of one kernel group together while the functor that says what an elementwise kernel
+    does stays: `void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>(int, ...)`
+    -> `void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<>, ...>`."""
+    out, depth = [], 0
+    for ch in name:
+        if ch == "(" and depth == 0:
+            break  # the call's argument list
+        depth -= ch == ">"
+        if depth <= 1:
+            out.append(ch)
+        depth += ch == "<"
+    return "".join(out).strip()[:120]
+
+
+def top_kernels(kernels: list[Kernel], steps: int, per_category: int = TOP_PER_CATEGORY) -> dict[str, list[dict[str, Any]]]:
+    """Per category, its longest kernel families: ms and launches per step, longest first."""
+    time: dict[tuple[str, str], float] = defaultdict(float)
+    calls: dict[tuple[str, str], int] = defaultdict(int)
+    for k in kernels:
+        key = (k.category, kernel_family(k.name))
+        time[key] += k.dur
+        calls[key] += 1
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (cat, name), us in sorted(time.items(), key=lambda kv: -kv[1]):
+        rows = out.setdefault(cat, [])
+        if len(rows) < per_category:
+            rows.append({"kernel": name, "ms": us * 1e-3 / steps, "calls": calls[cat, name] / steps})
+    return out
+
+
 def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
     """Per-step device figures from one device's kernels (each with its category set)."""
     steps = max(steps, 1)
@@ -125,6 +160,7 @@ def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
         "idle_ms": (window - length(busy)) * ms,
         "busy_ms": length(busy) * ms,
         "step_ms": window * ms,
+        "top_kernels": top_kernels(kernels, steps),
     }
 
 
@@ -222,6 +258,9 @@ def format_table(a: dict[str, Any]) -> str:
         lines.append(row(f"GEMM floor @{a['gemm_peak_tflops']:g} TFLOP/s", a["gemm_floor_ms"]) + ratio)
     if a.get("note"):
         lines.append(a["note"])
+    for c in CATEGORIES:  # what each category is made of (device traces only)
+        for i, k in enumerate(a.get("top_kernels", {}).get(c, [])):
+            lines.append(f"{LABELS[c] if i == 0 else '':<28} {k['ms']:9.2f} {k['calls']:6.0f}x  {k['kernel']}")
     return "\n".join(lines)
 
 
