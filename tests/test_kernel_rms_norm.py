@@ -150,6 +150,9 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="kernels=triton: Triton kernels need an NVIDIA GPU"):
         validate(compose_config(["kernels=triton"]), cuda_device_count=0, mps_available=False)
+    # a fused list from an experiment, under kernels=eager: the fix names the list, not kernels=eager
+    with pytest.raises(ConfigError, match=r"kernels.fused=\[cross_entropy\] \(kernels=eager\): Triton .* or set kernels.fused=\[\]$"):
+        validate(compose_config(["+exp=fsdp4_tuned", "kernels=eager", "backend=cpu"]), cuda_device_count=0, mps_available=False)
     with pytest.raises(ConfigError, match=r"kernels.fused=\['layer_norm'\]: no fused Triton variant"):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         validate(compose_config(["kernels=triton", "kernels.fused=[layer_norm]"]), cuda_device_count=0, mps_available=False)

@@ -143,7 +143,10 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if fused:
         why_not = triton_usable(backend)
         if why_not:
-            raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or use kernels=eager")
+            if cfg.kernels.fused is None:  # kernels=triton: every fused op
+                raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or use kernels=eager")
+            # a list, perhaps from an experiment (+exp=fsdp4_tuned fuses the loss) under another kernels choice
+            raise ConfigError(f"kernels.fused=[{','.join(fused)}] (kernels={cfg.kernels.name}): {why_not}; or set kernels.fused=[]")
         unknown = [op for op in fused if op not in REGISTRY]
         if unknown:
             raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
