@@ -101,6 +101,8 @@ def test_top_kernels_name_what_each_category_is_made_of():
     add = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >(int, ...)"
     assert kernel_family(cast) == "void at::native::vectorized_elementwise_kernel<4, at::native::CopyFunctor<>, std::array<> >"
     assert kernel_family("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "ncclDevKernel_AllGather_RING_LL"
+    adam = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, ...>(...)"
+    assert kernel_family(adam) == "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<>, ...>"
     ks = [Kernel(cast, 0, 4, 7, "norm_elementwise_cast"), Kernel(cast, 10, 4, 7, "norm_elementwise_cast"),
           Kernel(add, 20, 6, 7, "norm_elementwise_cast"), Kernel("nvjet_tst_gemm", 30, 50, 7, "gemm")]
     a = device_anatomy(ks, steps=2)

@@ -117,6 +117,7 @@ def kernel_family(name: str) -> str:
     does stays: `void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>(int, ...)`
     -> `void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<>, ...>`."""
     out, depth = [], 0
+    name = name.replace("(anonymous namespace)::", "")
     for ch in name:
         if ch == "(" and depth == 0:
             break  # the call's argument list
