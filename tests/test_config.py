@@ -92,6 +92,7 @@ BAD_OVERRIDES = [
     (["model=base_model"], "model=base_model: no such option in group 'model'; use one of: mini_llm, small, tiny"),
     (["sharding=base_sharding"], "sharding=base_sharding: no such option"),
     (["sharding.strategy=fsdp"], "sharding.strategy=fsdp: not a choice of sharding.strategy; use one of: fsdp2, hsdp, none"),
+    (["sharding.grad_upcast=cuda"], "sharding.grad_upcast=cuda: not a choice of sharding.grad_upcast; use one of: triton, torch"),
     (["model.mlp=gelu"], "model.mlp=gelu: not a choice of model.mlp; use one of: silu, swiglu"),
     (["precision.param_dtype=fp8"], "precision.param_dtype=fp8: not a choice"),
     (["train.nonfinite=ignore"], "train.nonfinite=ignore: not a choice"),

@@ -169,6 +169,21 @@ def inductor_config(cfg) -> contextlib.AbstractContextManager:
     return inductor.patch(settings) if settings else contextlib.nullcontext()
 
 
+def _grad_upcast(choice: str, reduce_dtype: str, device: torch.device, main: bool) -> None:
+    """sharding.grad_upcast: which kernel upcasts FSDP2's reduced gradients to the fp32 parameters'
+    dtype. Only a bf16/fp16 reduce on CUDA has such a cast; anything else leaves FSDP2 as it is."""
+    from src.distributed.grad_cast import restore_grad_upcast, use_triton_grad_upcast
+
+    if choice != "triton" or device.type != "cuda" or torch_dtype(reduce_dtype) == torch.float32:
+        restore_grad_upcast()
+        return
+    if use_triton_grad_upcast():
+        if main:
+            log.info("sharding.grad_upcast=triton: FSDP2's reduced %s gradients upcast to fp32 by kernels/triton/cast.py", reduce_dtype)
+    elif main:
+        log.info("sharding.grad_upcast=triton: this torch's FSDP2 has no cast to replace (or Triton is missing); torch's .to() upcasts")
+
+
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:
     """float8 -> NVTX ranges -> compile -> fully_shard (mesh given: fsdp2, hsdp) or DDP -> init.
 
@@ -204,6 +219,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
             cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root, cfg.sharding.symm_mem,
             cfg.sharding.forward_prefetch, cfg.sharding.backward_prefetch,
         )
+        _grad_upcast(cfg.sharding.grad_upcast, cfg.precision.reduce_dtype, device, main)
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)

@@ -27,9 +27,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        qkv = self.in_proj(x).view(B, T, 3, self.n_heads, C // self.n_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        # q, k, v split off the token axis and only then viewed as (B, nh, T, hs): backward's dq, dk
+        # and dv (token-major, as the fused kernels write them) stack back into in_proj's gradient in
+        # one contiguous copy. permute(2, 0, 3, 1, 4).unbind(0), the same views, stacks them head-major
+        # and then copies again to make them token-major.
+        q, k, v = self.in_proj(x).view(B, T, 3, self.n_heads, C // self.n_heads).unbind(2)  # each (B, T, nh, hs)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.out_proj(y)
 

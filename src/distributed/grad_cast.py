@@ -1,0 +1,60 @@
+"""FSDP2's post-reduce gradient upcast through kernels/triton/cast.py (`sharding.grad_upcast`).
+
+With reduce_dtype bf16 and fp32 parameters (`+exp=fsdp4_tuned`), FSDP2 reduce-scatters each unit's
+gradients in bf16 and then casts the unit's flat reduce output to fp32 with `.to()` on the
+reduce-scatter stream. On torch 2.11 that cast moves 6 bytes a parameter at about 2.0 TB/s on an
+H200 where a vectorised one reaches 3.6-3.8 (kernels/triton/cast.py): 2.6 ms a step for
+mini_llm's 735M parameters on one GPU (14 units; docs/PERFORMANCE.md 7), half that a GPU on two.
+
+FSDP2 offers no hook between its reduce-scatter and that cast, so the function it calls for it,
+`_fsdp_collectives._to_dtype_if_needed` (a module global, looked up at each call), is replaced by
+one that sends contiguous CUDA bf16/fp16 -> fp32 casts to the Triton kernel and every other call to
+the original. Process-wide, once; where the installed torch has no such function nothing changes
+and `use_triton_grad_upcast` says so.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_ORIGINAL: Callable | None = None
+
+
+def _collectives():
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return _fsdp_collectives
+
+
+def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    from kernels.triton.cast import UPCAST, upcast
+
+    if (dtype == torch.float32 and tensor.dtype in UPCAST and tensor.is_cuda and tensor.is_contiguous()
+            and not torch.compiler.is_compiling()):
+        return upcast(tensor, dtype)
+    return _ORIGINAL(tensor, dtype)
+
+
+def use_triton_grad_upcast() -> bool:
+    """Route FSDP2's post-reduce upcast through the Triton kernel; False (and nothing changed)
+    where this torch's FSDP2 has no `_to_dtype_if_needed` or Triton is missing."""
+    global _ORIGINAL
+    try:
+        import kernels.triton.cast  # noqa: F401  (Triton importable)
+        collectives = _collectives()
+    except ImportError:
+        return False
+    current = getattr(collectives, "_to_dtype_if_needed", None)
+    if current is None:
+        return False
+    if current is not _to_dtype_if_needed:
+        _ORIGINAL = current
+        collectives._to_dtype_if_needed = _to_dtype_if_needed
+    return True
+
+
+def restore_grad_upcast() -> None:
+    """FSDP2's own cast again (tests, and a process that runs another configuration next)."""
+    if _ORIGINAL is not None:
+        _collectives()._to_dtype_if_needed = _ORIGINAL

@@ -1,0 +1,95 @@
+"""The fp32 upcast of FSDP2's reduced gradients (kernels/triton/cast.py, src/distributed/grad_cast.py):
+bit for bit what torch's .to() gives, at odd sizes, in Triton's interpreter on a CPU; the routing of
+FSDP2's cast, and what is left to torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels.triton.cast import upcast  # noqa: E402
+from src.distributed import grad_cast  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n", [0, 1, 2047, 2049, 12345])
+def test_upcast_is_torchs_cast_bit_for_bit(n, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(n, device=DEVICE).mul_(1e3).to(dtype)
+    if n > 4:  # the values a cast can get wrong: signed zero, infinities, NaN, a subnormal
+        # (Triton's interpreter flushes bf16 subnormals to zero in its numpy emulation; the GPU's
+        # cvt.f32.bf16 keeps them, so the bf16 one is checked there only)
+        tiny = 1e-40 if dtype == torch.bfloat16 and DEVICE == "cuda" else 1e-7 if dtype == torch.float16 else 1e-30
+        x[:5] = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan"), tiny]).to(dtype)
+    y = upcast(x)
+    assert y.dtype == torch.float32 and y.shape == x.shape and y.device == x.device
+    assert torch.equal(y.view(torch.int32), x.to(torch.float32).view(torch.int32))  # NaN payloads and -0.0 too
+
+
+def test_upcast_keeps_the_shape_and_refuses_what_it_does_not_do():
+    x = torch.randn(3, 5, 7, device=DEVICE).to(torch.bfloat16)
+    assert torch.equal(upcast(x), x.float())
+    with pytest.raises(ValueError, match="not contiguous"):
+        upcast(x.transpose(0, 2))
+    with pytest.raises(ValueError, match="float32 -> torch.float32"):
+        upcast(x.float())
+    with pytest.raises(ValueError, match="bfloat16 -> torch.float64"):
+        upcast(x, torch.float64)
+
+
+def test_fsdp2s_cast_is_routed_and_restored():
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives._to_dtype_if_needed
+    try:
+        assert grad_cast.use_triton_grad_upcast() and grad_cast.use_triton_grad_upcast()  # twice: installed once
+        assert _fsdp_collectives._to_dtype_if_needed is grad_cast._to_dtype_if_needed
+        assert grad_cast._ORIGINAL is original
+        # what the kernel does not take goes to FSDP2's own: host tensors, the downcast, no cast at all
+        x = torch.randn(9).to(torch.bfloat16)
+        assert torch.equal(_fsdp_collectives._to_dtype_if_needed(x, torch.float32), x.float())
+        y = torch.randn(9)
+        assert _fsdp_collectives._to_dtype_if_needed(y, None) is y and _fsdp_collectives._to_dtype_if_needed(y, torch.float32) is y
+    finally:
+        grad_cast.restore_grad_upcast()
+    assert _fsdp_collectives._to_dtype_if_needed is original
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
+    """One NCCL rank, a bf16 reduce under fp32 parameters: the sharded fp32 gradients after one
+    backward are the same bits with either upcast, and the Triton kernel ran once a unit."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import kernels.triton.cast as cast
+
+    calls = []
+    monkeypatch.setattr(cast, "upcast", lambda x, dtype=torch.float32, f=cast.upcast: calls.append(x.numel()) or f(x, dtype))
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        x = torch.randn(37, 64, device="cuda")
+        grads = {}
+        for choice in ("torch", "triton"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 33)).cuda()
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            (grad_cast.use_triton_grad_upcast if choice == "triton" else grad_cast.restore_grad_upcast)()
+            model(x).float().square().mean().backward()
+            grads[choice] = [p.grad.full_tensor() for p in model.parameters()]
+        assert all(g.dtype == torch.float32 for g in grads["triton"])
+        assert all(torch.equal(a, b) for a, b in zip(grads["triton"], grads["torch"]))
+        assert len(calls) == 2  # the two linears' units; the root holds no parameters
+    finally:
+        grad_cast.restore_grad_upcast()
+        dist.destroy_process_group()
