@@ -50,7 +50,9 @@ def test_nccl_fully_hidden_under_compute_is_not_exposed():
 
 
 def test_categories_by_name_and_by_the_range_a_kernel_was_launched_in():
-    assert category("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>") == "fsdp_copy"
+    cat = "void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>"
+    assert category(cat, in_fsdp=True) == "fsdp_copy" and category(cat) == "norm_elementwise_cast"  # FSDP2's, or the model's
+    assert category("void at::native::detail::chunk_cat_cuda_kernel<char, char>") == "fsdp_copy"
     assert category("void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel") == "fsdp_copy"
     assert category("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", in_fsdp=True) == "communication"
     assert category("void at::native::vectorized_elementwise_kernel<4, CopyFunctor>", in_fsdp=True) == "fsdp_copy"

@@ -31,9 +31,13 @@ LABELS = {
     "fsdp_copy": "FSDP2 copy-in/out", "communication": "communication (all)", "other": "other",
 }
 # FSDP2's own work by name, for what runs outside its record_function ranges: the all-gather's
-# copy-out (split_with_sizes_copy), the reduce-scatter's copy-in (_chunk_cat, torch.cat), and on a
-# CPU its post-backward autograd node
-_FSDP_KERNELS = re.compile(r"chunk_cat|CatArrayBatchedCopy|split_with_sizes_copy|RegisterPostBackwardFunction", re.I)
+# copy-out (split_with_sizes_copy), the reduce-scatter's copy-in (_chunk_cat), and on a CPU its
+# post-backward autograd node
+_FSDP_KERNELS = re.compile(r"chunk_cat|split_with_sizes_copy|RegisterPostBackwardFunction", re.I)
+# torch.cat / torch.stack: FSDP2's inside its ranges, the model's outside them (eager attention's
+# dq, dk, dv stacked into in_proj's gradient: 2.3 ms a step of mini_llm on an H200 that this table
+# once counted as FSDP2's, docs/PERFORMANCE.md 7)
+_CAT = re.compile(r"CatArrayBatchedCopy|^aten::(cat|stack)$")
 _COMM_OPS = re.compile(r"_c10d_functional::|wait_tensor")
 # aten's pointwise ops by name on a CPU trace (categories.py names kernels, whose names differ)
 _ATEN_POINTWISE = re.compile(r"^aten::(add|sub|mul|div|pow|neg|exp|log|rsqrt|sqrt|silu|clamp|where|fill|zero|copy|to|_to_copy|clone|cat|lerp|addcmul|addcdiv)_?$")
@@ -55,7 +59,7 @@ def category(name: str, in_fsdp: bool = False, in_optimizer: bool = False) -> st
         return "fsdp_copy"
     if in_optimizer:
         return "optimizer"
-    if cat == "other" and (_TRITON_FUSED.search(name) or _ATEN_POINTWISE.search(name)):
+    if cat == "other" and (_TRITON_FUSED.search(name) or _ATEN_POINTWISE.search(name) or _CAT.search(name)):
         return "norm_elementwise_cast"
     return _MERGED.get(cat, cat)
 
