@@ -14,6 +14,7 @@ from src.profiling.anatomy import (
     merge,
     metrics,
     overlap,
+    short_kernel_name,
 )
 
 
@@ -97,14 +98,17 @@ def test_a_gpu_trace_ties_kernels_to_the_fsdp_and_optimizer_ranges_they_were_lau
 
 
 def test_top_kernels_name_what_each_category_is_made_of():
-    """Launches of one kernel group by name less call arguments and inner template arguments, so
-    a cast and an add (two functors of one elementwise kernel) stay apart; longest first, per step."""
+    """Launches of one kernel group by name less the call's arguments, so a cast and an add (two
+    instantiations of one elementwise kernel) stay apart; longest first, per step. The table shows
+    templates one level deep, the functor kept."""
     cast = "void at::native::vectorized_elementwise_kernel<4, at::native::CopyFunctor<float>, std::array<char*, 2ul> >(int, ...)"
     add = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >(int, ...)"
-    assert kernel_family(cast) == "void at::native::vectorized_elementwise_kernel<4, at::native::CopyFunctor<>, std::array<> >"
+    assert kernel_family(cast) == cast.removesuffix("(int, ...)")
+    assert short_kernel_name(kernel_family(cast)) == "void at::native::vectorized_elementwise_kernel<4, at::native::CopyFunctor<>, std::array<> >"
     assert kernel_family("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "ncclDevKernel_AllGather_RING_LL"
-    adam = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, ...>(...)"
-    assert kernel_family(adam) == "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<>, ...>"
+    adam = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, X>(Y)"
+    assert kernel_family(adam) == "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>, X>"
+    assert short_kernel_name("k" * 200, width=20) == "k" * 17 + "..."
     ks = [Kernel(cast, 0, 4, 7, "norm_elementwise_cast"), Kernel(cast, 10, 4, 7, "norm_elementwise_cast"),
           Kernel(add, 20, 6, 7, "norm_elementwise_cast"), Kernel("nvjet_tst_gemm", 30, 50, 7, "gemm")]
     a = device_anatomy(ks, steps=2)
@@ -113,4 +117,4 @@ def test_top_kernels_name_what_each_category_is_made_of():
     assert elementwise[0]["ms"] == pytest.approx(8e-3 / 2) and elementwise[0]["calls"] == 1.0
     assert a["top_kernels"]["gemm"] == [{"kernel": "nvjet_tst_gemm", "ms": pytest.approx(25e-3), "calls": 0.5}]
     table = format_table({**a, "profiled_steps": 2, "source": "device kernels", "gemm_floor_ms": None})
-    assert "CopyFunctor<>" in table and "nvjet_tst_gemm" in table
+    assert "longest kernels per category" in table and "CopyFunctor<>" in table and "    0.5x  nvjet_tst_gemm" in table

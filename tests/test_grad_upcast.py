@@ -8,7 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.cast import upcast  # noqa: E402
+from kernels.triton.cast import upcast_fp32  # noqa: E402
 from src.distributed import grad_cast  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,20 +24,18 @@ def test_upcast_is_torchs_cast_bit_for_bit(n, dtype):
         # cvt.f32.bf16 keeps them, so the bf16 one is checked there only)
         tiny = 1e-40 if dtype == torch.bfloat16 and DEVICE == "cuda" else 1e-7 if dtype == torch.float16 else 1e-30
         x[:5] = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan"), tiny]).to(dtype)
-    y = upcast(x)
+    y = upcast_fp32(x)
     assert y.dtype == torch.float32 and y.shape == x.shape and y.device == x.device
     assert torch.equal(y.view(torch.int32), x.to(torch.float32).view(torch.int32))  # NaN payloads and -0.0 too
 
 
 def test_upcast_keeps_the_shape_and_refuses_what_it_does_not_do():
     x = torch.randn(3, 5, 7, device=DEVICE).to(torch.bfloat16)
-    assert torch.equal(upcast(x), x.float())
+    assert torch.equal(upcast_fp32(x), x.float())
     with pytest.raises(ValueError, match="not contiguous"):
-        upcast(x.transpose(0, 2))
-    with pytest.raises(ValueError, match="float32 -> torch.float32"):
-        upcast(x.float())
-    with pytest.raises(ValueError, match="bfloat16 -> torch.float64"):
-        upcast(x, torch.float64)
+        upcast_fp32(x.transpose(0, 2))
+    with pytest.raises(ValueError, match="got torch.float32"):
+        upcast_fp32(x.float())
 
 
 def test_fsdp2s_cast_is_routed_and_restored():
@@ -55,6 +53,55 @@ def test_fsdp2s_cast_is_routed_and_restored():
         assert _fsdp_collectives._to_dtype_if_needed(y, None) is y and _fsdp_collectives._to_dtype_if_needed(y, torch.float32) is y
     finally:
         grad_cast.restore_grad_upcast()
+    assert _fsdp_collectives._to_dtype_if_needed is original and grad_cast._ORIGINAL is None
+    grad_cast.restore_grad_upcast()  # nothing installed: nothing to do
+    assert _fsdp_collectives._to_dtype_if_needed is original
+
+
+def test_another_wrapper_installed_after_ours_is_left_alone():
+    """Code that wraps FSDP2's cast after this module did keeps its wrapper: restoring does not
+    drop it, and installing again does not take it for the original (which would recurse)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives._to_dtype_if_needed
+    try:
+        assert grad_cast.use_triton_grad_upcast()
+        ours = _fsdp_collectives._to_dtype_if_needed
+
+        def theirs(tensor, dtype):
+            return ours(tensor, dtype)
+
+        _fsdp_collectives._to_dtype_if_needed = theirs
+        grad_cast.restore_grad_upcast()
+        assert _fsdp_collectives._to_dtype_if_needed is theirs and grad_cast._ORIGINAL is original
+        assert not grad_cast.use_triton_grad_upcast() and grad_cast._ORIGINAL is original
+        x = torch.randn(4).to(torch.bfloat16)
+        assert torch.equal(theirs(x, torch.float32), x.float())  # through ours to the original, no loop
+    finally:
+        _fsdp_collectives._to_dtype_if_needed = grad_cast._to_dtype_if_needed
+        grad_cast.restore_grad_upcast()
+    assert _fsdp_collectives._to_dtype_if_needed is original
+
+
+@pytest.mark.parametrize("choice, device, reduce_dtype, routed", [
+    ("triton", "cuda", "bfloat16", True), ("triton", "cuda", "float16", True),
+    ("torch", "cuda", "bfloat16", False),   # asked for torch's
+    ("triton", "cpu", "bfloat16", False),   # gloo ranks: host tensors, nothing to route
+    ("triton", "cuda", "float32", False),   # an fp32 reduce has no upcast
+])
+def test_sharding_grad_upcast_decides_the_route(choice, device, reduce_dtype, routed):
+    """parallelize's `_grad_upcast` (it only installs or restores the function: no GPU needed)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from src.distributed.parallelize import _grad_upcast
+
+    original = _fsdp_collectives._to_dtype_if_needed
+    try:
+        grad_cast.use_triton_grad_upcast()  # a run before this one in the same process left it routed
+        _grad_upcast(choice, reduce_dtype, torch.device(device), main=False)
+        assert (_fsdp_collectives._to_dtype_if_needed is grad_cast._to_dtype_if_needed) is routed
+    finally:
+        grad_cast.restore_grad_upcast()
     assert _fsdp_collectives._to_dtype_if_needed is original
 
 
@@ -68,10 +115,7 @@ def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    import kernels.triton.cast as cast
-
     calls = []
-    monkeypatch.setattr(cast, "upcast", lambda x, dtype=torch.float32, f=cast.upcast: calls.append(x.numel()) or f(x, dtype))
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,))
@@ -84,7 +128,11 @@ def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
             for layer in (model[0], model[2]):
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
-            (grad_cast.use_triton_grad_upcast if choice == "triton" else grad_cast.restore_grad_upcast)()
+            if choice == "triton":
+                assert grad_cast.use_triton_grad_upcast()
+                monkeypatch.setattr(grad_cast, "_UPCAST", lambda t, kernel=grad_cast._UPCAST: calls.append(t.numel()) or kernel(t))
+            else:
+                grad_cast.restore_grad_upcast()
             model(x).float().square().mean().backward()
             grads[choice] = [p.grad.full_tensor() for p in model.parameters()]
         assert all(g.dtype == torch.float32 for g in grads["triton"])

@@ -1,6 +1,8 @@
 """Fused Triton RMSNorm against torch's, forward and backward, on odd shapes (interpreter on CPU)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -153,6 +155,10 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
     # a fused list from an experiment, under kernels=eager: the fix names the list, not kernels=eager
     with pytest.raises(ConfigError, match=r"kernels.fused=\[cross_entropy\] \(kernels=eager\): Triton .* or set kernels.fused=\[\]$"):
         validate(compose_config(["+exp=fsdp4_tuned", "kernels=eager", "backend=cpu"]), cuda_device_count=0, mps_available=False)
+    # auto's picks come from a diagnosis, not from kernels.fused: the fix is kernels=eager
+    fixture = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
+    with pytest.raises(ConfigError, match=r"^kernels=auto: Triton kernels need an NVIDIA GPU .* or use kernels=eager$"):
+        validate(compose_config(["kernels=auto", "model=mini_llm", f"kernels.diagnosis={fixture}"]), cuda_device_count=0, mps_available=False)
     with pytest.raises(ConfigError, match=r"kernels.fused=\['layer_norm'\]: no fused Triton variant"):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         validate(compose_config(["kernels=triton", "kernels.fused=[layer_norm]"]), cuda_device_count=0, mps_available=False)

@@ -4,8 +4,8 @@ torch's `.to(torch.float32)` of a bf16 CUDA tensor (torch 2.11) runs TensorItera
 casting copy, one element a load: 1.94-2.05 TB/s on an H200 at 25-65M elements, where the other
 direction (fp32 -> bf16, a vectorised kernel of its own) runs at 3.6-4.1 and this kernel at
 3.57-3.84 (docs/PERFORMANCE.md 7; pytorch/pytorch#195542 vectorises the upcast upstream). FSDP2
-upcasts each unit's reduce-scattered gradients from reduce_dtype to fp32 this way once a step:
-735M parameters, 4.4 GB read and written, on one GPU (src/distributed/grad_cast.py routes it here).
+upcasts each unit's reduced gradients from reduce_dtype to fp32 this way once a step: 735M
+parameters, 4.4 GB read and written, on one GPU (src/distributed/grad_cast.py routes it here).
 
 2048 elements a program with 4 warps: 16 elements a thread, two 16-byte loads of bf16 each;
 measured against 4096/8 and 8192/8 warps, 2-4% faster at every size.
@@ -19,26 +19,26 @@ import triton.language as tl
 from kernels.triton.launch import Launcher
 
 BLOCK, NUM_WARPS = 2048, 4
-UPCAST = {torch.bfloat16, torch.float16}
+UPCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _cast(X, Y, n, BLOCK: tl.constexpr):
+def _upcast_fp32(X, Y, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    tl.store(Y + offs, tl.load(X + offs, mask=mask).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, tl.load(X + offs, mask=mask).to(tl.float32), mask=mask)
 
 
-_launch = Launcher(_cast)  # kernels/triton/launch.py: cached launches
+_launch = Launcher(_upcast_fp32)  # kernels/triton/launch.py: cached launches
 
 
-def upcast(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`x.to(dtype)` for a contiguous bf16/fp16 `x` and dtype float32, bit for bit (every bf16 and
-    fp16 value is exact in fp32), into a new tensor on the current stream."""
-    if x.dtype not in UPCAST or dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"upcast takes a contiguous bf16/fp16 tensor to float32, got {x.dtype} -> {dtype}"
-                         f"{'' if x.is_contiguous() else ' (not contiguous)'}")
-    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+def upcast_fp32(x: torch.Tensor) -> torch.Tensor:
+    """`x.to(torch.float32)` for a contiguous bf16/fp16 `x`, bit for bit (every bf16 and fp16 value
+    is exact in fp32), into a new tensor; launched, as `.to()` is, on the current device's current
+    stream (FSDP2 calls it with that device current)."""
+    if x.dtype not in UPCAST_DTYPES or not x.is_contiguous():
+        raise ValueError(f"upcast_fp32 takes a contiguous bf16/fp16 tensor, got {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     n = x.numel()
     if n:
         _launch((triton.cdiv(n, BLOCK),), x, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)

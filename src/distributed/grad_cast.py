@@ -1,16 +1,16 @@
 """FSDP2's post-reduce gradient upcast through kernels/triton/cast.py (`sharding.grad_upcast`).
 
-With reduce_dtype bf16 and fp32 parameters (`+exp=fsdp4_tuned`), FSDP2 reduce-scatters each unit's
-gradients in bf16 and then casts the unit's flat reduce output to fp32 with `.to()` on the
-reduce-scatter stream. On torch 2.11 that cast moves 6 bytes a parameter at about 2.0 TB/s on an
-H200 where a vectorised one reaches 3.6-3.8 (kernels/triton/cast.py): 2.6 ms a step for
-mini_llm's 735M parameters on one GPU (14 units; docs/PERFORMANCE.md 7), half that a GPU on two.
+With reduce_dtype bf16 and fp32 parameters (`+exp=fsdp4_tuned`), FSDP2 reduces each unit's
+gradients in bf16 and then casts the unit's flat reduce output to fp32 with `.to()` on its
+post-reduce stream. On torch 2.11 that cast moves 6 bytes a parameter at about 2.0 TB/s on an H200
+where a vectorised one reaches 3.6-3.8 (kernels/triton/cast.py): 2.6 ms a step for mini_llm's 735M
+parameters on one GPU (14 units; docs/PERFORMANCE.md 7), half that a GPU on two.
 
-FSDP2 offers no hook between its reduce-scatter and that cast, so the function it calls for it,
+FSDP2 offers no hook between its reduction and that cast, so the function it calls for it,
 `_fsdp_collectives._to_dtype_if_needed` (a module global, looked up at each call), is replaced by
 one that sends contiguous CUDA bf16/fp16 -> fp32 casts to the Triton kernel and every other call to
-the original. Process-wide, once; where the installed torch has no such function nothing changes
-and `use_triton_grad_upcast` says so.
+the original. Process-wide; where the installed torch has no such function, or Triton is missing,
+nothing changes and `use_triton_grad_upcast` says so.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 _ORIGINAL: Callable | None = None
+_UPCAST: Callable | None = None
 
 
 def _collectives():
@@ -28,20 +29,20 @@ def _collectives():
 
 
 def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    from kernels.triton.cast import UPCAST, upcast
-
-    if (dtype == torch.float32 and tensor.dtype in UPCAST and tensor.is_cuda and tensor.is_contiguous()
-            and not torch.compiler.is_compiling()):
-        return upcast(tensor, dtype)
+    if (dtype == torch.float32 and tensor.dtype in (torch.bfloat16, torch.float16) and tensor.is_cuda
+            and tensor.is_contiguous() and not torch.compiler.is_compiling()):
+        return _UPCAST(tensor)
     return _ORIGINAL(tensor, dtype)
 
 
 def use_triton_grad_upcast() -> bool:
     """Route FSDP2's post-reduce upcast through the Triton kernel; False (and nothing changed)
-    where this torch's FSDP2 has no `_to_dtype_if_needed` or Triton is missing."""
-    global _ORIGINAL
+    where this torch's FSDP2 has no `_to_dtype_if_needed` or Triton is missing. Installing twice
+    keeps the first install's original."""
+    global _ORIGINAL, _UPCAST
     try:
-        import kernels.triton.cast  # noqa: F401  (Triton importable)
+        from kernels.triton.cast import upcast_fp32
+
         collectives = _collectives()
     except ImportError:
         return False
@@ -49,12 +50,20 @@ def use_triton_grad_upcast() -> bool:
     if current is None:
         return False
     if current is not _to_dtype_if_needed:
-        _ORIGINAL = current
+        if _ORIGINAL is not None:  # installed before and since wrapped or replaced by someone else: leave theirs
+            return False
+        _ORIGINAL, _UPCAST = current, upcast_fp32
         collectives._to_dtype_if_needed = _to_dtype_if_needed
     return True
 
 
 def restore_grad_upcast() -> None:
-    """FSDP2's own cast again (tests, and a process that runs another configuration next)."""
-    if _ORIGINAL is not None:
-        _collectives()._to_dtype_if_needed = _ORIGINAL
+    """FSDP2's own cast again (sharding.grad_upcast=torch, a CPU run, tests), unless something else
+    has replaced the function since this module did: that one is left in place."""
+    global _ORIGINAL
+    if _ORIGINAL is None:
+        return
+    collectives = _collectives()
+    if getattr(collectives, "_to_dtype_if_needed", None) is _to_dtype_if_needed:
+        collectives._to_dtype_if_needed = _ORIGINAL
+        _ORIGINAL = None

@@ -181,7 +181,8 @@ def _grad_upcast(choice: str, reduce_dtype: str, device: torch.device, main: boo
         if main:
             log.info("sharding.grad_upcast=triton: FSDP2's reduced %s gradients upcast to fp32 by kernels/triton/cast.py", reduce_dtype)
     elif main:
-        log.info("sharding.grad_upcast=triton: this torch's FSDP2 has no cast to replace (or Triton is missing); torch's .to() upcasts")
+        log.warning("sharding.grad_upcast=triton: FSDP2's cast not routed (this torch has no _fsdp_collectives._to_dtype_if_needed, "
+                    "Triton is missing, or other code replaced the function); torch's .to() upcasts")
 
 
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:

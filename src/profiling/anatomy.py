@@ -116,20 +116,28 @@ TOP_PER_CATEGORY = 5  # enough to name what a category is made of; the full list
 
 
 def kernel_family(name: str) -> str:
-    """A kernel's name with its call arguments dropped and templates kept one level deep, so the
-    launches of one kernel group together while the functor that says what an elementwise kernel
-    does stays: `void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>(int, ...)`
-    -> `void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<>, ...>`."""
-    out, depth = [], 0
+    """A kernel's name without its call's argument list (and without `(anonymous namespace)::`), so
+    the launches of one kernel group together and two instantiations of a template stay apart."""
     name = name.replace("(anonymous namespace)::", "")
-    for ch in name:
+    depth = 0
+    for i, ch in enumerate(name):
         if ch == "(" and depth == 0:
-            break  # the call's argument list
+            return name[:i].strip()
+        depth += (ch == "<") - (ch == ">")
+    return name.strip()
+
+
+def short_kernel_name(family: str, width: int = 110) -> str:
+    """For the table: templates kept one level deep, so an elementwise kernel still shows its functor
+    (`vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<>, std::array<> >`), cut to `width`."""
+    out, depth = [], 0
+    for ch in family:
         depth -= ch == ">"
         if depth <= 1:
             out.append(ch)
         depth += ch == "<"
-    return "".join(out).strip()[:120]
+    short = "".join(out)
+    return short if len(short) <= width else short[: width - 3] + "..."
 
 
 def top_kernels(kernels: list[Kernel], steps: int, per_category: int = TOP_PER_CATEGORY) -> dict[str, list[dict[str, Any]]]:
@@ -263,9 +271,12 @@ def format_table(a: dict[str, Any]) -> str:
         lines.append(row(f"GEMM floor @{a['gemm_peak_tflops']:g} TFLOP/s", a["gemm_floor_ms"]) + ratio)
     if a.get("note"):
         lines.append(a["note"])
-    for c in CATEGORIES:  # what each category is made of (device traces only)
-        for i, k in enumerate(a.get("top_kernels", {}).get(c, [])):
-            lines.append(f"{LABELS[c] if i == 0 else '':<28} {k['ms']:9.2f} {k['calls']:6.0f}x  {k['kernel']}")
+    top = a.get("top_kernels") or {}
+    if top:  # what each category is made of (device traces only)
+        lines.append("longest kernels per category: ms and launches per step")
+        for c in CATEGORIES:
+            for i, k in enumerate(top.get(c, [])):
+                lines.append(f"  {LABELS[c] if i == 0 else '':<26} {k['ms']:9.2f} {k['calls']:7.1f}x  {short_kernel_name(k['kernel'])}")
     return "\n".join(lines)
 
 

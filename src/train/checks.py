@@ -143,10 +143,12 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if fused:
         why_not = triton_usable(backend)
         if why_not:
-            if cfg.kernels.fused is None:  # kernels=triton: every fused op
-                raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or use kernels=eager")
-            # a list, perhaps from an experiment (+exp=fsdp4_tuned fuses the loss) under another kernels choice
-            raise ConfigError(f"kernels.fused=[{','.join(fused)}] (kernels={cfg.kernels.name}): {why_not}; or set kernels.fused=[]")
+            if cfg.kernels.fused is not None and not cfg.kernels.auto:
+                # a list, perhaps from an experiment (+exp=fsdp4_tuned fuses the loss) under another kernels choice
+                raise ConfigError(f"kernels.fused=[{','.join(fused)}] (kernels={cfg.kernels.name}): {why_not}; or set kernels.fused=[]")
+            # kernels=triton (every fused op) or auto's picks
+            fix = "set kernels.fused=[]" if cfg.kernels.name == "eager" else "use kernels=eager"
+            raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or {fix}")
         unknown = [op for op in fused if op not in REGISTRY]
         if unknown:
             raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
