@@ -115,6 +115,8 @@ def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    import kernels.triton.cast as cast
+
     calls = []
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -130,7 +132,7 @@ def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
             fully_shard(model, mesh=mesh, mp_policy=policy)
             if choice == "triton":
                 assert grad_cast.use_triton_grad_upcast()
-                monkeypatch.setattr(grad_cast, "_UPCAST", lambda t, kernel=grad_cast._UPCAST: calls.append(t.numel()) or kernel(t))
+                monkeypatch.setattr(cast, "upcast_fp32", lambda t, kernel=cast.upcast_fp32: calls.append(t.numel()) or kernel(t))
             else:
                 grad_cast.restore_grad_upcast()
             model(x).float().square().mean().backward()

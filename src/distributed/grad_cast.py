@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 _ORIGINAL: Callable | None = None
-_UPCAST: Callable | None = None
+_CAST = None  # kernels.triton.cast, imported when installed (Triton may be missing)
 
 
 def _collectives():
@@ -29,9 +29,9 @@ def _collectives():
 
 
 def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if (dtype == torch.float32 and tensor.dtype in (torch.bfloat16, torch.float16) and tensor.is_cuda
+    if (dtype == torch.float32 and tensor.dtype in _CAST.UPCAST_DTYPES and tensor.is_cuda
             and tensor.is_contiguous() and not torch.compiler.is_compiling()):
-        return _UPCAST(tensor)
+        return _CAST.upcast_fp32(tensor)
     return _ORIGINAL(tensor, dtype)
 
 
@@ -39,9 +39,9 @@ def use_triton_grad_upcast() -> bool:
     """Route FSDP2's post-reduce upcast through the Triton kernel; False (and nothing changed)
     where this torch's FSDP2 has no `_to_dtype_if_needed` or Triton is missing. Installing twice
     keeps the first install's original."""
-    global _ORIGINAL, _UPCAST
+    global _ORIGINAL, _CAST
     try:
-        from kernels.triton.cast import upcast_fp32
+        import kernels.triton.cast as cast
 
         collectives = _collectives()
     except ImportError:
@@ -52,7 +52,7 @@ def use_triton_grad_upcast() -> bool:
     if current is not _to_dtype_if_needed:
         if _ORIGINAL is not None:  # installed before and since wrapped or replaced by someone else: leave theirs
             return False
-        _ORIGINAL, _UPCAST = current, upcast_fp32
+        _ORIGINAL, _CAST = current, cast
         collectives._to_dtype_if_needed = _to_dtype_if_needed
     return True
 

@@ -40,7 +40,7 @@ _FSDP_KERNELS = re.compile(r"chunk_cat|split_with_sizes_copy|RegisterPostBackwar
 _CAT = re.compile(r"CatArrayBatchedCopy|^aten::(cat|stack)$")
 _COMM_OPS = re.compile(r"_c10d_functional::|wait_tensor")
 # aten's pointwise ops by name on a CPU trace (categories.py names kernels, whose names differ)
-_ATEN_POINTWISE = re.compile(r"^aten::(add|sub|mul|div|pow|neg|exp|log|rsqrt|sqrt|silu|clamp|where|fill|zero|copy|to|_to_copy|clone|cat|lerp|addcmul|addcdiv)_?$")
+_ATEN_POINTWISE = re.compile(r"^aten::(add|sub|mul|div|pow|neg|exp|log|rsqrt|sqrt|silu|clamp|where|fill|zero|copy|to|_to_copy|clone|lerp|addcmul|addcdiv)_?$")
 # Inductor's fused pointwise / reduction / persistent-reduction kernels (kernels=compile)
 _TRITON_FUSED = re.compile(r"^triton_(poi|red|per)_")
 _MERGED = {"norm": "norm_elementwise_cast", "softmax": "norm_elementwise_cast", "elementwise": "norm_elementwise_cast",
