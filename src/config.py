@@ -38,6 +38,11 @@ class GradUpcast(StrEnum):
     torch = "torch"
 
 
+class CopyIn(StrEnum):
+    one_pass = "one_pass"
+    fsdp2 = "fsdp2"
+
+
 class CompileBackend(StrEnum):
     inductor = "inductor"
     aot_eager = "aot_eager"
@@ -140,6 +145,10 @@ class ShardingConfig:
     """fsdp2/hsdp on CUDA, reduce_dtype bf16/fp16 under fp32 parameters: FSDP2's cast of each unit's
     reduced gradients to fp32 by a vectorised Triton kernel (triton: 3.6-3.8 TB/s on an H200) or by
     torch's .to() (torch: 2.0 TB/s on torch 2.11); src/distributed/grad_cast.py"""
+    copy_in: CopyIn = CopyIn.one_pass
+    """fsdp2/hsdp, param_dtype below the parameters': each shard cast straight into the all-gather
+    buffer (one_pass: 6 bytes a parameter) or FSDP2's cast into a staging buffer and copy (fsdp2:
+    10 bytes); the same gathered bits either way; src/distributed/copy_in.py"""
 
 
 @dataclass

@@ -14,56 +14,37 @@ nothing changes and `use_triton_grad_upcast` says so.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-_ORIGINAL: Callable | None = None
+from src.distributed.fsdp_patch import CollectivesPatch
+
 _CAST = None  # kernels.triton.cast, imported when installed (Triton may be missing)
-
-
-def _collectives():
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    return _fsdp_collectives
 
 
 def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if (dtype == torch.float32 and tensor.dtype in _CAST.UPCAST_DTYPES and tensor.is_cuda
             and tensor.is_contiguous() and not torch.compiler.is_compiling()):
         return _CAST.upcast_fp32(tensor)
-    return _ORIGINAL(tensor, dtype)
+    return PATCH.original["_to_dtype_if_needed"](tensor, dtype)
+
+
+PATCH = CollectivesPatch({"_to_dtype_if_needed": _to_dtype_if_needed})
 
 
 def use_triton_grad_upcast() -> bool:
     """Route FSDP2's post-reduce upcast through the Triton kernel; False (and nothing changed)
-    where this torch's FSDP2 has no `_to_dtype_if_needed` or Triton is missing. Installing twice
-    keeps the first install's original."""
-    global _ORIGINAL, _CAST
+    where this torch's FSDP2 has no `_to_dtype_if_needed`, Triton is missing, or other code has
+    replaced the function since an earlier install. Installing twice keeps the first install's original."""
+    global _CAST
     try:
         import kernels.triton.cast as cast
-
-        collectives = _collectives()
     except ImportError:
         return False
-    current = getattr(collectives, "_to_dtype_if_needed", None)
-    if current is None:
-        return False
-    if current is not _to_dtype_if_needed:
-        if _ORIGINAL is not None:  # installed before and since wrapped or replaced by someone else: leave theirs
-            return False
-        _ORIGINAL, _CAST = current, cast
-        collectives._to_dtype_if_needed = _to_dtype_if_needed
-    return True
+    _CAST = cast
+    return PATCH.install()
 
 
 def restore_grad_upcast() -> None:
     """FSDP2's own cast again (sharding.grad_upcast=torch, a CPU run, tests), unless something else
     has replaced the function since this module did: that one is left in place."""
-    global _ORIGINAL
-    if _ORIGINAL is None:
-        return
-    collectives = _collectives()
-    if getattr(collectives, "_to_dtype_if_needed", None) is _to_dtype_if_needed:
-        collectives._to_dtype_if_needed = _ORIGINAL
-        _ORIGINAL = None
+    PATCH.restore()

@@ -185,6 +185,21 @@ def _grad_upcast(choice: str, reduce_dtype: str, device: torch.device, main: boo
                     "Triton is missing, or other code replaced the function); torch's .to() upcasts")
 
 
+def _copy_in(choice: str, param_dtype: str, main: bool) -> None:
+    """sharding.copy_in: one pass (cast into the all-gather buffer) or FSDP2's two. Groups without
+    a lower param_dtype take FSDP2's own path either way (src/distributed/copy_in.py)."""
+    from src.distributed.copy_in import restore_copy_in, use_one_pass_copy_in
+
+    if choice != "one_pass":
+        restore_copy_in()
+    elif use_one_pass_copy_in():
+        if main and torch_dtype(param_dtype) != torch.float32:
+            log.info("sharding.copy_in=one_pass: fp32 shards cast to %s straight into FSDP2's all-gather buffer", param_dtype)
+    elif main:
+        log.warning("sharding.copy_in=one_pass: FSDP2's copy-in left as it is (this torch's _fsdp_collectives lacks "
+                    "_get_param_all_gather_inputs or _get_all_gather_input_metadatas, or other code replaced them)")
+
+
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:
     """float8 -> NVTX ranges -> compile -> fully_shard (mesh given: fsdp2, hsdp) or DDP -> init.
 
@@ -221,6 +236,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
             cfg.sharding.forward_prefetch, cfg.sharding.backward_prefetch,
         )
         _grad_upcast(cfg.sharding.grad_upcast, cfg.precision.reduce_dtype, device, main)
+        _copy_in(cfg.sharding.copy_in, cfg.precision.param_dtype, main)
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)

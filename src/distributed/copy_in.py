@@ -1,0 +1,93 @@
+"""FSDP2's all-gather copy-in in one pass (`sharding.copy_in=one_pass`).
+
+Under mixed precision (fp32 sharded parameters, bf16 gathered ones) FSDP2 builds each unit's
+all-gather input in two passes: `_get_param_all_gather_inputs` casts every sharded parameter into a
+staging buffer of param_dtype (read 4 bytes, write 2), and `all_gather_copy_in` then copies that
+buffer into the all-gather buffer's slice for this rank (read 2, write 2): 10 bytes a parameter where
+6 would do. For mini_llm on one H200 that second pass is 112 device copies and 1.5 ms a step, beside
+1.15 ms of casts (docs/PERFORMANCE.md 7), and the staging buffer is a unit's worth of transient memory.
+
+Here the cast writes straight into the all-gather buffer: the inputs function hands FSDP2 the fp32
+shards themselves, the metadata function reports param_dtype for them (the dtype FSDP2 allocates
+the all-gather buffer in and later views it as), and `all_gather_copy_in`'s `_foreach_copy_` into
+that buffer then casts each shard as it copies (torch's vectorised cast kernel; copy_ rounds to
+nearest even exactly as the staging cast did, so the gathered parameters are the same bits).
+
+FSDP2 offers no hook for this, so the two module globals of `_fsdp_collectives` it looks up at each
+all-gather are replaced. Groups the fast path does not cover (no param_dtype, CPU offload, tensor
+subclasses with their own `fsdp_pre_all_gather` such as float8 weights, mixed param_dtypes, a trace
+under torch.compile) go to FSDP2's own functions unchanged. Process-wide; where the installed torch
+lacks either function nothing changes and `use_one_pass_copy_in` says so.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from src.distributed.fsdp_patch import CollectivesPatch
+
+_PENDING = threading.local()  # the inputs list just handed out and its all-gather dtype; the
+# metadata call that follows in foreach_all_gather (same thread) takes it. Backward's re-gathers run
+# on autograd's device thread, so the state is per thread.
+
+
+def _one_pass_dtype(fsdp_params) -> torch.dtype | None:
+    """The group's param_dtype where every parameter takes FSDP2's plain cast-and-copy path with
+    the same param_dtype; None where any does not (that group keeps FSDP2's own path)."""
+    if not fsdp_params or torch.compiler.is_compiling():
+        return None
+    dtype = fsdp_params[0].param_dtype
+    for p in fsdp_params:
+        if (p.param_dtype is None or p.param_dtype != dtype or p.offload_to_cpu
+                or hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")):
+            return None
+    return dtype
+
+
+def _sharded_source(fsdp_param) -> torch.Tensor:
+    """What FSDP2's fast path casts: the padded flat shard, or the kept post-forward shard
+    (reshard_after_forward=int), which is already in param_dtype."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    if fsdp_param.sharded_state == ShardedState.SHARDED:
+        return fsdp_param._sharded_param_data
+    return fsdp_param._sharded_post_forward_param_data
+
+
+@torch.no_grad()
+def _get_param_all_gather_inputs(fsdp_params) -> list[list[torch.Tensor]]:
+    dtype = _one_pass_dtype(fsdp_params)
+    if dtype is None:
+        _PENDING.inputs = None
+        return PATCH.original["_get_param_all_gather_inputs"](fsdp_params)
+    inputs = [[_sharded_source(p)] for p in fsdp_params]
+    _PENDING.inputs, _PENDING.dtype = inputs, dtype
+    return inputs
+
+
+def _get_all_gather_input_metadatas(param_all_gather_inputs):
+    pending = getattr(_PENDING, "inputs", None)
+    _PENDING.inputs = None
+    if pending is not param_all_gather_inputs:  # not the list just handed out: FSDP2's own
+        return PATCH.original["_get_all_gather_input_metadatas"](param_all_gather_inputs)
+    dtype = _PENDING.dtype
+    dtypes = [[dtype] for _ in param_all_gather_inputs]
+    numels = [[t.numel() for t in ts] for ts in param_all_gather_inputs]
+    return dtypes, numels, dtype
+
+
+PATCH = CollectivesPatch({"_get_param_all_gather_inputs": _get_param_all_gather_inputs,
+                          "_get_all_gather_input_metadatas": _get_all_gather_input_metadatas})
+
+
+def use_one_pass_copy_in() -> bool:
+    """Cast straight into the all-gather buffer; False (and nothing changed) where this torch's
+    FSDP2 lacks either function, or something else has replaced them since an earlier install."""
+    return PATCH.install()
+
+
+def restore_copy_in() -> None:
+    """FSDP2's two passes again (sharding.copy_in=fsdp2, tests), unless something else has replaced
+    the functions since this module did: theirs are left in place."""
+    PATCH.restore()
