@@ -139,7 +139,7 @@ def test_one_pass_copy_in_on_nccl():
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=policy)
             gathered = []
-            model[2].register_forward_pre_hook(lambda m, _: gathered.append(m.weight.detach().clone()))
+            model[2].register_forward_pre_hook(lambda m, _, seen=gathered: seen.append(m.weight.detach().clone()))
             model(x).float().square().mean().backward()
             out[choice] = gathered + [p.grad.full_tensor() for p in model.parameters()]
         assert out["one_pass"][0].dtype == torch.bfloat16
