@@ -33,12 +33,14 @@ class Strategy(StrEnum):
     none = "none"
 
 
-class GradUpcast(StrEnum):
+class CopyKernel(StrEnum):
+    """Which kernel does one of FSDP2's casts or copies: a vectorised Triton kernel, or torch's own."""
+
     triton = "triton"
     torch = "torch"
 
 
-class CopyIn(StrEnum):
+class GatherCopyIn(StrEnum):
     one_pass = "one_pass"
     fsdp2 = "fsdp2"
 
@@ -141,14 +143,18 @@ class ShardingConfig:
     backward_prefetch: int = 0
     """fsdp2/hsdp: each unit's backward hook issues the all-gathers of the next k units backward
     reaches (set_modules_to_backward_prefetch); 0: FSDP2's implicit one"""
-    grad_upcast: GradUpcast = GradUpcast.triton
+    grad_upcast: CopyKernel = CopyKernel.triton
     """fsdp2/hsdp on CUDA, reduce_dtype bf16/fp16 under fp32 parameters: FSDP2's cast of each unit's
     reduced gradients to fp32 by a vectorised Triton kernel (triton: 3.6-3.8 TB/s on an H200) or by
     torch's .to() (torch: 2.0 TB/s on torch 2.11); src/distributed/grad_cast.py"""
-    copy_in: CopyIn = CopyIn.one_pass
+    gather_copy_in: GatherCopyIn = GatherCopyIn.one_pass
     """fsdp2/hsdp, param_dtype below the parameters': each shard cast straight into the all-gather
     buffer (one_pass: 6 bytes a parameter) or FSDP2's cast into a staging buffer and copy (fsdp2:
     10 bytes); the same gathered bits either way; src/distributed/copy_in.py"""
+    reduce_copy_in: CopyKernel = CopyKernel.triton
+    """fsdp2/hsdp on CUDA: FSDP2's copy of each unit's unsharded gradients into the reduce-scatter
+    input (cast to reduce_dtype) by a vectorised Triton kernel (triton) or torch._chunk_cat (torch:
+    1.7 TB/s bf16 -> fp32, 2.5 bf16 -> bf16 on torch 2.11); the same bits; src/distributed/reduce_copy_in.py"""
 
 
 @dataclass

@@ -93,6 +93,8 @@ BAD_OVERRIDES = [
     (["sharding=base_sharding"], "sharding=base_sharding: no such option"),
     (["sharding.strategy=fsdp"], "sharding.strategy=fsdp: not a choice of sharding.strategy; use one of: fsdp2, hsdp, none"),
     (["sharding.grad_upcast=cuda"], "sharding.grad_upcast=cuda: not a choice of sharding.grad_upcast; use one of: triton, torch"),
+    (["sharding.gather_copy_in=fused"], "sharding.gather_copy_in=fused: not a choice of sharding.gather_copy_in; use one of: one_pass, fsdp2"),
+    (["sharding.reduce_copy_in=cuda"], "sharding.reduce_copy_in=cuda: not a choice of sharding.reduce_copy_in; use one of: triton, torch"),
     (["model.mlp=gelu"], "model.mlp=gelu: not a choice of model.mlp; use one of: silu, swiglu"),
     (["precision.param_dtype=fp8"], "precision.param_dtype=fp8: not a choice"),
     (["train.nonfinite=ignore"], "train.nonfinite=ignore: not a choice"),

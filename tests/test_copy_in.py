@@ -147,3 +147,17 @@ def test_one_pass_copy_in_on_nccl():
     finally:
         copy_in.restore_copy_in()
         dist.destroy_process_group()
+
+
+def test_half_an_install_is_not_completed():
+    """fsdp_patch's rule: where only some of a patch's functions are its own (put there by other
+    code), install neither takes them for FSDP2's nor completes the set."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    inputs, metadatas = _fsdp_collectives._get_param_all_gather_inputs, _fsdp_collectives._get_all_gather_input_metadatas
+    try:
+        _fsdp_collectives._get_all_gather_input_metadatas = copy_in._get_all_gather_input_metadatas
+        assert not copy_in.use_one_pass_copy_in() and copy_in.PATCH.original is None
+        assert _fsdp_collectives._get_param_all_gather_inputs is inputs
+    finally:
+        _fsdp_collectives._get_all_gather_input_metadatas = metadatas

@@ -185,19 +185,34 @@ def _grad_upcast(choice: str, reduce_dtype: str, device: torch.device, main: boo
                     "Triton is missing, or other code replaced the function); torch's .to() upcasts")
 
 
-def _copy_in(choice: str, param_dtype: str, main: bool) -> None:
-    """sharding.copy_in: one pass (cast into the all-gather buffer) or FSDP2's two. Groups without
-    a lower param_dtype take FSDP2's own path either way (src/distributed/copy_in.py)."""
+def _gather_copy_in(choice: str, param_dtype: str, main: bool) -> None:
+    """sharding.gather_copy_in: one pass (cast into the all-gather buffer) or FSDP2's two. Groups
+    without a lower param_dtype take FSDP2's own path either way (src/distributed/copy_in.py)."""
     from src.distributed.copy_in import restore_copy_in, use_one_pass_copy_in
 
     if choice != "one_pass":
         restore_copy_in()
     elif use_one_pass_copy_in():
         if main and torch_dtype(param_dtype) != torch.float32:
-            log.info("sharding.copy_in=one_pass: fp32 shards cast to %s straight into FSDP2's all-gather buffer", param_dtype)
+            log.info("sharding.gather_copy_in=one_pass: fp32 shards cast to %s straight into FSDP2's all-gather buffer", param_dtype)
     elif main:
-        log.warning("sharding.copy_in=one_pass: FSDP2's copy-in left as it is (this torch's _fsdp_collectives lacks "
+        log.warning("sharding.gather_copy_in=one_pass: FSDP2's copy-in left as it is (this torch's _fsdp_collectives lacks "
                     "_get_param_all_gather_inputs or _get_all_gather_input_metadatas, or other code replaced them)")
+
+
+def _reduce_copy_in(choice: str, reduce_dtype: str, device: torch.device, main: bool) -> None:
+    """sharding.reduce_copy_in: which kernel copies FSDP2's unsharded gradients into the
+    reduce-scatter input; the Triton kernel runs on CUDA only (src/distributed/reduce_copy_in.py)."""
+    from src.distributed.reduce_copy_in import restore_reduce_copy_in, use_triton_reduce_copy_in
+
+    if choice != "triton" or device.type != "cuda":
+        restore_reduce_copy_in()
+    elif use_triton_reduce_copy_in():
+        if main:
+            log.info("sharding.reduce_copy_in=triton: FSDP2's gradients copied into the %s reduce-scatter input by kernels/triton/chunk_cat.py", reduce_dtype)
+    elif main:
+        log.warning("sharding.reduce_copy_in=triton: FSDP2's copy-in not routed (this torch has no _fsdp_collectives.foreach_reduce_scatter_copy_in, "
+                    "Triton is missing, or other code replaced the function); torch._chunk_cat copies")
 
 
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:
@@ -236,7 +251,8 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
             cfg.sharding.forward_prefetch, cfg.sharding.backward_prefetch,
         )
         _grad_upcast(cfg.sharding.grad_upcast, cfg.precision.reduce_dtype, device, main)
-        _copy_in(cfg.sharding.copy_in, cfg.precision.param_dtype, main)
+        _gather_copy_in(cfg.sharding.gather_copy_in, cfg.precision.param_dtype, main)
+        _reduce_copy_in(cfg.sharding.reduce_copy_in, cfg.precision.reduce_dtype, device, main)
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)

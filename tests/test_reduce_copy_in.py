@@ -1,0 +1,133 @@
+"""FSDP2's reduce-scatter copy-in (kernels/triton/chunk_cat.py, src/distributed/reduce_copy_in.py):
+bit for bit torch._chunk_cat, in Triton's interpreter on a CPU, at odd sizes and world sizes; what the
+kernel refuses; the routing of FSDP2's function and what is left to torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels.triton.chunk_cat import SLOTS, chunk_cat, takes  # noqa: E402
+from src.distributed import reduce_copy_in  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _grads(world: int, dtype: torch.dtype, count: int = 5) -> list[torch.Tensor]:
+    # dim 0 a multiple of the world size, the rest odd; a 1-D gradient (a norm's weight) among them
+    shapes = [(world * 3, 7), (world * 1,), (world * 5, 3, 2), (world * 2, 11), (world * 7,), (world * 4, 9), (world, 1)]
+    g = torch.Generator().manual_seed(world)
+    return [(torch.randn(shapes[i % len(shapes)], generator=g) * 100).to(dtype).to(DEVICE) for i in range(count)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                      (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)],
+                         ids=["bf16-fp32", "fp16-fp32", "bf16-bf16", "fp32-fp32"])
+def test_chunk_cat_is_torchs_bit_for_bit(world, src, dst):
+    grads = _grads(world, src)
+    n = sum(t.numel() for t in grads)
+    out, ref = torch.empty(n, dtype=dst, device=DEVICE), torch.empty(world, n // world, dtype=dst, device=DEVICE)
+    torch._chunk_cat(grads, 0, world, out=ref)
+    assert takes(grads, world, out)
+    chunk_cat(grads, world, out)
+    assert torch.equal(out.view(world, -1).view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_more_gradients_than_one_launch_holds():
+    world = 2
+    grads = _grads(world, torch.bfloat16, count=2 * SLOTS + 3)
+    n = sum(t.numel() for t in grads)
+    out, ref = torch.empty(n, device=DEVICE), torch.empty(world, n // world, device=DEVICE)
+    torch._chunk_cat(grads, 0, world, out=ref)
+    chunk_cat(grads, world, out)
+    assert torch.equal(out.view(world, -1), ref)
+
+
+def test_what_the_kernel_refuses():
+    grads = _grads(2, torch.bfloat16)
+    n = sum(t.numel() for t in grads)
+    out = torch.empty(n, device=DEVICE)
+    assert not takes(grads, 3, out)  # a dim 0 that does not divide: torch pads the chunks
+    assert not takes(grads, 2, torch.empty(n, dtype=torch.float16, device=DEVICE))  # bf16 -> fp16 rounds
+    assert not takes([g.float() for g in grads], 2, torch.empty(n, dtype=torch.bfloat16, device=DEVICE))  # a downcast
+    assert not takes(grads[:1] + [grads[1].float()], 2, out)  # two source dtypes
+    assert not takes([grads[0].t()] + grads[1:], 2, out)  # not contiguous
+    assert not takes(grads, 2, torch.empty(n + 2, device=DEVICE))  # the wrong size
+    assert not takes(grads, 2, torch.empty(2, n, device=DEVICE)[:, ::2])  # out not contiguous
+    assert not takes(grads + [torch.empty(0, 3, dtype=torch.bfloat16, device=DEVICE)], 2, out)  # empty: torch raises
+    with pytest.raises(ValueError, match="divides by num_chunks"):
+        chunk_cat(grads, 3, out)
+
+
+def test_fsdp2s_copy_in_is_routed_and_restored():
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives.foreach_reduce_scatter_copy_in
+    try:
+        assert reduce_copy_in.use_triton_reduce_copy_in() and reduce_copy_in.use_triton_reduce_copy_in()
+        assert _fsdp_collectives.foreach_reduce_scatter_copy_in is reduce_copy_in.foreach_reduce_scatter_copy_in
+        # host tensors (and anything the kernel refuses) go to FSDP2's own, with its signature
+        grads = [torch.randn(4, 3).to(torch.bfloat16), torch.randn(2).to(torch.bfloat16)]
+        out, ref = torch.empty(14), torch.empty(2, 7)
+        _fsdp_collectives.foreach_reduce_scatter_copy_in(grads, out, 2)
+        original(grads, ref, 2)
+        assert torch.equal(out.view(2, 7), ref)
+    finally:
+        reduce_copy_in.restore_reduce_copy_in()
+    assert _fsdp_collectives.foreach_reduce_scatter_copy_in is original and reduce_copy_in.PATCH.original is None
+
+
+@pytest.mark.parametrize("choice, device, routed", [("triton", "cuda", True), ("torch", "cuda", False), ("triton", "cpu", False)])
+def test_sharding_reduce_copy_in_decides_the_route(choice, device, routed):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from src.distributed.parallelize import _reduce_copy_in
+
+    try:
+        reduce_copy_in.use_triton_reduce_copy_in()  # a run before this one in the same process left it routed
+        _reduce_copy_in(choice, "float32", torch.device(device), main=False)
+        assert (_fsdp_collectives.foreach_reduce_scatter_copy_in is reduce_copy_in.foreach_reduce_scatter_copy_in) == routed
+    finally:
+        reduce_copy_in.restore_reduce_copy_in()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fsdp2_gradients_copied_by_triton_equal_torchs(monkeypatch, reduce_dtype):
+    """One NCCL rank, bf16 compute: the sharded fp32 gradients after one backward are the same bits
+    with either copy-in, and the Triton kernel ran once a unit."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import kernels.triton.chunk_cat as kernel
+
+    calls = []
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        x = torch.randn(37, 64, device="cuda")
+        grads = {}
+        for choice in ("torch", "triton"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 33)).cuda()
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            if choice == "triton":
+                assert reduce_copy_in.use_triton_reduce_copy_in()
+                monkeypatch.setattr(kernel, "chunk_cat", lambda ts, w, out, f=kernel.chunk_cat: calls.append(len(ts)) or f(ts, w, out))
+            else:
+                reduce_copy_in.restore_reduce_copy_in()
+            model(x).float().square().mean().backward()
+            grads[choice] = [p.grad.full_tensor() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(grads["triton"], grads["torch"]))
+        assert calls == [2, 2]  # each linear's unit: weight and bias; the root holds no parameters
+    finally:
+        reduce_copy_in.restore_reduce_copy_in()
+        dist.destroy_process_group()
