@@ -148,9 +148,10 @@ class ShardingConfig:
     reduced gradients to fp32 by a vectorised Triton kernel (triton: 3.6-3.8 TB/s on an H200) or by
     torch's .to() (torch: 2.0 TB/s on torch 2.11); src/distributed/grad_cast.py"""
     gather_copy_in: GatherCopyIn = GatherCopyIn.one_pass
-    """fsdp2/hsdp, param_dtype below the parameters': each shard cast straight into the all-gather
-    buffer (one_pass: 6 bytes a parameter) or FSDP2's cast into a staging buffer and copy (fsdp2:
-    10 bytes); the same gathered bits either way; src/distributed/copy_in.py"""
+    """fsdp2/hsdp on two or more ranks (one rank gathers nothing), param_dtype below the parameters':
+    each shard cast straight into the all-gather buffer (one_pass: 6 bytes a parameter) or FSDP2's
+    cast into a staging buffer and copy (fsdp2: 10 bytes); the same gathered bits either way;
+    src/distributed/copy_in.py"""
     reduce_copy_in: CopyKernel = CopyKernel.triton
     """fsdp2/hsdp on CUDA: FSDP2's copy of each unit's unsharded gradients into the reduce-scatter
     input (cast to reduce_dtype) by a vectorised Triton kernel (triton) or torch._chunk_cat (torch:

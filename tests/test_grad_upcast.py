@@ -45,7 +45,7 @@ def test_fsdp2s_cast_is_routed_and_restored():
     try:
         assert grad_cast.use_triton_grad_upcast() and grad_cast.use_triton_grad_upcast()  # twice: installed once
         assert _fsdp_collectives._to_dtype_if_needed is grad_cast._to_dtype_if_needed
-        assert grad_cast.PATCH.original == {"_to_dtype_if_needed": original}
+        assert grad_cast.PATCH.fsdp2 == {"_to_dtype_if_needed": original}
         # what the kernel does not take goes to FSDP2's own: host tensors, the downcast, no cast at all
         x = torch.randn(9).to(torch.bfloat16)
         assert torch.equal(_fsdp_collectives._to_dtype_if_needed(x, torch.float32), x.float())
@@ -53,7 +53,7 @@ def test_fsdp2s_cast_is_routed_and_restored():
         assert _fsdp_collectives._to_dtype_if_needed(y, None) is y and _fsdp_collectives._to_dtype_if_needed(y, torch.float32) is y
     finally:
         grad_cast.restore_grad_upcast()
-    assert _fsdp_collectives._to_dtype_if_needed is original and grad_cast.PATCH.original is None
+    assert _fsdp_collectives._to_dtype_if_needed is original and not grad_cast.PATCH.installed()
     grad_cast.restore_grad_upcast()  # nothing installed: nothing to do
     assert _fsdp_collectives._to_dtype_if_needed is original
 
@@ -73,8 +73,8 @@ def test_another_wrapper_installed_after_ours_is_left_alone():
 
         _fsdp_collectives._to_dtype_if_needed = theirs
         grad_cast.restore_grad_upcast()
-        assert _fsdp_collectives._to_dtype_if_needed is theirs and grad_cast.PATCH.original == {"_to_dtype_if_needed": original}
-        assert not grad_cast.use_triton_grad_upcast() and grad_cast.PATCH.original == {"_to_dtype_if_needed": original}
+        assert _fsdp_collectives._to_dtype_if_needed is theirs and grad_cast.PATCH.fsdp2 == {"_to_dtype_if_needed": original}
+        assert not grad_cast.use_triton_grad_upcast() and grad_cast.PATCH.fsdp2 == {"_to_dtype_if_needed": original}
         x = torch.randn(4).to(torch.bfloat16)
         assert torch.equal(theirs(x, torch.float32), x.float())  # through ours to the original, no loop
     finally:

@@ -4,8 +4,8 @@ FSDP2 builds each unit's reduce-scatter input this way after backward: every uns
 split into W chunks along dim 0 and row r of `out` (W x N/W) is the concatenation of each gradient's
 chunk r, in `out`'s dtype (reduce_dtype). It runs on the compute stream, so it is on the step's
 critical path. On an H200 with torch 2.11, at one mini_llm block's gradients (50.3M bf16 elements,
-graph-replayed; docs/PERFORMANCE.md 7): bf16 -> fp32 (the seed's fp32 reduce) 170-178 us, 1.70-1.78
-TB/s, and bf16 -> bf16 79-80 us, 2.52-2.55 TB/s, where a flat upcast of the same bytes runs at 3.79.
+graph-replayed; docs/PERFORMANCE.md 7): bf16 -> fp32 (the seed's fp32 reduce) 166-178 us, 1.70-1.82
+TB/s, and bf16 -> bf16 77-82 us, 2.45-2.61 TB/s; this kernel 79-80 and 53-54 us, 3.7-3.8 TB/s.
 
 One launch takes up to SLOTS gradients: a program copies BLOCK elements of one gradient's chunk
 (program_id 0, walking the gradients' tiles in order) for one row (program_id 1). Only what
@@ -24,6 +24,7 @@ from kernels.triton.launch import Launcher
 # 2048 elements and 4 warps a program, as kernels/triton/cast.py (its sweep: 2-4% ahead of 4096 and
 # 8192 with 8 warps); 8 slots hold a mini_llm block's 8 gradients in one launch.
 BLOCK, NUM_WARPS, SLOTS = 2048, 4, 8
+MAX_CHUNKS = 65535  # the world size is the grid's second axis, which CUDA caps at 65535
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}  # exact: every value is kept
 
@@ -68,10 +69,12 @@ _launch = Launcher(_chunk_cat)  # kernels/triton/launch.py: cached launches
 
 
 def takes(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> bool:
-    """Whether `chunk_cat` does this call as torch would: one device and source dtype, contiguous,
-    non-empty (torch refuses an empty one), dim 0 divisible by num_chunks (no padding), an equal or
-    wider float out of the exact size."""
-    if not tensors or num_chunks < 1 or not out.is_contiguous() or out.dtype not in FLOATS:
+    """Whether `chunk_cat` does this call as torch would: one device (the current one) and source
+    dtype, contiguous, non-empty (torch refuses an empty one), dim 0 divisible by num_chunks (no
+    padding) and at most MAX_CHUNKS of them, an equal or wider float out of the exact size."""
+    if not tensors or not 1 <= num_chunks <= MAX_CHUNKS or not out.is_contiguous() or out.dtype not in FLOATS:
+        return False
+    if out.is_cuda and out.device.index != torch.cuda.current_device():  # launched on the current device's stream
         return False
     dtype = tensors[0].dtype
     if dtype not in FLOATS or (dtype != out.dtype and (dtype, out.dtype) not in WIDENS):
@@ -88,8 +91,8 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -
     """`torch._chunk_cat(tensors, 0, num_chunks, out=out)` where `takes` says so (ValueError
     otherwise), on the current stream."""
     if not takes(tensors, num_chunks, out):
-        raise ValueError("chunk_cat takes contiguous float tensors of one dtype whose dim 0 divides by num_chunks, "
-                         "into a contiguous out of an equal or wider float dtype and their total size")
+        raise ValueError(f"chunk_cat takes contiguous float tensors of one dtype whose dim 0 divides by num_chunks (1 to {MAX_CHUNKS}), "
+                         "into a contiguous out of an equal or wider float dtype and their total size, on the current device")
     rows = out.view(num_chunks, -1)
     row_stride = rows.shape[1]
     col = 0

@@ -1,23 +1,28 @@
-"""FSDP2's all-gather copy-in in one pass (`sharding.copy_in=one_pass`).
+"""FSDP2's all-gather copy-in in one pass (`sharding.gather_copy_in=one_pass`).
 
 Under mixed precision (fp32 sharded parameters, bf16 gathered ones) FSDP2 builds each unit's
 all-gather input in two passes: `_get_param_all_gather_inputs` casts every sharded parameter into a
 staging buffer of param_dtype (read 4 bytes, write 2), and `all_gather_copy_in` then copies that
 buffer into the all-gather buffer's slice for this rank (read 2, write 2): 10 bytes a parameter where
-6 would do. For mini_llm on one H200 that second pass is 112 device copies and 1.5 ms a step, beside
-1.15 ms of casts (docs/PERFORMANCE.md 7), and the staging buffer is a unit's worth of transient memory.
+6 would do, and a unit's worth of staging memory. For mini_llm on two GPUs that is 368M parameters a
+rank, once per all-gather (twice a step with reshard_after_forward).
 
 Here the cast writes straight into the all-gather buffer: the inputs function hands FSDP2 the fp32
 shards themselves, the metadata function reports param_dtype for them (the dtype FSDP2 allocates
 the all-gather buffer in and later views it as), and `all_gather_copy_in`'s `_foreach_copy_` into
-that buffer then casts each shard as it copies (torch's vectorised cast kernel; copy_ rounds to
-nearest even exactly as the staging cast did, so the gathered parameters are the same bits).
+that buffer then casts each shard as it copies (the same fp32 -> bf16 copy as FSDP2's first pass,
+round to nearest even, so the gathered parameters are the same bits).
+
+With one rank FSDP2 gathers nothing (FSDPParamGroup.unshard returns early and wait_for_unshard
+casts and copies each parameter on its own), so this changes a run only on two or more ranks.
 
 FSDP2 offers no hook for this, so the two module globals of `_fsdp_collectives` it looks up at each
-all-gather are replaced. Groups the fast path does not cover (no param_dtype, CPU offload, tensor
-subclasses with their own `fsdp_pre_all_gather` such as float8 weights, mixed param_dtypes, a trace
-under torch.compile) go to FSDP2's own functions unchanged. Process-wide; where the installed torch
-lacks either function nothing changes and `use_one_pass_copy_in` says so.
+all-gather are replaced, and they work only as a pair: the inputs function takes its fast path only
+while the metadata function in place is this module's. Groups the fast path does not cover (no
+param_dtype, CPU offload, tensor subclasses with their own `fsdp_pre_all_gather` such as float8
+weights, mixed param_dtypes; the test is FSDP2's own `use_foreach_copy` in `_get_param_all_gather_inputs`),
+and anything traced under torch.compile, go to FSDP2's own functions unchanged. Process-wide; where
+the installed torch lacks either function nothing changes and `use_one_pass_copy_in` says so.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import threading
 
 import torch
 
-from src.distributed.fsdp_patch import CollectivesPatch
+from src.distributed.fsdp_patch import CollectivesPatch, collectives
 
 _PENDING = threading.local()  # the inputs list just handed out and its all-gather dtype; the
 # metadata call that follows in foreach_all_gather (same thread) takes it. Backward's re-gathers run
@@ -35,7 +40,7 @@ _PENDING = threading.local()  # the inputs list just handed out and its all-gath
 def _one_pass_dtype(fsdp_params) -> torch.dtype | None:
     """The group's param_dtype where every parameter takes FSDP2's plain cast-and-copy path with
     the same param_dtype; None where any does not (that group keeps FSDP2's own path)."""
-    if not fsdp_params or torch.compiler.is_compiling():
+    if not fsdp_params:
         return None
     dtype = fsdp_params[0].param_dtype
     for p in fsdp_params:
@@ -57,20 +62,35 @@ def _sharded_source(fsdp_param) -> torch.Tensor:
 
 @torch.no_grad()
 def _get_param_all_gather_inputs(fsdp_params) -> list[list[torch.Tensor]]:
+    if torch.compiler.is_compiling():
+        return PATCH.fsdp2["_get_param_all_gather_inputs"](fsdp_params)
     dtype = _one_pass_dtype(fsdp_params)
-    if dtype is None:
+    if dtype is None or collectives()._get_all_gather_input_metadatas is not _get_all_gather_input_metadatas:
         _PENDING.inputs = None
-        return PATCH.original["_get_param_all_gather_inputs"](fsdp_params)
+        return PATCH.fsdp2["_get_param_all_gather_inputs"](fsdp_params)
     inputs = [[_sharded_source(p)] for p in fsdp_params]
     _PENDING.inputs, _PENDING.dtype = inputs, dtype
     return inputs
 
 
+def _handed_out(pending, param_all_gather_inputs) -> bool:
+    """Whether FSDP2 passed the fp32 shards the inputs function just handed out (the same list, or
+    a copy of it made by a wrapper of that function)."""
+    if pending is None:
+        return False
+    if pending is param_all_gather_inputs:
+        return True
+    return len(pending) == len(param_all_gather_inputs) and all(
+        len(ts) == 1 and ts[0] is ps[0] for ts, ps in zip(param_all_gather_inputs, pending))
+
+
 def _get_all_gather_input_metadatas(param_all_gather_inputs):
+    if torch.compiler.is_compiling():
+        return PATCH.fsdp2["_get_all_gather_input_metadatas"](param_all_gather_inputs)
     pending = getattr(_PENDING, "inputs", None)
     _PENDING.inputs = None
-    if pending is not param_all_gather_inputs:  # not the list just handed out: FSDP2's own
-        return PATCH.original["_get_all_gather_input_metadatas"](param_all_gather_inputs)
+    if not _handed_out(pending, param_all_gather_inputs):  # not the fp32 shards: FSDP2's own
+        return PATCH.fsdp2["_get_all_gather_input_metadatas"](param_all_gather_inputs)
     dtype = _PENDING.dtype
     dtypes = [[dtype] for _ in param_all_gather_inputs]
     numels = [[t.numel() for t in ts] for ts in param_all_gather_inputs]

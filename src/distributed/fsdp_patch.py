@@ -21,11 +21,13 @@ def collectives():
 
 class CollectivesPatch:
     """`CollectivesPatch({name: replacement})`: `install()` puts each replacement in place of the
-    function of that name, `restore()` puts FSDP2's back, `original[name]` is FSDP2's own."""
+    function of that name, `restore()` puts FSDP2's back. `fsdp2[name]` is FSDP2's own, kept from
+    the first install for the life of the process: a replacement that other code captured while it
+    was installed still reaches FSDP2's function after a restore."""
 
     def __init__(self, replacements: dict[str, Callable]):
         self.replacements = replacements
-        self.original: dict[str, Callable] | None = None
+        self.fsdp2: dict[str, Callable] | None = None
 
     def _current(self) -> dict[str, Callable] | None:
         try:
@@ -41,27 +43,29 @@ class CollectivesPatch:
 
     def install(self) -> bool:
         """True where the replacements are in place (now or from before); False, and nothing
-        changed, where a function is missing, or something else replaced ours since an earlier
-        install (theirs is left), or only some of ours are in place."""
+        changed, where a function is missing, only some of ours are in place, or a function is
+        neither ours nor the FSDP2 one taken at the first install (other code replaced it: theirs
+        is left)."""
         current = self._current()
         if current is None:
             return False
         if all(current[n] is f for n, f in self.replacements.items()):
             return True
-        if self.original is not None or any(current[n] is f for n, f in self.replacements.items()):
+        if any(current[n] is f for n, f in self.replacements.items()):
             return False
-        self.original = current
+        if self.fsdp2 is not None and current != self.fsdp2:
+            return False
+        self.fsdp2 = current
         module = collectives()
         for name, f in self.replacements.items():
             setattr(module, name, f)
         return True
 
     def restore(self) -> None:
-        """FSDP2's functions again, unless something else has replaced ours since the install:
-        theirs stay, and so does this install's record of the originals."""
-        if self.original is None or not self.installed():
+        """FSDP2's functions again where all of ours are in place; where other code has replaced
+        one since the install, theirs stay (and so do ours that they may call)."""
+        if self.fsdp2 is None or not self.installed():
             return
         module = collectives()
-        for name, f in self.original.items():
+        for name, f in self.fsdp2.items():
             setattr(module, name, f)
-        self.original = None

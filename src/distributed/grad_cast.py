@@ -25,7 +25,7 @@ def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torc
     if (dtype == torch.float32 and tensor.dtype in _CAST.UPCAST_DTYPES and tensor.is_cuda
             and tensor.is_contiguous() and not torch.compiler.is_compiling()):
         return _CAST.upcast_fp32(tensor)
-    return PATCH.original["_to_dtype_if_needed"](tensor, dtype)
+    return PATCH.fsdp2["_to_dtype_if_needed"](tensor, dtype)
 
 
 PATCH = CollectivesPatch({"_to_dtype_if_needed": _to_dtype_if_needed})

@@ -169,20 +169,29 @@ def inductor_config(cfg) -> contextlib.AbstractContextManager:
     return inductor.patch(settings) if settings else contextlib.nullcontext()
 
 
+def _route(setting: str, wanted: bool, use, restore, main: bool, routed: str | None, missing: str) -> None:
+    """One of FSDP2's copies through this project's replacement (`use()`) or FSDP2's own
+    (`restore()`); the main rank says which where it matters (`routed`, None: nothing to say) and
+    warns where the replacement could not be installed."""
+    if not wanted:
+        restore()
+    elif use():
+        if main and routed:
+            log.info("%s: %s", setting, routed)
+    elif main:
+        log.warning("%s: %s", setting, missing)
+
+
 def _grad_upcast(choice: str, reduce_dtype: str, device: torch.device, main: bool) -> None:
     """sharding.grad_upcast: which kernel upcasts FSDP2's reduced gradients to the fp32 parameters'
     dtype. Only a bf16/fp16 reduce on CUDA has such a cast; anything else leaves FSDP2 as it is."""
     from src.distributed.grad_cast import restore_grad_upcast, use_triton_grad_upcast
 
-    if choice != "triton" or device.type != "cuda" or torch_dtype(reduce_dtype) == torch.float32:
-        restore_grad_upcast()
-        return
-    if use_triton_grad_upcast():
-        if main:
-            log.info("sharding.grad_upcast=triton: FSDP2's reduced %s gradients upcast to fp32 by kernels/triton/cast.py", reduce_dtype)
-    elif main:
-        log.warning("sharding.grad_upcast=triton: FSDP2's cast not routed (this torch has no _fsdp_collectives._to_dtype_if_needed, "
-                    "Triton is missing, or other code replaced the function); torch's .to() upcasts")
+    _route("sharding.grad_upcast=triton", choice == "triton" and device.type == "cuda" and torch_dtype(reduce_dtype) != torch.float32,
+           use_triton_grad_upcast, restore_grad_upcast, main,
+           f"FSDP2's reduced {reduce_dtype} gradients upcast to fp32 by kernels/triton/cast.py",
+           "FSDP2's cast not routed (this torch has no _fsdp_collectives._to_dtype_if_needed, Triton is missing, "
+           "or other code replaced the function); torch's .to() upcasts")
 
 
 def _gather_copy_in(choice: str, param_dtype: str, main: bool) -> None:
@@ -190,14 +199,11 @@ def _gather_copy_in(choice: str, param_dtype: str, main: bool) -> None:
     without a lower param_dtype take FSDP2's own path either way (src/distributed/copy_in.py)."""
     from src.distributed.copy_in import restore_copy_in, use_one_pass_copy_in
 
-    if choice != "one_pass":
-        restore_copy_in()
-    elif use_one_pass_copy_in():
-        if main and torch_dtype(param_dtype) != torch.float32:
-            log.info("sharding.gather_copy_in=one_pass: fp32 shards cast to %s straight into FSDP2's all-gather buffer", param_dtype)
-    elif main:
-        log.warning("sharding.gather_copy_in=one_pass: FSDP2's copy-in left as it is (this torch's _fsdp_collectives lacks "
-                    "_get_param_all_gather_inputs or _get_all_gather_input_metadatas, or other code replaced them)")
+    lower = torch_dtype(param_dtype) != torch.float32
+    _route("sharding.gather_copy_in=one_pass", choice == "one_pass", use_one_pass_copy_in, restore_copy_in, main,
+           f"fp32 shards cast to {param_dtype} straight into FSDP2's all-gather buffer (two or more ranks)" if lower else None,
+           "FSDP2's copy-in left as it is (this torch's _fsdp_collectives lacks _get_param_all_gather_inputs or "
+           "_get_all_gather_input_metadatas, or other code replaced them)")
 
 
 def _reduce_copy_in(choice: str, reduce_dtype: str, device: torch.device, main: bool) -> None:
@@ -205,14 +211,11 @@ def _reduce_copy_in(choice: str, reduce_dtype: str, device: torch.device, main: 
     reduce-scatter input; the Triton kernel runs on CUDA only (src/distributed/reduce_copy_in.py)."""
     from src.distributed.reduce_copy_in import restore_reduce_copy_in, use_triton_reduce_copy_in
 
-    if choice != "triton" or device.type != "cuda":
-        restore_reduce_copy_in()
-    elif use_triton_reduce_copy_in():
-        if main:
-            log.info("sharding.reduce_copy_in=triton: FSDP2's gradients copied into the %s reduce-scatter input by kernels/triton/chunk_cat.py", reduce_dtype)
-    elif main:
-        log.warning("sharding.reduce_copy_in=triton: FSDP2's copy-in not routed (this torch has no _fsdp_collectives.foreach_reduce_scatter_copy_in, "
-                    "Triton is missing, or other code replaced the function); torch._chunk_cat copies")
+    _route("sharding.reduce_copy_in=triton", choice == "triton" and device.type == "cuda",
+           use_triton_reduce_copy_in, restore_reduce_copy_in, main,
+           f"FSDP2's gradients copied into the {reduce_dtype} reduce-scatter input by kernels/triton/chunk_cat.py",
+           "FSDP2's copy-in not routed (this torch has no _fsdp_collectives.foreach_reduce_scatter_copy_in, "
+           "Triton is missing, or other code replaced the function); torch._chunk_cat copies")
 
 
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:

@@ -26,7 +26,7 @@ def foreach_reduce_scatter_copy_in(unsharded_grads: list[torch.Tensor], reduce_s
     if reduce_scatter_input.is_cuda and not torch.compiler.is_compiling() and _KERNEL.takes(unsharded_grads, world_size, reduce_scatter_input):
         _KERNEL.chunk_cat(unsharded_grads, world_size, reduce_scatter_input)
     else:
-        PATCH.original["foreach_reduce_scatter_copy_in"](unsharded_grads, reduce_scatter_input, world_size)
+        PATCH.fsdp2["foreach_reduce_scatter_copy_in"](unsharded_grads, reduce_scatter_input, world_size)
 
 
 PATCH = CollectivesPatch({"foreach_reduce_scatter_copy_in": foreach_reduce_scatter_copy_in})
