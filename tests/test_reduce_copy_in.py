@@ -128,7 +128,7 @@ def test_fsdp2_gradients_copied_by_triton_equal_torchs(monkeypatch, reduce_dtype
             fully_shard(model, mesh=mesh, mp_policy=policy)
             if choice == "triton":
                 assert reduce_copy_in.use_triton_reduce_copy_in()
-                monkeypatch.setattr(kernel, "chunk_cat", lambda ts, w, out, f=kernel.chunk_cat: calls.append(len(ts)) or f(ts, w, out))
+                monkeypatch.setattr(kernel, "launch_checked", lambda ts, w, out, f=kernel.launch_checked: calls.append(len(ts)) or f(ts, w, out))
             else:
                 reduce_copy_in.restore_reduce_copy_in()
             model(x).float().square().mean().backward()

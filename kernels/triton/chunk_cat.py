@@ -93,6 +93,11 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -
     if not takes(tensors, num_chunks, out):
         raise ValueError(f"chunk_cat takes contiguous float tensors of one dtype whose dim 0 divides by num_chunks (1 to {MAX_CHUNKS}), "
                          "into a contiguous out of an equal or wider float dtype and their total size, on the current device")
+    launch_checked(tensors, num_chunks, out)
+
+
+def launch_checked(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """`chunk_cat` for a call `takes` has already accepted (FSDP2's route checks once, then launches)."""
     rows = out.view(num_chunks, -1)
     row_stride = rows.shape[1]
     col = 0

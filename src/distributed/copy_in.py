@@ -108,6 +108,6 @@ def use_one_pass_copy_in() -> bool:
 
 
 def restore_copy_in() -> None:
-    """FSDP2's two passes again (sharding.copy_in=fsdp2, tests), unless something else has replaced
+    """FSDP2's two passes again (sharding.gather_copy_in=fsdp2, tests), unless something else has replaced
     the functions since this module did: theirs are left in place."""
     PATCH.restore()

@@ -24,7 +24,7 @@ _KERNEL = None  # kernels.triton.chunk_cat, imported when installed (Triton may 
 
 def foreach_reduce_scatter_copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
     if reduce_scatter_input.is_cuda and not torch.compiler.is_compiling() and _KERNEL.takes(unsharded_grads, world_size, reduce_scatter_input):
-        _KERNEL.chunk_cat(unsharded_grads, world_size, reduce_scatter_input)
+        _KERNEL.launch_checked(unsharded_grads, world_size, reduce_scatter_input)
     else:
         PATCH.fsdp2["foreach_reduce_scatter_copy_in"](unsharded_grads, reduce_scatter_input, world_size)
 
