@@ -194,14 +194,15 @@ def _grad_upcast(choice: str, reduce_dtype: str, device: torch.device, main: boo
            "or other code replaced the function); torch's .to() upcasts")
 
 
-def _gather_copy_in(choice: str, param_dtype: str, main: bool) -> None:
+def _gather_copy_in(choice: str, param_dtype: str, ranks: int, main: bool) -> None:
     """sharding.gather_copy_in: one pass (cast into the all-gather buffer) or FSDP2's two. Groups
-    without a lower param_dtype take FSDP2's own path either way (src/distributed/copy_in.py)."""
+    without a lower param_dtype take FSDP2's own path either way, and one rank gathers nothing
+    (src/distributed/copy_in.py); the log says so only where the one pass runs."""
     from src.distributed.copy_in import restore_copy_in, use_one_pass_copy_in
 
-    lower = torch_dtype(param_dtype) != torch.float32
+    runs = torch_dtype(param_dtype) != torch.float32 and ranks > 1
     _route("sharding.gather_copy_in=one_pass", choice == "one_pass", use_one_pass_copy_in, restore_copy_in, main,
-           f"fp32 shards cast to {param_dtype} straight into FSDP2's all-gather buffer (two or more ranks)" if lower else None,
+           f"fp32 shards cast to {param_dtype} straight into FSDP2's all-gather buffer" if runs else None,
            "FSDP2's copy-in left as it is (this torch's _fsdp_collectives lacks _get_param_all_gather_inputs or "
            "_get_all_gather_input_metadatas, or other code replaced them)")
 
@@ -254,7 +255,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
             cfg.sharding.forward_prefetch, cfg.sharding.backward_prefetch,
         )
         _grad_upcast(cfg.sharding.grad_upcast, cfg.precision.reduce_dtype, device, main)
-        _gather_copy_in(cfg.sharding.gather_copy_in, cfg.precision.param_dtype, main)
+        _gather_copy_in(cfg.sharding.gather_copy_in, cfg.precision.param_dtype, mesh.size(), main)
         _reduce_copy_in(cfg.sharding.reduce_copy_in, cfg.precision.reduce_dtype, device, main)
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
