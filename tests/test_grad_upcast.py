@@ -110,36 +110,22 @@ def test_sharding_grad_upcast_decides_the_route(choice, device, reduce_dtype, ro
 def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
     """One NCCL rank, a bf16 reduce under fp32 parameters: the sharded fp32 gradients after one
     backward are the same bits with either upcast, and the Triton kernel ran once a unit."""
-    import torch.distributed as dist
-    import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     import kernels.triton.cast as cast
+    from tests.fsdp_one_rank import sharded_grads_per_route
 
     calls = []
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+    def route(choice: str) -> None:
+        if choice == "triton":
+            assert grad_cast.use_triton_grad_upcast()
+            monkeypatch.setattr(cast, "upcast_fp32", lambda t, kernel=cast.upcast_fp32: calls.append(t.numel()) or kernel(t))
+        else:
+            grad_cast.restore_grad_upcast()
+
     try:
-        mesh = init_device_mesh("cuda", (1,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        x = torch.randn(37, 64, device="cuda")
-        grads = {}
-        for choice in ("torch", "triton"):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 33)).cuda()
-            for layer in (model[0], model[2]):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-            if choice == "triton":
-                assert grad_cast.use_triton_grad_upcast()
-                monkeypatch.setattr(cast, "upcast_fp32", lambda t, kernel=cast.upcast_fp32: calls.append(t.numel()) or kernel(t))
-            else:
-                grad_cast.restore_grad_upcast()
-            model(x).float().square().mean().backward()
-            grads[choice] = [p.grad.full_tensor() for p in model.parameters()]
-        assert all(g.dtype == torch.float32 for g in grads["triton"])
-        assert all(torch.equal(a, b) for a, b in zip(grads["triton"], grads["torch"]))
-        assert len(calls) == 2  # the two linears' units; the root holds no parameters
+        grads = sharded_grads_per_route(torch.bfloat16, route)
     finally:
         grad_cast.restore_grad_upcast()
-        dist.destroy_process_group()
+    assert all(g.dtype == torch.float32 for g in grads["triton"])
+    assert all(torch.equal(a, b) for a, b in zip(grads["triton"], grads["torch"]))
+    assert len(calls) == 2  # the two linears' units; the root holds no parameters

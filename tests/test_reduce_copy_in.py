@@ -106,35 +106,21 @@ def test_sharding_reduce_copy_in_decides_the_route(choice, device, routed):
 def test_fsdp2_gradients_copied_by_triton_equal_torchs(monkeypatch, reduce_dtype):
     """One NCCL rank, bf16 compute: the sharded fp32 gradients after one backward are the same bits
     with either copy-in, and the Triton kernel ran once a unit."""
-    import torch.distributed as dist
-    import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     import kernels.triton.chunk_cat as kernel
+    from tests.fsdp_one_rank import sharded_grads_per_route
 
     calls = []
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+    def route(choice: str) -> None:
+        if choice == "triton":
+            assert reduce_copy_in.use_triton_reduce_copy_in()
+            monkeypatch.setattr(kernel, "launch_checked", lambda ts, w, out, f=kernel.launch_checked: calls.append(len(ts)) or f(ts, w, out))
+        else:
+            reduce_copy_in.restore_reduce_copy_in()
+
     try:
-        mesh = init_device_mesh("cuda", (1,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-        x = torch.randn(37, 64, device="cuda")
-        grads = {}
-        for choice in ("torch", "triton"):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 33)).cuda()
-            for layer in (model[0], model[2]):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-            if choice == "triton":
-                assert reduce_copy_in.use_triton_reduce_copy_in()
-                monkeypatch.setattr(kernel, "launch_checked", lambda ts, w, out, f=kernel.launch_checked: calls.append(len(ts)) or f(ts, w, out))
-            else:
-                reduce_copy_in.restore_reduce_copy_in()
-            model(x).float().square().mean().backward()
-            grads[choice] = [p.grad.full_tensor() for p in model.parameters()]
-        assert all(torch.equal(a, b) for a, b in zip(grads["triton"], grads["torch"]))
-        assert calls == [2, 2]  # each linear's unit: weight and bias; the root holds no parameters
+        grads = sharded_grads_per_route(reduce_dtype, route)
     finally:
         reduce_copy_in.restore_reduce_copy_in()
-        dist.destroy_process_group()
+    assert all(torch.equal(a, b) for a, b in zip(grads["triton"], grads["torch"]))
+    assert calls == [2, 2]  # each linear's unit: weight and bias; the root holds no parameters
