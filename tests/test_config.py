@@ -86,6 +86,7 @@ BAD_OVERRIDES = [
     (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, fsdp4_tuned, kernels, kernels_cpu, profile"),
     # issue 14: each of these used to fail inside a rank, or train nonsense, or make folders
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
+    (["kernels.loss_trial=-1"], "kernels.loss_trial=-1: must be 0 (no trial) or more pairs of steps"),
     (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),
     (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]: must be two numbers in [0, 1)"),
     (["data=random", "model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),

@@ -10,6 +10,7 @@ src/train/loop.py runs the steps, times them and reads their figures.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
 from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
+from src.fusion.trial import LossTrial
 from src.models import build_model
 from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.annotate import profiled_step, step_marker
@@ -78,6 +80,7 @@ class Trainer:
         self.step = 0
         """the step being run, counted from 0 (a checkpoint after N steps resumes at N)"""
         self.session: TorchProfileSession | None = None
+        self.loss_trial: LossTrial | None = None
         nvtx = cfg.profile.nvtx
         self.mark = step_marker(nvtx) if nvtx else (lambda name: contextlib.nullcontext())
 
@@ -111,6 +114,7 @@ class Trainer:
         self.tracker = start_tracker(self.tracker)
         if cfg.kernels.auto and env.is_main:
             log_auto_choice(cfg, self.kernels, self.run_dir, self.tracker)
+        self.loss_trial = self._loss_trial()
         if self.resumed_from is not None:
             self.tracker.set_tags({"resumed_from": str(self.resumed_from), "resumed_at_step": str(self.start_step)})
         if env.is_main:
@@ -145,6 +149,40 @@ class Trainer:
             if env.is_main:
                 log.info("ops under torch.compile: %s", ", ".join(f"{op} x{n}" for op, n in compiled_swapped.items()) + (" cross_entropy" if compiled_loss else ""))
         return kernels
+
+    def _loss_trial(self) -> LossTrial | None:
+        """kernels=auto with a fused loss on a GPU: the run's own steps decide between it and
+        eager's loss (src/fusion/trial.py), from the step after the first (which compiles it)."""
+        cfg, env = self.cfg, self.env
+        pairs = cfg.kernels.loss_trial
+        if not (cfg.kernels.auto and pairs and env.device.type == "cuda" and self.kernels.loss_fn is not None):
+            return None
+        trial = LossTrial(self.kernels.loss_fn, self.start_step + 1, pairs)
+        if trial.last >= cfg.train.steps:
+            if env.is_main:
+                log.info("kernels=auto: %d steps leave no room for the loss trial (%d pairs from step %d); the fused loss stays, untried",
+                         cfg.train.steps, pairs, trial.first)
+            return None
+        if env.is_main:
+            log.info("kernels=auto: steps %d-%d alternate the fused loss with eager's (kernels.loss_trial=%d); the faster stays",
+                     trial.first, trial.last, pairs)
+        return trial
+
+    def _record_loss_trial(self, record: dict) -> None:
+        """The trial's timings and decision: the log, MLflow (a tag and two metrics) and kernels_auto.json."""
+        if not self.env.is_main:
+            return
+        log.info("kernels=auto loss trial, steps %d-%d: fused %.2f ms, eager %.2f ms a step (median, slowest rank) -> %s loss",
+                 *record["steps"], record["picked_median_ms"], record["eager_median_ms"], "fused" if record["kept"] == "picked" else "eager")
+        self.tracker.set_tags({"kernels.auto.loss_trial": "fused" if record["kept"] == "picked" else "eager"})
+        self.tracker.log_step(record["steps"][1], {"auto.loss_trial.fused_ms": record["picked_median_ms"],
+                                                   "auto.loss_trial.eager_ms": record["eager_median_ms"]})
+        path = self.run_dir / "kernels_auto.json" if self.run_dir is not None else None
+        if path is not None and path.exists():
+            auto = json.loads(path.read_text())
+            auto["loss_trial"] = record
+            path.write_text(json.dumps(auto, indent=2))
+            self.tracker.log_artifact(path)
 
     def _checkpoint_and_resume(self) -> None:
         ck, ctx = self.cfg.checkpoint, self.ctx
@@ -232,8 +270,17 @@ class Trainer:
                    total_steps=cfg.train.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        trial = self.loss_trial
+        if trial is not None:
+            self.kernels.loss_fn = trial.loss_at(step)
+            trial.begin(step)
         with profiled_step() if step == cfg.profile.nvtx_step else contextlib.nullcontext():
             loss, norm = self.train_step(inputs, targets, need_norm=read)
+        if trial is not None:
+            trial.end(step)
+            record = trial.settle(step)
+            if record is not None:
+                self._record_loss_trial(record)
         if self.session is not None:
             self.session.step()
         return loss, norm

@@ -1,0 +1,117 @@
+"""kernels=auto's last word on the fused loss: a few steps of the run itself, picked loss against eager's.
+
+auto picks each candidate from timings of that op alone (src/fusion/measure.py). The fused
+cross-entropy measured 0.5 ms faster than eager's alone at the seed's shape, yet the seed's step
+with it was 0.3-2.3 ms slower than eager's in three calls on three H200s (docs/PERFORMANCE.md 5c):
+its kernels save GPU time, and its Python forward and backward cost host time in a step whose host
+path is already 70-85% of the GPU's. Which of the two wins depends on the step around the op, so the
+run measures it: the loss is the one pick that can change from step to step (the loss function is
+read at each step; modules and compiled blocks are fixed once sharded).
+
+`pairs` pairs of steps from `first` (the step after the first, whose Triton kernels compile) run
+the picked loss and eager's in ABBA order, so a drift over the trial weighs on both alike; each
+step is timed on the GPU by CUDA events around it, so the time a host-bound step leaves the GPU
+waiting counts. Once the last trial step is queued the run syncs once, every rank takes the slowest
+rank's medians (all ranks then keep the same loss), and the pick stays where its median step is no
+more than MARGIN slower than eager's; after that the kept loss runs every step.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# The pick also saves memory (the fused loss never holds fp32 logits: 1.2 GB at the seed's shape),
+# so a tie keeps it; 0.5% of a 75 ms step (0.4 ms) is about the spread of one step's time between
+# neighbouring steps of one setting on an H200.
+MARGIN = 0.005
+
+
+def keep_pick(picked_ms: list[float], eager_ms: list[float], margin: float = MARGIN) -> bool:
+    """Whether the pick stays: its median step no more than `margin` slower than eager's."""
+    return statistics.median(picked_ms) <= statistics.median(eager_ms) * (1 + margin)
+
+
+class CudaStepTimer:
+    """GPU time of each timed step: a CUDA event before and after it, read once at the end."""
+
+    def __init__(self):
+        self.events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+
+    def begin(self, step: int) -> None:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.events[step] = (start, torch.cuda.Event(enable_timing=True))
+
+    def end(self, step: int) -> None:
+        self.events[step][1].record()
+
+    def elapsed_ms(self) -> dict[int, float]:
+        torch.cuda.synchronize()
+        return {step: start.elapsed_time(stop) for step, (start, stop) in self.events.items()}
+
+
+@dataclass
+class LossTrial:
+    """The picked loss (`picked`, e.g. the fused cross-entropy) against eager's (None) over
+    `pairs` pairs of steps from `first`; `loss_at(step)` is the loss a step runs, `settle(step)`
+    decides once all trial steps are queued and returns the record (None before and after)."""
+
+    picked: Callable
+    first: int
+    pairs: int
+    timer: object = field(default_factory=CudaStepTimer)
+    kept: bool | None = None
+    record: dict | None = None
+
+    @property
+    def last(self) -> int:
+        return self.first + 2 * self.pairs - 1
+
+    def runs_picked(self, step: int) -> bool:
+        """ABBA: pair i runs the pick first where i is even, eager first where it is odd."""
+        i, second = divmod(step - self.first, 2)
+        return (second == 0) == (i % 2 == 0)
+
+    def in_trial(self, step: int) -> bool:
+        return self.kept is None and self.first <= step <= self.last
+
+    def loss_at(self, step: int) -> Callable | None:
+        if self.in_trial(step):
+            return self.picked if self.runs_picked(step) else None
+        return None if self.kept is False else self.picked
+
+    def begin(self, step: int) -> None:
+        if self.in_trial(step):
+            self.timer.begin(step)
+
+    def end(self, step: int) -> None:
+        if self.in_trial(step):
+            self.timer.end(step)
+
+    def settle(self, step: int) -> dict | None:
+        """After the last trial step is queued (`step` is that step): read the timings, agree
+        across ranks, decide. Every rank must call it at the same step."""
+        if self.kept is not None or step != self.last:
+            return None
+        ms = self.timer.elapsed_ms()
+        picked = [ms[s] for s in sorted(ms) if self.runs_picked(s)]
+        eager = [ms[s] for s in sorted(ms) if not self.runs_picked(s)]
+        medians = torch.tensor([statistics.median(picked), statistics.median(eager)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
+            medians = medians.to(device)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's: every rank decides alike
+            medians = medians.cpu()
+        picked_median, eager_median = medians.tolist()
+        self.kept = keep_pick([picked_median], [eager_median])
+        self.record = {
+            "steps": [self.first, self.last], "pairs": self.pairs, "margin": MARGIN,
+            "picked_ms": picked, "eager_ms": eager,  # this rank's steps
+            "picked_median_ms": picked_median, "eager_median_ms": eager_median,  # the slowest rank's
+            "kept": "picked" if self.kept else "eager",
+        }
+        return self.record

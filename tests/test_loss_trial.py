@@ -1,0 +1,62 @@
+"""kernels=auto's loss trial (src/fusion/trial.py): which loss each step runs, and the decision from
+step timings given by a stub timer (a CPU test of the decision, not of the GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from src.fusion.trial import MARGIN, LossTrial, keep_pick
+
+
+def fused(logits, targets):  # stands for the fused cross-entropy
+    raise AssertionError("not called here")
+
+
+class StubTimer:
+    """Step times given in advance, per step: what CUDA events would have measured."""
+
+    def __init__(self, ms: dict[int, float]):
+        self.ms, self.timed = ms, []
+
+    def begin(self, step: int) -> None:
+        self.timed.append(step)
+
+    def end(self, step: int) -> None:
+        pass
+
+    def elapsed_ms(self) -> dict[int, float]:
+        return {s: self.ms[s] for s in self.timed}
+
+
+def test_keep_pick_keeps_the_faster_and_a_tie():
+    assert keep_pick([70.0, 71.0], [72.0, 73.0])
+    assert keep_pick([72.0 * (1 + MARGIN)], [72.0])  # within the margin: the pick (and its memory saving) stays
+    assert not keep_pick([73.0, 74.0], [72.0, 72.5])
+
+
+def test_steps_alternate_abba_then_the_kept_loss_runs():
+    trial = LossTrial(fused, first=1, pairs=2, timer=StubTimer({}))
+    assert trial.last == 4
+    assert [trial.loss_at(s) for s in range(0, 5)] == [fused, fused, None, None, fused]  # step 0 (compiles) runs the pick
+
+
+@pytest.mark.parametrize("fused_ms, eager_ms, kept, after", [
+    ((74.0, 74.4), (73.0, 73.2), "eager", None),  # the fused loss's step 1.4% slower: eager's stays
+    ((72.0, 72.2), (73.0, 73.4), "picked", fused),
+])
+def test_the_trial_decides_from_the_run_s_steps(fused_ms, eager_ms, kept, after):
+    ms = {1: fused_ms[0], 2: eager_ms[0], 3: eager_ms[1], 4: fused_ms[1], 9: 1000.0}
+    timer = StubTimer(ms)
+    trial = LossTrial(fused, first=1, pairs=2, timer=timer)
+    records = []
+    for step in range(0, 7):
+        trial.loss_at(step)
+        trial.begin(step)
+        trial.end(step)
+        records.append(trial.settle(step))
+    assert timer.timed == [1, 2, 3, 4]  # only the trial's steps are timed
+    assert records[:4] == [None] * 4 and records[5:] == [None, None]  # decided once, after step 4
+    record = records[4]
+    assert record["kept"] == kept and record["steps"] == [1, 4]
+    assert record["picked_ms"] == list(fused_ms) and record["eager_ms"] == list(eager_ms)
+    assert record["picked_median_ms"] == pytest.approx(sum(fused_ms) / 2)
+    assert trial.loss_at(5) is after and trial.loss_at(100) is after
