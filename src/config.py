@@ -210,10 +210,11 @@ class KernelsConfig:
     """ops run under torch.compile on their own, the rest of the model eager (kernels=auto's choice where compile was fastest)"""
     measured: dict[str, dict[str, float]] = field(default_factory=dict)
     """kernels=auto on a GPU: op -> candidate -> measured ms per step, forward and backward (filled in before the ranks start)"""
-    loss_trial: int = 2
-    """kernels=auto on a GPU, a fused loss picked: the first 2n steps after the first alternate it with eager's loss, each
-    step timed by CUDA events, and the fused loss stays only where its median step is no more than 0.5% slower
-    (src/fusion/trial.py; in kernels_auto.json and MLflow); 0: keep the pick untried"""
+    loss_trial: int = 0
+    """kernels=auto on a GPU with a fused loss picked: n > 0 runs eager's loss once (step 1, untimed), then alternates the two
+    over n pairs of steps, each timed by CUDA events; the fused loss stays only where its median step is no more than 0.5%
+    slower (src/fusion/trial.py; in kernels_auto.json and MLflow). Off by default: the eager steps need the memory the
+    fused loss saves, and the trial's placement is measured once (docs/PERFORMANCE.md 5c)"""
 
 
 @dataclass

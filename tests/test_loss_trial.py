@@ -33,10 +33,12 @@ def test_keep_pick_keeps_the_faster_and_a_tie():
     assert not keep_pick([73.0, 74.0], [72.0, 72.5])
 
 
-def test_steps_alternate_abba_then_the_kept_loss_runs():
+def test_eager_once_then_abba():
     trial = LossTrial(fused, first=1, pairs=2, timer=StubTimer({}))
-    assert trial.last == 4
-    assert [trial.loss_at(s) for s in range(0, 5)] == [fused, fused, None, None, fused]  # step 0 (compiles) runs the pick
+    assert trial.last == 5
+    # step 0 (the run's first) runs the pick, step 1 eager's once untimed, then ABBA over steps 2-5
+    assert [trial.loss_at(s) for s in range(0, 6)] == [fused, None, fused, None, None, fused]
+    assert [s for s in range(0, 7) if trial.timed(s)] == [2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("fused_ms, eager_ms, kept, after", [
@@ -44,19 +46,19 @@ def test_steps_alternate_abba_then_the_kept_loss_runs():
     ((72.0, 72.2), (73.0, 73.4), "picked", fused),
 ])
 def test_the_trial_decides_from_the_run_s_steps(fused_ms, eager_ms, kept, after):
-    ms = {1: fused_ms[0], 2: eager_ms[0], 3: eager_ms[1], 4: fused_ms[1], 9: 1000.0}
+    ms = {1: 500.0, 2: fused_ms[0], 3: eager_ms[0], 4: eager_ms[1], 5: fused_ms[1], 9: 1000.0}  # step 1: eager's first, slow
     timer = StubTimer(ms)
     trial = LossTrial(fused, first=1, pairs=2, timer=timer)
     records = []
-    for step in range(0, 7):
+    for step in range(0, 8):
         trial.loss_at(step)
         trial.begin(step)
         trial.end(step)
         records.append(trial.settle(step))
-    assert timer.timed == [1, 2, 3, 4]  # only the trial's steps are timed
-    assert records[:4] == [None] * 4 and records[5:] == [None, None]  # decided once, after step 4
-    record = records[4]
-    assert record["kept"] == kept and record["steps"] == [1, 4]
+    assert timer.timed == [2, 3, 4, 5]  # only the trial's timed steps: not eager's first
+    assert records[:5] == [None] * 5 and records[6:] == [None, None]  # decided once, after step 5
+    record = records[5]
+    assert record["kept"] == kept and record["steps"] == [2, 5]
     assert record["picked_ms"] == list(fused_ms) and record["eager_ms"] == list(eager_ms)
     assert record["picked_median_ms"] == pytest.approx(sum(fused_ms) / 2)
-    assert trial.loss_at(5) is after and trial.loss_at(100) is after
+    assert trial.loss_at(6) is after and trial.loss_at(100) is after

@@ -8,12 +8,19 @@ path is already 70-85% of the GPU's. Which of the two wins depends on the step a
 run measures it: the loss is the one pick that can change from step to step (the loss function is
 read at each step; modules and compiled blocks are fixed once sharded).
 
-`pairs` pairs of steps from `first` (the step after the first, whose Triton kernels compile) run
-the picked loss and eager's in ABBA order, so a drift over the trial weighs on both alike; each
-step is timed on the GPU by CUDA events around it, so the time a host-bound step leaves the GPU
-waiting counts. Once the last trial step is queued the run syncs once, every rank takes the slowest
-rank's medians (all ranks then keep the same loss), and the pick stays where its median step is no
-more than MARGIN slower than eager's; after that the kept loss runs every step.
+Step `first` runs eager's loss once, untimed: a loss's first step carries one-time costs (on an
+H200 the eager loss's first step took 113 ms against 79 after it, the allocator growing for the
+fp32 logits the fused loss never holds; docs/PERFORMANCE.md 5c), and the run's first step has
+already run the pick. Then `pairs` pairs of steps run the picked loss and eager's in ABBA order, so
+a drift over the trial weighs on both alike; each step is timed on the GPU by CUDA events around
+it, so the time a host-bound step leaves the GPU waiting counts. Once the last trial step is queued
+the run syncs once, every rank takes the slowest rank's medians (all ranks then keep the same
+loss), and the pick stays where its median step is no more than MARGIN slower than eager's; after
+that the kept loss runs every step.
+
+The eager steps hold the logits the fused loss avoids (1.2 GB more at the seed's shape): a run that
+fits only with the fused loss would run out of memory in them, which is one reason the trial runs
+only when asked for (`kernels.loss_trial`).
 """
 from __future__ import annotations
 
@@ -56,9 +63,10 @@ class CudaStepTimer:
 
 @dataclass
 class LossTrial:
-    """The picked loss (`picked`, e.g. the fused cross-entropy) against eager's (None) over
-    `pairs` pairs of steps from `first`; `loss_at(step)` is the loss a step runs, `settle(step)`
-    decides once all trial steps are queued and returns the record (None before and after)."""
+    """The picked loss (`picked`, e.g. the fused cross-entropy) against eager's (None): eager's
+    once at `first`, untimed, then `pairs` timed pairs of steps; `loss_at(step)` is the loss a step
+    runs, `settle(step)` decides once all trial steps are queued and returns the record (None before
+    and after)."""
 
     picked: Callable
     first: int
@@ -69,27 +77,29 @@ class LossTrial:
 
     @property
     def last(self) -> int:
-        return self.first + 2 * self.pairs - 1
+        return self.first + 2 * self.pairs
+
+    def timed(self, step: int) -> bool:
+        return self.kept is None and self.first < step <= self.last
 
     def runs_picked(self, step: int) -> bool:
-        """ABBA: pair i runs the pick first where i is even, eager first where it is odd."""
-        i, second = divmod(step - self.first, 2)
+        """ABBA over the timed steps: pair i runs the pick first where i is even, eager first where it is odd."""
+        i, second = divmod(step - self.first - 1, 2)
         return (second == 0) == (i % 2 == 0)
 
-    def in_trial(self, step: int) -> bool:
-        return self.kept is None and self.first <= step <= self.last
-
     def loss_at(self, step: int) -> Callable | None:
-        if self.in_trial(step):
+        if self.kept is None and step == self.first:
+            return None  # eager's loss once, untimed: its first step's one-time costs stay out of the trial
+        if self.timed(step):
             return self.picked if self.runs_picked(step) else None
         return None if self.kept is False else self.picked
 
     def begin(self, step: int) -> None:
-        if self.in_trial(step):
+        if self.timed(step):
             self.timer.begin(step)
 
     def end(self, step: int) -> None:
-        if self.in_trial(step):
+        if self.timed(step):
             self.timer.end(step)
 
     def settle(self, step: int) -> dict | None:
@@ -109,7 +119,7 @@ class LossTrial:
         picked_median, eager_median = medians.tolist()
         self.kept = keep_pick([picked_median], [eager_median])
         self.record = {
-            "steps": [self.first, self.last], "pairs": self.pairs, "margin": MARGIN,
+            "steps": [self.first + 1, self.last], "pairs": self.pairs, "margin": MARGIN,
             "picked_ms": picked, "eager_ms": eager,  # this rank's steps
             "picked_median_ms": picked_median, "eager_median_ms": eager_median,  # the slowest rank's
             "kept": "picked" if self.kept else "eager",

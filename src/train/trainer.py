@@ -151,8 +151,8 @@ class Trainer:
         return kernels
 
     def _loss_trial(self) -> LossTrial | None:
-        """kernels=auto with a fused loss on a GPU: the run's own steps decide between it and
-        eager's loss (src/fusion/trial.py), from the step after the first (which compiles it)."""
+        """kernels=auto with a fused loss on a GPU and kernels.loss_trial pairs: the run's own steps
+        decide between it and eager's loss (src/fusion/trial.py), from the step after the first."""
         cfg, env = self.cfg, self.env
         pairs = cfg.kernels.loss_trial
         if not (cfg.kernels.auto and pairs and env.device.type == "cuda" and self.kernels.loss_fn is not None):
@@ -164,8 +164,8 @@ class Trainer:
                          cfg.train.steps, pairs, trial.first)
             return None
         if env.is_main:
-            log.info("kernels=auto: steps %d-%d alternate the fused loss with eager's (kernels.loss_trial=%d); the faster stays",
-                     trial.first, trial.last, pairs)
+            log.info("kernels=auto: step %d runs eager's loss, steps %d-%d alternate it with the fused loss (kernels.loss_trial=%d); the faster stays",
+                     trial.first, trial.first + 1, trial.last, pairs)
         return trial
 
     def _record_loss_trial(self, record: dict) -> None:
