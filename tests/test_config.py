@@ -87,6 +87,7 @@ BAD_OVERRIDES = [
     # issue 14: each of these used to fail inside a rank, or train nonsense, or make folders
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
     (["kernels.loss_trial=-1"], "kernels.loss_trial=-1: must be 0 (no trial) or more pairs of steps"),
+    (["kernels.loss_trial=2"], "kernels.loss_trial=2 tries kernels=auto's fused loss, and kernels=eager picks none; use kernels=auto or kernels.loss_trial=0"),
     (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),
     (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]: must be two numbers in [0, 1)"),
     (["data=random", "model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),

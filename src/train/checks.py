@@ -39,6 +39,9 @@ def _check_numbers(cfg: DictConfig) -> None:
     need(t.log_every >= 1, "train.log_every", t.log_every, "at least 1 (log every Nth step)")
     need(t.untimed_steps >= 0, "train.untimed_steps", t.untimed_steps, "0 or more")
     need(cfg.kernels.loss_trial >= 0, "kernels.loss_trial", cfg.kernels.loss_trial, "0 (no trial) or more pairs of steps, e.g. kernels.loss_trial=2")
+    if cfg.kernels.loss_trial and not cfg.kernels.auto:
+        raise ConfigError(f"kernels.loss_trial={cfg.kernels.loss_trial} tries kernels=auto's fused loss, and kernels={cfg.kernels.name} picks none; "
+                          "use kernels=auto or kernels.loss_trial=0")
     need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "0 or more (learning-rate warm-up steps)")
     need(finite(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "a fraction in [0, 1], e.g. optim.min_lr_ratio=0.1")
     need(cfg.dist.max_restarts >= 0, "dist.max_restarts", cfg.dist.max_restarts, "0 or more")

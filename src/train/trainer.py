@@ -151,17 +151,23 @@ class Trainer:
         return kernels
 
     def _loss_trial(self) -> LossTrial | None:
-        """kernels=auto with a fused loss on a GPU and kernels.loss_trial pairs: the run's own steps
-        decide between it and eager's loss (src/fusion/trial.py), from the step after the first."""
+        """kernels=auto with the fused Triton loss on a GPU and kernels.loss_trial pairs: the run's
+        own steps decide between it and eager's loss (src/fusion/trial.py), from the step after the
+        first. Not for a resumed run (the decision is not in the checkpoint: the resumed run keeps
+        auto's pick) nor under task=profile (the profiler's cost would fall on the timed steps)."""
         cfg, env = self.cfg, self.env
         pairs = cfg.kernels.loss_trial
-        if not (cfg.kernels.auto and pairs and env.device.type == "cuda" and self.kernels.loss_fn is not None):
+        fused_loss = "cross_entropy" in selected_ops(cfg.kernels.fused) and self.kernels.loss_fn is not None and not self.kernels.loss_in_model
+        if not (cfg.kernels.auto and pairs and env.device.type == "cuda" and fused_loss):
             return None
-        trial = LossTrial(self.kernels.loss_fn, self.start_step + 1, pairs)
-        if trial.last >= cfg.train.steps:
+        why_not = ("a resumed run keeps auto's pick" if self.start_step else
+                   "task=profile would time the profiler" if cfg.task.name == "profile" else None)
+        trial = LossTrial(self.kernels.loss_fn, 1, pairs)
+        if why_not is None and trial.last >= cfg.train.steps:
+            why_not = f"{cfg.train.steps} steps leave no room for it (step 1 and {2 * pairs} more)"
+        if why_not:
             if env.is_main:
-                log.info("kernels=auto: %d steps leave no room for the loss trial (%d pairs from step %d); the fused loss stays, untried",
-                         cfg.train.steps, pairs, trial.first)
+                log.info("kernels=auto: no loss trial (%s); the fused loss stays, untried", why_not)
             return None
         if env.is_main:
             log.info("kernels=auto: step %d runs eager's loss, steps %d-%d alternate it with the fused loss (kernels.loss_trial=%d); the faster stays",
@@ -174,13 +180,16 @@ class Trainer:
             return
         log.info("kernels=auto loss trial, steps %d-%d: fused %.2f ms, eager %.2f ms a step (median, slowest rank) -> %s loss",
                  *record["steps"], record["picked_median_ms"], record["eager_median_ms"], "fused" if record["kept"] == "picked" else "eager")
-        self.tracker.set_tags({"kernels.auto.loss_trial": "fused" if record["kept"] == "picked" else "eager"})
+        tags = {"kernels.auto.loss_trial": "fused" if record["kept"] == "picked" else "eager"}
+        if record["kept"] == "eager":  # the run's fused list no longer has the loss
+            tags["kernels.auto.fused"] = ",".join(op for op in self.cfg.kernels.fused if op != "cross_entropy") or "none"
+        self.tracker.set_tags(tags)
         self.tracker.log_step(record["steps"][1], {"auto.loss_trial.fused_ms": record["picked_median_ms"],
                                                    "auto.loss_trial.eager_ms": record["eager_median_ms"]})
         path = self.run_dir / "kernels_auto.json" if self.run_dir is not None else None
         if path is not None and path.exists():
             auto = json.loads(path.read_text())
-            auto["loss_trial"] = record
+            auto["loss_trial_result"] = record
             path.write_text(json.dumps(auto, indent=2))
             self.tracker.log_artifact(path)
 
@@ -280,6 +289,7 @@ class Trainer:
             trial.end(step)
             record = trial.settle(step)
             if record is not None:
+                reset_peak_memory(self.env.device)  # later steps and the summary: the kept loss's peak, not the trial's
                 self._record_loss_trial(record)
         if self.session is not None:
             self.session.step()
