@@ -120,6 +120,7 @@ def test_one_pass_copy_in_on_nccl(tmp_path: Path):
 def test_install_and_restore_leave_others_alone():
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
+    copy_in.restore_copy_in()  # an in-process fsdp2 run before this test (parallelize) left it installed
     inputs, metadatas = _fsdp_collectives._get_param_all_gather_inputs, _fsdp_collectives._get_all_gather_input_metadatas
     try:
         assert copy_in.use_one_pass_copy_in() and copy_in.use_one_pass_copy_in()  # twice: installed once
@@ -149,6 +150,7 @@ def test_half_an_install_is_not_completed():
     code), install neither takes them for FSDP2's nor completes the set."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
+    copy_in.restore_copy_in()
     inputs, metadatas = _fsdp_collectives._get_param_all_gather_inputs, _fsdp_collectives._get_all_gather_input_metadatas
     try:
         _fsdp_collectives._get_all_gather_input_metadatas = copy_in._get_all_gather_input_metadatas
