@@ -73,7 +73,6 @@ class LossTrial:
     pairs: int
     timer: object = field(default_factory=CudaStepTimer)
     kept: bool | None = None
-    record: dict | None = None
 
     @property
     def last(self) -> int:
@@ -118,10 +117,9 @@ class LossTrial:
             medians = medians.cpu()
         picked_median, eager_median = medians.tolist()
         self.kept = keep_pick([picked_median], [eager_median])
-        self.record = {
+        return {
             "steps": [self.first + 1, self.last], "pairs": self.pairs, "margin": MARGIN,
             "picked_ms": picked, "eager_ms": eager,  # this rank's steps
             "picked_median_ms": picked_median, "eager_median_ms": eager_median,  # the slowest rank's
             "kept": "picked" if self.kept else "eager",
         }
-        return self.record

@@ -178,10 +178,11 @@ class Trainer:
         """The trial's timings and decision: the log, MLflow (a tag and two metrics) and kernels_auto.json."""
         if not self.env.is_main:
             return
+        kept = "fused" if record["kept"] == "picked" else "eager"
         log.info("kernels=auto loss trial, steps %d-%d: fused %.2f ms, eager %.2f ms a step (median, slowest rank) -> %s loss",
-                 *record["steps"], record["picked_median_ms"], record["eager_median_ms"], "fused" if record["kept"] == "picked" else "eager")
-        tags = {"kernels.auto.loss_trial": "fused" if record["kept"] == "picked" else "eager"}
-        if record["kept"] == "eager":  # the run's fused list no longer has the loss
+                 *record["steps"], record["picked_median_ms"], record["eager_median_ms"], kept)
+        tags = {"kernels.auto.loss_trial": kept}
+        if kept == "eager":  # the run's fused list no longer has the loss
             tags["kernels.auto.fused"] = ",".join(op for op in self.cfg.kernels.fused if op != "cross_entropy") or "none"
         self.tracker.set_tags(tags)
         self.tracker.log_step(record["steps"][1], {"auto.loss_trial.fused_ms": record["picked_median_ms"],
@@ -190,7 +191,7 @@ class Trainer:
         if path is not None and path.exists():
             auto = json.loads(path.read_text())
             auto["loss_trial_result"] = record
-            path.write_text(json.dumps(auto, indent=2))
+            write_json(path, auto)
             self.tracker.log_artifact(path)
 
     def _checkpoint_and_resume(self) -> None:
