@@ -204,3 +204,27 @@ def test_kernels_auto_tries_the_fused_loss_against_eagers_in_the_run(tmp_path: P
     assert all(ms > 1 for ms in trial["picked_ms"] + trial["eager_ms"])  # a step of the seed's model, not an empty event pair
     assert trial["kept"] == ("picked" if trial["picked_median_ms"] <= trial["eager_median_ms"] * 1.005 else "eager")
     assert "kernels=auto loss trial, steps 2-5" in proc.stdout + proc.stderr
+
+
+def test_a_logged_steps_readback_is_queued_without_a_host_sync():
+    """Readback's copy of a logged step's figures to the host: nothing torch counts as a sync (the
+    host memory figures go up from pinned memory, non_blocking), and read() returns them all."""
+    from src.train.loop import Readback
+
+    loss, norm = torch.tensor(2.25, device="cuda"), torch.tensor(0.5, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        readback = Readback(loss, norm, (1.5, 2.75))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert readback.read() == (2.25, 0.5, 1.5, 2.75)
+
+
+def test_the_seed_steps_steady_steps_make_no_host_sync(tmp_path: Path):
+    """src.bench.step_syncs over a one-GPU run of the seed's step (small model): from step 3 on,
+    torch's sync debugging counts nothing, logged steps included (train.log_every=1)."""
+    proc = run_cli(["--after", "3", "--", "+exp=fsdp4", "model=small", "dist.nproc=1", "train.steps=6", "tracking=none"],
+                   cwd=tmp_path, timeout=600, module="src.bench.step_syncs")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "syncs from step 3 on: 0" in proc.stdout

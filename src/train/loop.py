@@ -181,8 +181,13 @@ class Readback:
 
     def __init__(self, loss: torch.Tensor, norm: torch.Tensor, mem: tuple[float, float]):
         self.local_alloc_gb = mem[0]  # this rank's own peak (rank 0's is the one the seed prints)
-        # norm lives where the gradients do: host memory under CPU offload, beside a device loss
-        local = torch.stack([loss.float(), norm.float().to(loss.device), torch.tensor(mem[0], device=loss.device), torch.tensor(mem[1], device=loss.device)])
+        # norm lives where the gradients do: host memory under CPU offload, beside a device loss.
+        # The memory figures are host numbers: a plain torch.tensor(x, device="cuda") is a blocking
+        # copy from pageable memory, which torch ends with a stream sync, so every logged step would
+        # wait for the device and the next step's launches would start from an idle GPU. From pinned
+        # memory, non_blocking, the copy is queued like a kernel.
+        host_mem = torch.tensor(mem, dtype=torch.float32, pin_memory=loss.is_cuda)
+        local = torch.cat([torch.stack([loss.float(), norm.float().to(loss.device)]), host_mem.to(loss.device, non_blocking=True)])
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         if self.world > 1:
             gathered = [torch.empty_like(local) for _ in range(self.world)]
