@@ -209,7 +209,8 @@ class KernelsConfig:
     compiled: list[str] = field(default_factory=list)
     """ops run under torch.compile on their own, the rest of the model eager (kernels=auto's choice where compile was fastest)"""
     measured: dict[str, dict[str, float]] = field(default_factory=dict)
-    """kernels=auto on a GPU: op -> candidate -> measured ms per step, forward and backward (filled in before the ranks start)"""
+    """kernels=auto on a GPU: op -> candidate -> GPU ms per step, forward and backward, the host
+    ahead; CANDIDATE.host: the host ms to issue them (filled in before the ranks start)"""
     loss_trial: int = 0
     """kernels=auto on a GPU with a fused loss picked: n > 0 runs eager's loss once (step 1, untimed), then alternates the two
     over n pairs of steps, each timed by CUDA events; the fused loss stays only where its median step is no more than 0.5%

@@ -209,3 +209,25 @@ def test_an_op_without_a_compiled_variant_is_refused_in_one_line(tmp_path):
     proc = run_cli(["kernels.compiled=[softmax]", *TINY], cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: kernels.compiled=['softmax']: no compiled variant of that op; there are: rms_norm, swiglu, cross_entropy"]
+
+
+def test_auto_picks_by_gpu_time_and_records_each_candidates_host_time_beside_it():
+    """A timer that gives (GPU ms, host ms): the pick follows GPU time alone (the step runs with the
+    host ahead), the host time is summed per step beside it, and a timer giving GPU time alone
+    leaves the host time unknown (None), not zero."""
+    from src.fusion.measure import measure
+
+    cfg = _seed_cfg()
+    table = {("rms_norm", "eager"): (0.10, 0.15), ("rms_norm", "compile"): (0.07, 0.60), ("rms_norm", "triton"): (0.054, 0.35),
+             ("add_rms_norm", "eager"): (0.15, 0.20), ("add_rms_norm", "compile"): (0.09, 0.65), ("add_rms_norm", "triton"): (0.079, 0.45),
+             ("block", "picked"): (4.6, 2.0), ("block", "compile"): (4.55, 1.2)}
+    timer, _ = _stub_timer(table)
+    norm, block = measure(["rms_norm"], cfg, timer)
+    assert norm.pick == "triton"  # the slowest host path of the three, the least GPU time
+    assert norm.ms["triton"] == pytest.approx(13 * 0.054 + 12 * 0.079)
+    assert norm.host_ms == {"eager": pytest.approx(13 * 0.15 + 12 * 0.20), "compile": pytest.approx(13 * 0.60 + 12 * 0.65),
+                            "triton": pytest.approx(13 * 0.35 + 12 * 0.45)}
+    assert block.pick == "picked" and block.host_ms["compile"] == pytest.approx(12 * 1.2)
+    gpu_only, _ = _stub_timer({k: v[0] for k, v in table.items()})
+    norm, _ = measure(["rms_norm"], cfg, gpu_only)
+    assert norm.pick == "triton" and norm.host_ms == {"eager": None, "compile": None, "triton": None}

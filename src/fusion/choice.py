@@ -111,9 +111,13 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked and compiled", ", ".join(choice.ops))
         timings = measure_on_gpu(list(choice.ops), cfg)
         fused, compiled, compile_blocks = chosen(timings)
-        measured = {t.op: {k: v for k, v in t.ms.items() if v is not None} for t in timings}
+        # GPU ms a step per candidate, and beside it ("CANDIDATE.host") the host ms to issue it
+        measured = {t.op: {**{k: v for k, v in t.ms.items() if v is not None},
+                           **{f"{k}.host": v for k, v in t.host_ms.items() if v is not None}} for t in timings}
         for t in timings:
-            log.info("  %s: %s -> %s", t.op, ", ".join(f"{k} {v:.3f} ms" if v is not None else f"{k} failed" for k, v in t.ms.items()), t.pick)
+            log.info("  %s (GPU ms a step, host ahead; host ms): %s -> %s", t.op, ", ".join(
+                f"{k} {v:.3f} ({t.host_ms[k]:.2f})" if v is not None and t.host_ms.get(k) is not None else f"{k} {v:.3f}" if v is not None else f"{k} failed"
+                for k, v in t.ms.items()), t.pick)
     else:
         why = "no GPU here" if measure else "under an external launcher each rank would time on its own"
         log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s", why, choice.describe())

@@ -1,8 +1,16 @@
 """`kernels=auto` decides by measurement: each op the diagnosis calls for is timed, forward and
 backward, at this run's shapes and dtype on the run's GPU, as eager, torch.compile and the fused
-Triton kernel; the fastest is used. A diagnosis says where time goes, not which remedy pays:
-on an H200 the fused norms win from a CUDA graph and lose as called, where a Python backward
-costs 200-600 us of host time (docs/PERFORMANCE.md section 5b).
+Triton kernel; the fastest is used. A diagnosis says where time goes, not which remedy pays.
+
+What is timed is what a training step pays: GPU time with the host ahead of the device. The
+training loop never syncs inside a run of steps (src/train/loop.py's Readback), so on the seed's
+step the host queues a step in 55-61 ms while the H200 runs it in 72 (docs/PERFORMANCE.md section
+5c), and an op's host path costs the step nothing while it stays under its share of that margin.
+Each candidate is therefore called back to back behind a queued spin and timed by CUDA events
+(src/fusion/timing.py queued_ms), and its host microseconds per call are recorded beside it. As
+called, one call at a time, the fused norms lost to eager (their Python backward costs 200-600 us
+of host against 50-100 us of kernels): that was the cost of a step that synced every step, which
+this one no longer is.
 
 Timings are per training step: an op used k times a step (RMSNorm twice a block and once before
 the head, once of them after the residual add) counts k times. The loss is timed with the output
@@ -14,8 +22,7 @@ Then the block as a whole: the ops inside a transformer block (norms, the MLP's 
 also what Inductor fuses when it compiles the block (`kernels.compile`), with the residual adds and
 casts no per-op swap reaches. One block, forward and backward, is timed as the per-op picks would
 run it and under torch.compile; compile is used where it beats the picks by more than the noise,
-and it then subsumes the in-block picks (the loss, outside the blocks, keeps its own). On one H200
-the seed's step ran 1.032x eager with compiled blocks against about 1.01x for the best per-op picks.
+and it then subsumes the in-block picks (the loss, outside the blocks, keeps its own).
 """
 from __future__ import annotations
 
@@ -52,7 +59,9 @@ class OpTiming:
     op: str
     """the registry op (src/fusion/registry.py)"""
     ms: dict[str, float | None] = field(default_factory=dict)
-    """candidate -> GPU ms per step, forward and backward; None: the candidate failed"""
+    """candidate -> GPU ms per step, forward and backward, host ahead; None: the candidate failed"""
+    host_ms: dict[str, float | None] = field(default_factory=dict)
+    """candidate -> host ms per step to issue those calls (None: not timed, or failed)"""
     pick: str = "eager"
     """eager, compile, triton, or linear_cross_entropy (the loss only)"""
 
@@ -83,8 +92,8 @@ def pick(ms: dict[str, float | None], noise: float = NOISE, base: str = "eager")
     return base
 
 
-Timer = Callable[[Use, str], float]
-"""(use, candidate) -> GPU ms of one forward + backward"""
+Timer = Callable[[Use, str], "float | tuple[float, float]"]
+"""(use, candidate) -> GPU ms of one forward + backward, or (GPU ms, host ms) of it"""
 
 
 LOSS_OPS = ("cross_entropy", "linear_cross_entropy")
@@ -125,10 +134,15 @@ def _timed(op: str, op_uses: list[Use], candidates: tuple[str, ...], timer: Time
     timing = OpTiming(op)
     for candidate in candidates:
         try:
-            timing.ms[candidate] = sum(use.per_step * timer(use, candidate) for use in op_uses)
+            times = [(use.per_step, timer(use, candidate)) for use in op_uses]
         except Exception as err:
             log.info("kernels=auto: %s as %s failed to run: %s", op, candidate, str(err).splitlines()[0] if str(err) else type(err).__name__)
-            timing.ms[candidate] = None
+            timing.ms[candidate] = timing.host_ms[candidate] = None
+            continue
+        pairs = [(n, t if isinstance(t, tuple) else (t, None)) for n, t in times]
+        timing.ms[candidate] = sum(n * gpu for n, (gpu, _) in pairs)
+        hosts = [n * host for n, (_, host) in pairs if host is not None]
+        timing.host_ms[candidate] = sum(hosts) if len(hosts) == len(pairs) else None
     timing.pick = pick(timing.ms, base=base)
     return timing
 
@@ -165,7 +179,6 @@ def _time_block(use: Use, candidate: str, model_cfg: DictConfig, dtype: torch.dt
     under torch.compile (compiled once before timing)."""
     from src.fusion.compiled import apply_compiled
     from src.fusion.registry import apply_fused
-    from src.fusion.timing import median_ms
     from src.models.mini_llm import TransformerBlock
 
     m = model_cfg
@@ -186,14 +199,20 @@ def _time_block(use: Use, candidate: str, model_cfg: DictConfig, dtype: torch.dt
         torch.autograd.grad(fn(x), leaves, grad_out)
 
     step()  # compilation (tens of seconds for a block, forward and backward) before the clock
-    return median_ms(step, device, warmup_ms=25, rep_ms=200)
+    return _gpu_and_host(step, device)
+
+
+def _gpu_and_host(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(GPU ms with the host ahead, host ms to issue) of one call of `step`."""
+    from src.fusion.timing import host_us_per_call, queued_ms
+
+    return queued_ms(step, device), host_us_per_call(step, device) / 1e3
 
 
 def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None = None) -> Timer:
-    """Median GPU time of forward + backward, as called (triton.testing.do_bench): the host path
-    counts, as it does in the training step. `model_cfg`: the model whose block is timed."""
+    """GPU time of forward + backward with the host ahead (queued_ms), as a step that never syncs
+    pays it, and the host time to issue it. `model_cfg`: the model whose block is timed."""
     from src.fusion.cases import forward_backward, make_case, seed, variant
-    from src.fusion.timing import median_ms
 
     device = torch.device("cuda", torch.cuda.current_device())
 
@@ -205,7 +224,7 @@ def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None 
         seed(device)
         inputs = case.inputs(device, dtype, True)
         step = forward_backward(fn, inputs)
-        return median_ms(step, device, warmup_ms=25, rep_ms=100)
+        return _gpu_and_host(step, device)
 
     return time_one
 

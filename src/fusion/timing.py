@@ -60,6 +60,31 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int 
     return statistics.median(means)
 
 
+def queued_ms(fn: Callable[[], object], device: torch.device, calls: int = 20, batches: int = 5) -> float:
+    """Median GPU ms per call of `fn` called back to back with the host ahead of the device, as in
+    a training step that never syncs: a ~50 ms spin (torch.cuda._sleep) is queued first, so all
+    `calls` calls are queued before the device reaches them, and CUDA events after the spin and
+    after the last call time the kernels with no host path between them. Unlike a CUDA graph it
+    takes any op (eager RMSNorm's backward cannot be captured on torch 2.11); unlike do_bench it
+    leaves L2 as the previous call left it, as consecutive layers do. Off CUDA: median_ms."""
+    if device.type != "cuda":
+        return median_ms(fn, device)
+    for _ in range(3):  # compilation, autotuning, the allocator's first blocks
+        fn()
+    per_call = []
+    for _ in range(batches):
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than 20 host paths of a block's 2 ms
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    return statistics.median(per_call)
+
+
 def graph_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100, grad_to_none: Sequence[torch.Tensor] = ()) -> float | None:
     """Median GPU time of `fn` captured once into a CUDA graph and replayed: the kernels alone, with
     no host path between them. None off CUDA; raises where `fn` cannot be captured (a host sync)."""
