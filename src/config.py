@@ -95,6 +95,7 @@ class OptimImpl(StrEnum):
     fused = "fused"
     foreach = "foreach"
     for_loop = "for_loop"
+    triton = "triton"
 
 
 @dataclass
@@ -279,7 +280,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     """clip the global gradient norm to this; 0 disables clipping (the norm is still reported)"""
     impl: OptimImpl = OptimImpl.auto
-    """AdamW's kernels: fused (one kernel per step), foreach (multi-tensor), for_loop; auto: fused on CUDA, else foreach"""
+    """AdamW's kernels: fused (one kernel per batch of tensors), foreach (multi-tensor), for_loop, triton
+    (every tensor in one launch, and the logged grad norm read in the same pass); auto: fused on CUDA, else foreach"""
     clip_in_update: bool = True
     """fused AdamW with grad_clip > 0: the clipping factor divides each gradient inside the update
     kernel (its grad_scale) instead of a pass of its own over the gradients; same clipping, one read

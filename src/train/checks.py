@@ -78,6 +78,14 @@ def _check_in_backward(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.in_backward=true runs each update on the GPU's post-reduce stream, and sharding={sharding.name} keeps the optimizer in host memory; use sharding=fsdp2")
 
 
+def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
+    if cfg.sharding.cpu_offload:
+        raise ConfigError(f"optim.impl=triton updates the parameters on the GPU, and sharding={cfg.sharding.name} keeps them in host memory; use optim.impl=foreach")
+    if backend != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"optim.impl=triton runs a Triton kernel, which needs an NVIDIA GPU (backend=cuda); with backend={backend} use optim.impl=foreach "
+                          "(or TRITON_INTERPRET=1 to run it in Triton's interpreter, slowly)")
+
+
 def _check_symm_mem(sharding: DictConfig, backend: str) -> None:
     if sharding.strategy not in ("fsdp2", "hsdp") or backend != "cuda" or sharding.cpu_offload:
         raise ConfigError(
@@ -207,6 +215,8 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"sharding.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
     if cfg.optim.in_backward:
         _check_in_backward(cfg)
+    if cfg.optim.impl == "triton":
+        _check_triton_optimizer(cfg, backend)
     if cfg.kernels.attention != "default" and backend != "cuda":
         raise ConfigError(f"kernels.attention={cfg.kernels.attention} picks a CUDA attention kernel; with backend={backend} use kernels.attention=default")
     if sharding.symm_mem:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from src.train.metrics import host_rss_mb, mfu_percent, peak_memory_gb
+from src.train.optimizer import norm_in_update
 
 log = logging.getLogger("src.train")
 
@@ -127,7 +128,9 @@ def optimizer_step(
     returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
     host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
     what backward has not already updated). `clip_in_update` (optim.clip_in_update, fused AdamW
-    only): the clipping factor goes to the update kernel instead of a pass over the gradients."""
+    only): the clipping factor goes to the update kernel instead of a pass over the gradients. An
+    optimizer that sums the gradients' squares as it updates (optim.impl=triton) gives the norm of a
+    step that only reports it (no clipping, no skipping)."""
     update = update or optimizer.step
     with mark("optimizer"):
         if not (need_norm or grad_clip > 0 or skip_nonfinite):
@@ -135,6 +138,17 @@ def optimizer_step(
             if after_optimizer is not None:
                 after_optimizer()
             return None
+        if update == optimizer.step and grad_clip <= 0 and not skip_nonfinite and norm_in_update(optimizer):
+            # the norm only reported: the update's own pass over the gradients sums their squares
+            # (optim.impl=triton), no pass of its own
+            optimizer.grad_norm_wanted = True
+            try:
+                update()
+            finally:
+                optimizer.grad_norm_wanted = False
+            if after_optimizer is not None:
+                after_optimizer()
+            return optimizer.last_grad_norm.detach()
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads)

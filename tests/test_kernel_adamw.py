@@ -1,0 +1,182 @@
+"""kernels/triton/adamw.py and optim.impl=triton against torch's AdamW (Triton's interpreter on a
+CPU, the GPU where there is one): the update of odd-sized tensors over several steps, the
+gradients' sum of squares, state dicts that load both ways, and a run's losses and grad norms."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.compose import ConfigError, compose_config
+from src.runtime import RunContext
+from src.train.optimizer import TritonAdamW, build_optimizer, norm_in_update
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# sizes that straddle the 2048-element tile: one element, a tile less one, a tile and one, a matrix
+SHAPES = [(1,), (2047,), (2049,), (37, 113), (3, 5, 7)]
+# fp32 update, a different order of the same operations than torch's kernel: a few ulps after 3 steps
+RTOL, ATOL = 1e-5, 1e-6
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE)) for s in SHAPES]
+
+
+def _grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=g).to(DEVICE, dtype) for s in SHAPES]
+
+
+def test_triton_adamw_follows_torchs_adamw_over_steps_and_sums_the_squared_gradients():
+    ours, ref = _params(), _params()
+    opt, torch_opt = TritonAdamW(ours, **HYPER), torch.optim.AdamW(ref, foreach=False, **HYPER)
+    for step in range(3):
+        grads = _grads(step, torch.float32)
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g, g.clone()
+        opt.grad_norm_wanted = True
+        opt.step()
+        torch_opt.step()
+        want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        torch.testing.assert_close(opt.last_grad_norm, want, rtol=1e-5, atol=0)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], torch_opt.state[q][key], rtol=RTOL, atol=ATOL)
+        assert float(opt.state[p]["step"]) == float(torch_opt.state[q]["step"]) == 3.0
+
+
+def test_the_kernel_reads_bf16_gradients_as_their_fp32_values():
+    """FSDP2 with reduce_dtype below fp32 and no upcast would hand bf16 gradients: the kernel reads
+    them as fp32 (exactly), so the update equals the fp32 update of the same values."""
+    from kernels.triton.adamw import TileTable, adamw_step_
+
+    params = [p.detach() for p in _params()]
+    want = [p.clone() for p in params]
+    grads = _grads(0, torch.bfloat16)
+    moments = [[torch.zeros_like(p) for p in params] for _ in range(4)]
+    table = TileTable([p.numel() for p in params], params[0].device)
+    hyper = {"step": 1, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    sq = adamw_step_(params, grads, moments[0], moments[1], table, want_squares=True, **hyper)
+    adamw_step_(want, [g.float() for g in grads], moments[2], moments[3], table, **hyper)
+    for got, ref in zip(params + moments[0] + moments[1], want + moments[2] + moments[3]):
+        assert torch.equal(got, ref)
+    torch.testing.assert_close(sq, sum(g.float().square().sum() for g in grads), rtol=1e-5, atol=0)
+
+
+def test_the_state_dict_is_adamws_and_loads_both_ways():
+    """A checkpoint of torch's AdamW resumes under optim.impl=triton and the other way round: the
+    same keys, the step count carried, the update continued where it stopped."""
+    ref, ours = _params(), _params()
+    torch_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    for p, g in zip(ref, _grads(0, torch.float32)):
+        p.grad = g
+    torch_opt.step()
+    with torch.no_grad():
+        for p, q in zip(ours, ref):
+            p.copy_(q)
+    opt = TritonAdamW(ours, **HYPER)
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # as from a checkpoint: the step counts not shared
+    for p, q, g in zip(ours, ref, _grads(1, torch.float32)):
+        p.grad, q.grad = g, g.clone()
+    opt.step()
+    torch_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    sd = opt.state_dict()
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"} and float(sd["state"][0]["step"]) == 2.0
+    back = torch.optim.AdamW(_params(), foreach=False, **HYPER)
+    back.load_state_dict(sd)
+    assert float(back.state_dict()["state"][0]["step"]) == 2.0
+
+
+def test_parameters_without_a_gradient_are_left_alone_and_unsupported_settings_refused():
+    params = _params()
+    before = params[1].detach().clone()
+    opt = TritonAdamW(params, **HYPER)
+    for i, (p, g) in enumerate(zip(params, _grads(0, torch.float32))):
+        p.grad = None if i == 1 else g
+    opt.step()
+    assert torch.equal(params[1].detach(), before) and params[1] not in opt.state
+    half = [torch.nn.Parameter(torch.zeros(5, device=DEVICE, dtype=torch.bfloat16))]
+    half[0].grad = torch.zeros_like(half[0])
+    with pytest.raises(ValueError, match="fp32 parameters"):
+        TritonAdamW(half, **HYPER).step()
+    opt = TritonAdamW(_params(), **HYPER)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+
+
+def test_optim_impl_triton_builds_it_and_is_refused_where_it_cannot_run(monkeypatch):
+    cfg = compose_config(["optim.impl=triton"])
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg.optim, "cpu", False)
+    assert isinstance(opt, TritonAdamW) and norm_in_update(opt)
+    assert not norm_in_update(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]))
+    from src.validate import validate
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="optim.impl=triton runs a Triton kernel.*backend=cpu"):
+        validate(compose_config(["optim.impl=triton", "dist.nproc=1"]), cuda_device_count=0)
+    with pytest.raises(ConfigError, match="optim.impl=triton updates the parameters on the GPU.*fsdp2_offload"):
+        validate(compose_config(["+exp=fsdp4", "dist.nproc=1", "optim.impl=triton", "sharding=fsdp2_offload"]), cuda_device_count=1)
+
+
+def _run(tmp_path: Path, name: str, overrides: list[str]) -> list[dict]:
+    from src.train.worker import train
+
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    cfg = compose_config(["dist.nproc=1", "precision=fp32", "train.steps=4", "data.seq_len=64", "data.batch_size=4", "tracking=none",
+                          "train.progress=false", "optim.grad_clip=0", *overrides])
+    train(cfg, RunContext(run_dir=str(run_dir), cwd=str(tmp_path)))
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_with_optim_impl_triton_trains_as_foreach_adamw_and_reports_the_same_grad_norms(tmp_path: Path, monkeypatch):
+    """The tiny model under FSDP2 over a 1-rank mesh (DTensor parameters, gradients and moments),
+    in fp32, no clipping: 4 steps give foreach AdamW's losses and grad norms, the norms now summed
+    inside the update's own pass."""
+    import logging
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        ours = _run(tmp_path, "triton", ["optim.impl=triton"])
+        ref = _run(tmp_path, "foreach", ["optim.impl=foreach"])
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        root.__dict__.pop("_perflab_configured", None)
+    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ref], rel=1e-5)
+    assert [m["grad_norm"] for m in ours] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-5)
+    assert all(m["grad_norm"] > 0 for m in ours)
+
+
+def test_on_two_gloo_ranks_the_norm_summed_in_the_update_is_the_global_one(tmp_path: Path, monkeypatch):
+    """FSDP2 over 2 CPU ranks: each rank's update sums the squares of its own gradient shards, and
+    the all-reduce over the sharded mesh dimension makes the global norm, foreach AdamW's (whose
+    get_total_norm reduces DTensor norms); the losses follow foreach's too."""
+    from tests.conftest import run_cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    metrics = {}
+    for impl in ("triton", "foreach"):
+        cwd = tmp_path / impl
+        cwd.mkdir()
+        proc = run_cli(["dist.nproc=2", "precision=fp32", "train.steps=3", "data.seq_len=64", "data.batch_size=4", "tracking=none",
+                        "optim.grad_clip=0", f"optim.impl={impl}"], cwd=cwd, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        (path,) = list(cwd.glob("outputs/*/*/metrics.jsonl"))
+        metrics[impl] = [json.loads(line) for line in path.read_text().splitlines()]
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in metrics["triton"]] == pytest.approx([m[key] for m in metrics["foreach"]], rel=1e-5), key
