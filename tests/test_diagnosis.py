@@ -130,7 +130,7 @@ def test_a_diagnosis_json_can_be_diagnosed_again(tmp_path):
     assert "backward/other" not in by_key  # every backward kernel is named (GammaBeta -> norm, dot_do_o -> attention)
     assert d["has_backward"] and "% of step" in by_key["optimizer/adamw"]["summary"]
     # the optimizer's own remedy, not the generic memory-bound one
-    assert by_key["optimizer/adamw"]["summary"].endswith("-> fused AdamW (optim.impl=fused)")
+    assert by_key["optimizer/adamw"]["summary"].endswith("-> AdamW in one Triton launch, the grad norm read in its pass (optim.impl=triton; kernels=auto times it against torch's fused AdamW)")
     # one verdict per kernel name in a module: the same kernel in 12 layers never gets two
     verdicts = {}
     for k in d["kernels"]:

@@ -30,9 +30,10 @@ def _with_verdicts(tmp_path: Path, verdicts: dict[str, tuple[str, str]]) -> Path
 def test_auto_picks_exactly_the_memory_bound_and_latency_limited_ops_of_the_fixture():
     # mini_llm's step on one H200: SiLU and the backward softmax memory-bound, the norms, residual
     # adds and the loss's softmax latency-limited; GEMMs (compute-bound), flash attention and the
-    # loss kernels (occupancy-limited) are left alone, as are fills and casts (no fused variant).
+    # loss kernels (occupancy-limited) are left alone, as are fills and casts (no fused variant);
+    # AdamW's multi_tensor_apply kernels, latency-limited, call for the optimizer's own candidate.
     choice = choose(FIXTURE)
-    assert set(choice.ops) == {"swiglu", "softmax", "rms_norm", "cross_entropy"}
+    assert set(choice.ops) == {"swiglu", "softmax", "rms_norm", "cross_entropy", "adamw"}
     assert choice.device == "NVIDIA H200"
     assert "layers.*.ffn/silu: memory-bound" in " ".join(choice.ops["swiglu"])
     assert any(line.startswith("loss/softmax: neither (latency)") for line in choice.ops["cross_entropy"])
@@ -231,3 +232,30 @@ def test_auto_picks_by_gpu_time_and_records_each_candidates_host_time_beside_it(
     gpu_only, _ = _stub_timer({k: v[0] for k, v in table.items()})
     norm, _ = measure(["rms_norm"], cfg, gpu_only)
     assert norm.pick == "triton" and norm.host_ms == {"eager": None, "compile": None, "triton": None}
+
+
+def test_auto_times_adamw_against_the_triton_optimizer_where_the_step_only_reports_the_norm():
+    """The diagnosis calls AdamW's kernels latency-limited: with optim.impl left to auto and no
+    clipping, the optimizer is timed over this rank's parameter shards (half of each dim 0 on two
+    ranks, padded) and optim.impl=triton is chosen where it is faster beyond the noise; with
+    clipping it is not timed at all, and the module swaps never include it."""
+    from src.fusion.measure import chosen, measure, optimizer_chosen, shard_numels
+
+    cfg = _seed_cfg(**{"optim.grad_clip": 0})
+    one = shard_numels(cfg)
+    assert 700e6 < sum(one) < 770e6 and len(one) == 98  # mini_llm: 735M parameters in 98 tensors
+    two = shard_numels(_seed_cfg(**{"optim.grad_clip": 0, "dist.nproc": 2}))
+    assert len(two) == 98 and sum(one) / 2 <= sum(two) < sum(one) / 2 * 1.001  # each rank's half, dim 0 padded to even
+    table = {("adamw", "eager"): 7.2, ("adamw", "triton"): 5.4, ("rms_norm", "eager"): 0.1, ("add_rms_norm", "eager"): 0.15,
+             ("block", "picked"): 5.0}
+    timer, calls = _stub_timer(table)
+    timings = measure(["rms_norm", "adamw"], cfg, timer)
+    (adamw,) = [t for t in timings if t.op == "adamw"]
+    assert adamw.ms == {"eager": pytest.approx(7.2), "triton": pytest.approx(5.4)} and adamw.pick == "triton"
+    assert ("adamw", tuple(one), 1, "triton") in calls
+    assert optimizer_chosen(timings) == "triton" and "adamw" not in chosen(timings)[0]
+    clipped = _seed_cfg(**{"optim.grad_clip": 1.0})
+    timer, calls = _stub_timer(table)
+    assert optimizer_chosen(measure(["adamw"], clipped, timer)) is None and not calls
+    pinned = _seed_cfg(**{"optim.grad_clip": 0, "optim.impl": "fused"})
+    assert optimizer_chosen(measure(["adamw"], pinned, timer)) is None and not calls

@@ -1,6 +1,8 @@
 """`kernels=auto`: fuse exactly the ops a diagnosis of this model marks memory-bound or latency-limited.
 
-The diagnosis is `diagnosis.json` from `task=diagnose` (src/diagnose/task.py), named by
+The optimizer is chosen the same way where the diagnosis calls AdamW's kernels memory-bound or
+latency-limited: optim.impl=triton if it beats torch's fused AdamW on this GPU (never without a
+GPU to time it on, and only where optim.impl is left to auto). The diagnosis is `diagnosis.json` from `task=diagnose` (src/diagnose/task.py), named by
 `kernels.diagnosis` (the file, or a run directory holding diagnose/diagnosis.json); left empty,
 the newest one under ./outputs and ./multirun whose run config has this same model. The choice
 is written into the job's config (`kernels.fused`, `kernels.diagnosis` made absolute) before the
@@ -23,6 +25,8 @@ from src.fusion.registry import REGISTRY
 from src.profiling.diagnosis import fusable_ops
 
 SEARCH_ROOTS = ("outputs", "multirun")
+OPTIMIZER = "adamw"
+"""the diagnosis's op for AdamW's kernels: not a module swap, optim.impl (src/fusion/measure.py)"""
 log = logging.getLogger("src.run")
 
 
@@ -83,7 +87,7 @@ def _choose(path_name: str, mtime_ns: int, size: int) -> AutoChoice:
     try:
         diagnosis: dict[str, Any] = json.loads(path.read_text())
         found = fusable_ops(diagnosis)
-        ops = {op: found[op] for op in REGISTRY if op in found}  # the registry's order, whatever the diagnosis's
+        ops = {op: found[op] for op in (*REGISTRY, OPTIMIZER) if op in found}  # the registry's order, whatever the diagnosis's
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"kernels.diagnosis={path}: not a diagnosis this version reads ({err}); make a new one with `python -m src.run +exp=diagnose`") from None
     return AutoChoice(str(path), str(diagnosis.get("device", "")), ops)
@@ -104,13 +108,21 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
     choice = auto_choice(cfg, cwd)
     if choice is None:
         return None
-    fused, compiled, measured, compile_blocks = list(choice.ops), [], {}, bool(cfg.kernels.compile)
+    module_ops = [op for op in choice.ops if op in REGISTRY]
+    fused, compiled, measured, compile_blocks, optimizer = module_ops, [], {}, bool(cfg.kernels.compile), None
+    if OPTIMIZER in choice.ops:
+        from src.fusion.measure import optimizer_swappable
+
+        why_not = optimizer_swappable(cfg)
+        if why_not:
+            log.info("kernels=auto: the diagnosis calls for AdamW's kernels, and they stay: %s", why_not)
     if measure and choice.ops and cfg.backend.name == "cuda" and _gpu_present():
-        from src.fusion.measure import chosen, measure_on_gpu
+        from src.fusion.measure import chosen, measure_on_gpu, optimizer_chosen
 
         log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked and compiled", ", ".join(choice.ops))
         timings = measure_on_gpu(list(choice.ops), cfg)
         fused, compiled, compile_blocks = chosen(timings)
+        optimizer = optimizer_chosen(timings)
         # GPU ms a step per candidate, and beside it ("CANDIDATE.host") the host ms to issue it
         measured = {t.op: {**{k: v for k, v in t.ms.items() if v is not None},
                            **{f"{k}.host": v for k, v in t.host_ms.items() if v is not None}} for t in timings}
@@ -120,8 +132,11 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
                 for k, v in t.ms.items()), t.pick)
     else:
         why = "no GPU here" if measure else "under an external launcher each rank would time on its own"
-        log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s", why, choice.describe())
+        log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s%s", why, ", ".join(module_ops) or "nothing",
+                 " (AdamW's kernels are swapped only where they are timed)" if OPTIMIZER in choice.ops else "")
     with open_dict(cfg):
+        if optimizer is not None:
+            cfg.optim.impl = optimizer
         cfg.kernels.fused = fused
         cfg.kernels.compiled = compiled
         cfg.kernels.compile = compile_blocks

@@ -18,6 +18,12 @@ head, since the fused linear + cross-entropy replaces both: its candidates are e
 then the loss), compile (the same under torch.compile), triton (head GEMM, then the fused loss)
 and triton's linear_cross_entropy (no logits at all).
 
+The optimizer, where the diagnosis calls AdamW memory-bound or latency-limited: torch's fused AdamW
+(plus, on the steps the loop reads, get_total_norm's pass over the gradients) against
+optim.impl=triton (one launch, the norm summed in the update's pass), over this rank's parameter
+shards, when the step only reports the norm (no clipping, no skipping, no update in backward) and
+optim.impl is left to auto.
+
 Then the block as a whole: the ops inside a transformer block (norms, the MLP's activation) are
 also what Inductor fuses when it compiles the block (`kernels.compile`), with the residual adds and
 casts no per-op swap reaches. One block, forward and backward, is timed as the per-op picks would
@@ -77,7 +83,34 @@ def uses(cfg: DictConfig) -> dict[str, list[Use]]:
         "softmax": [],  # attention's softmax runs inside scaled_dot_product_attention: no module to swap
         "cross_entropy": [Use("head_loss", [tokens, m.dim, m.vocab_size], 1)],
         "linear_cross_entropy": [Use("head_loss", [tokens, m.dim, m.vocab_size], 1)],
+        OPTIMIZER: [Use(OPTIMIZER, shard_numels(cfg), 1)] if optimizer_swappable(cfg) is None else [],
     }
+
+
+def shard_numels(cfg: DictConfig) -> list[int]:
+    """Each parameter's elements on one rank: FSDP2 shards dim 0 over the ranks of a replica
+    (padded to a multiple of them); without sharding every rank holds them all."""
+    import math
+
+    from src.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    world = cfg.dist.nproc * cfg.dist.nnodes
+    shards = {"fsdp2": world, "hsdp": world // max(cfg.sharding.replicate, 1)}.get(str(cfg.sharding.strategy), 1)
+    return [math.ceil(p.shape[0] / shards) * (p.numel() // p.shape[0]) if p.dim() else 1 for p in model.parameters()]
+
+
+def optimizer_swappable(cfg: DictConfig) -> str | None:
+    """None where kernels=auto may put optim.impl=triton in place of torch's AdamW, else why not."""
+    o = cfg.optim
+    if str(o.impl) != "auto":
+        return f"optim.impl={o.impl} is set"
+    if o.grad_clip > 0 or cfg.train.nonfinite == "skip" or o.in_backward:
+        return "the step needs the grad norm before the update (clipping, skipping or the update in backward)"
+    if cfg.sharding.cpu_offload or cfg.backend.name != "cuda":
+        return "the optimizer does not run on a GPU"
+    return None
 
 
 def pick(ms: dict[str, float | None], noise: float = NOISE, base: str = "eager") -> str:
@@ -97,6 +130,7 @@ Timer = Callable[[Use, str], "float | tuple[float, float]"]
 
 
 LOSS_OPS = ("cross_entropy", "linear_cross_entropy")
+OPTIMIZER = "adamw"
 BLOCK_OPS = ("rms_norm", "swiglu", "softmax")
 """ops that live inside a transformer block: a compiled block subsumes their picks"""
 BLOCK = "block"
@@ -112,7 +146,8 @@ def measure(ops: list[str], cfg: DictConfig, timer: Timer) -> list[OpTiming]:
     for op in todo:
         if not plan.get(op):
             continue
-        results.append(_timed(op, plan[op], CANDIDATES + (("linear_cross_entropy",) if op == "cross_entropy" else ()), timer))
+        candidates = ("eager", "triton") if op == OPTIMIZER else CANDIDATES + (("linear_cross_entropy",) if op == "cross_entropy" else ())
+        results.append(_timed(op, plan[op], candidates, timer))
     in_block = {t.op: t.pick for t in results if t.op in BLOCK_OPS}
     if in_block:
         results.append(measure_block(cfg, timer, in_block))
@@ -151,9 +186,40 @@ def chosen(timings: list[OpTiming]) -> tuple[list[str], list[str], bool]:
     """(kernels.fused, kernels.compiled, kernels.compile) from the picks: a compiled block drops
     the in-block ops' own picks."""
     compile_blocks = any(t.op == BLOCK and t.pick == "compile" for t in timings)
-    ops = [t for t in timings if t.op != BLOCK and not (compile_blocks and t.op in BLOCK_OPS)]
+    ops = [t for t in timings if t.op not in (BLOCK, OPTIMIZER) and not (compile_blocks and t.op in BLOCK_OPS)]
     fused = [t.pick if t.pick == "linear_cross_entropy" else t.op for t in ops if t.pick in ("triton", "linear_cross_entropy")]
     return fused, [t.op for t in ops if t.pick == "compile"], compile_blocks
+
+
+def optimizer_chosen(timings: list[OpTiming]) -> str | None:
+    """optim.impl the timings call for: "triton" where it beat torch's AdamW, else None (unchanged)."""
+    return "triton" if any(t.op == OPTIMIZER and t.pick == "triton" for t in timings) else None
+
+
+def _time_optimizer(use: Use, candidate: str, hyper: DictConfig, log_every: int, device: torch.device) -> tuple[float, float]:
+    """One step's AdamW over parameter shards of `use.shape`'s sizes (fp32 parameters, gradients
+    and moments, as FSDP2 holds them): "eager" is torch's fused AdamW plus get_total_norm on one
+    step in `log_every` (the steps the loop reads), "triton" the one launch with the squares summed."""
+    from src.train.optimizer import TritonAdamW
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device=device, generator=gen)) for n in use.shape]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+    kw = {"lr": hyper.lr, "betas": tuple(hyper.betas), "eps": hyper.eps, "weight_decay": hyper.weight_decay}
+    if candidate == "triton":
+        opt = TritonAdamW(params, **kw)
+        opt.grad_norm_wanted = True
+        gpu, host = _gpu_and_host(opt.step, device)
+    else:
+        opt = torch.optim.AdamW(params, fused=True, **kw)
+        grads = [p.grad for p in params]
+        step_gpu, step_host = _gpu_and_host(opt.step, device)
+        norm_gpu, norm_host = _gpu_and_host(lambda: torch.nn.utils.get_total_norm(grads), device)
+        gpu, host = step_gpu + norm_gpu / log_every, step_host + norm_host / log_every
+    del opt, params
+    torch.cuda.empty_cache()
+    return gpu, host
 
 
 def _head_loss(candidate: str, loss_fp32: bool) -> Callable:
@@ -209,9 +275,11 @@ def _gpu_and_host(step: Callable[[], None], device: torch.device) -> tuple[float
     return queued_ms(step, device), host_us_per_call(step, device) / 1e3
 
 
-def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None = None) -> Timer:
+def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None = None, optim_cfg: DictConfig | None = None,
+              log_every: int = 1) -> Timer:
     """GPU time of forward + backward with the host ahead (queued_ms), as a step that never syncs
-    pays it, and the host time to issue it. `model_cfg`: the model whose block is timed."""
+    pays it, and the host time to issue it. `model_cfg`: the model whose block is timed;
+    `optim_cfg` and `log_every`: the optimizer's settings and how often the loop reads the norm."""
     from src.fusion.cases import forward_backward, make_case, seed, variant
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -219,6 +287,8 @@ def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None 
     def time_one(use: Use, candidate: str) -> float:
         if use.case == BLOCK:
             return _time_block(use, candidate, model_cfg, dtype, device)
+        if use.case == OPTIMIZER:
+            return _time_optimizer(use, candidate, optim_cfg, log_every, device)
         case = make_case("linear_cross_entropy" if use.case == "head_loss" else use.case, use.shape)
         fn = _head_loss(candidate, loss_fp32) if use.case == "head_loss" else variant(use.case, candidate)
         seed(device)
@@ -236,7 +306,8 @@ def _measure_in_child(ops: list[str], cfg_yaml: str) -> list[dict]:
 
     cfg = OmegaConf.create(cfg_yaml)
     torch.cuda.set_device(0)
-    return [asdict(t) for t in measure(ops, cfg, gpu_timer(torch_dtype(cfg.precision.param_dtype), cfg.train.loss_fp32, cfg.model))]
+    timer = gpu_timer(torch_dtype(cfg.precision.param_dtype), cfg.train.loss_fp32, cfg.model, cfg.optim, cfg.train.log_every)
+    return [asdict(t) for t in measure(ops, cfg, timer)]
 
 
 def measure_on_gpu(ops: list[str], cfg: DictConfig) -> list[OpTiming]:

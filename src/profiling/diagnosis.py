@@ -47,7 +47,7 @@ FUSIONS = {
     "add": ("rms_norm", "residual add fused into Triton RMSNorm"),
     "softmax": ("softmax", "fused Triton softmax"),
     "cross_entropy": ("cross_entropy", "fused Triton cross-entropy (loss and gradient in one pass)"),
-    "adamw": (None, "fused AdamW (optim.impl=fused)"),
+    "adamw": ("adamw", "AdamW in one Triton launch, the grad norm read in its pass (optim.impl=triton; kernels=auto times it against torch's fused AdamW)"),
     "copy": (None, "drop the cast: fuse it into its producer"),
 }
 
@@ -60,8 +60,8 @@ def _fusion_helps(bound: str, limiter: str) -> bool:
 
 
 def remedy_for(op: str, category: str, v: Verdict) -> str:
-    """What to do about it: the op's own fix where fusion helps (fused AdamW for the optimizer,
-    which has no Triton variant), a GEMM's fix for a GEMM below the roof, else the verdict's."""
+    """What to do about it: the op's own fix where fusion helps, a GEMM's fix for a GEMM below the
+    roof, else the verdict's."""
     if _fusion_helps(v.bound, v.limiter) and op in FUSIONS:
         return FUSIONS[op][1]
     if category == "gemm" and v.bound != COMPUTE_BOUND:

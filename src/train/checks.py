@@ -151,7 +151,7 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if cfg.kernels.auto:
         from src.fusion.choice import auto_choice
 
-        fused = list(auto_choice(cfg, os.getcwd()).ops)
+        fused = [op for op in auto_choice(cfg, os.getcwd()).ops if op in REGISTRY]  # AdamW's pick is optim.impl, checked with it
     if fused:
         why_not = triton_usable(backend)
         if why_not:

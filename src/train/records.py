@@ -32,14 +32,17 @@ def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, 
     choice = choose(Path(cfg.kernels.diagnosis))
     log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
     for op, reasons in choice.ops.items():
-        note = "" if kernels.swapped.get(op, 1) else "  (this model has none to swap)"
+        if op == "adamw":  # not a module: auto's pick is the optimizer's kernels
+            note = f"  (optim.impl={cfg.optim.impl})"
+        else:
+            note = "" if kernels.swapped.get(op, 1) else "  (this model has none to swap)"
         log.info("  %s%s <- %s", op, note, "; ".join(reasons))
     for op, ms in cfg.kernels.measured.items():
         log.info("  measured %s: %s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
     tracker.set_tags({
         "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis,
         "kernels.auto.fused": ",".join(cfg.kernels.fused) or "none", "kernels.auto.compiled": ",".join(cfg.kernels.compiled) or "none",
-        "kernels.auto.decided_by": "measurement" if cfg.kernels.measured else "diagnosis",
+        "kernels.auto.decided_by": "measurement" if cfg.kernels.measured else "diagnosis", "kernels.auto.optimizer": str(cfg.optim.impl),
     })
     # the timings also travel as params (the flattened config): kernels.measured.OP.CANDIDATE
     if run_dir is not None:
