@@ -9,7 +9,9 @@ behind backward), then run a second time over the same gradients (again: right b
 host already ahead), and after the last step, a few more times with the device idle before each
 (alone). The second and later updates change the weights further; the run's losses after --after
 are not the experiment's. Times are GPU time between events; the bytes are those of one fused
-update (read parameter, gradient and both moments; write parameter and moments).
+update (read parameter, gradient and both moments; write parameter and moments). Under
+optim.impl=triton a step that reports its norm sums the gradients' squares inside the update (the
+in-step row); the other two rows run the update alone.
 """
 from __future__ import annotations
 
@@ -31,31 +33,44 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("optimizer_in_step needs a CUDA GPU")
-    step = torch.optim.AdamW.step
+    from src.train.optimizer import TritonAdamW
+
+    classes = (torch.optim.AdamW, TritonAdamW)  # optim.impl=triton's step is its own
+    steps = {cls: cls.step for cls in classes}  # AdamW's may be Adam's, inherited
+    own = {cls: "step" in cls.__dict__ for cls in classes}
     seen: dict = {"calls": 0, "optimizer": None}
     in_step, again = [], []
 
-    def timed(self, *a, **kw):
-        seen["calls"] += 1
-        seen["optimizer"] = self
-        if seen["calls"] <= args.after:
-            return step(self, *a, **kw)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        events[0].record()
-        out = step(self, *a, **kw)
-        events[1].record()
-        step(self, *a, **kw)
-        events[2].record()
-        in_step.append(events[:2])
-        again.append(events[1:])
-        return out
+    def timed(step):
+        def run(self, *a, **kw):
+            seen["calls"] += 1
+            seen["optimizer"] = self
+            if seen["calls"] <= args.after:
+                return step(self, *a, **kw)
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+            out = step(self, *a, **kw)
+            events[1].record()
+            step(self, *a, **kw)
+            events[2].record()
+            in_step.append(events[:2])
+            again.append(events[1:])
+            return out
 
-    torch.optim.AdamW.step = timed
+        return run
+
+    for cls in classes:
+        cls.step = timed(steps[cls])
     try:
         run_src(args.overrides)
     finally:
-        torch.optim.AdamW.step = step
+        for cls in classes:
+            if own[cls]:
+                cls.step = steps[cls]
+            else:
+                del cls.step
     opt = seen["optimizer"]
+    step = steps[type(opt)] if opt is not None else None
     if opt is None or not in_step:
         raise SystemExit(f"no AdamW step after the first {args.after} ran in this process: give dist.nproc=1 and more train.steps")
     alone = []
