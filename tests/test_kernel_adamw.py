@@ -180,3 +180,21 @@ def test_on_two_gloo_ranks_the_norm_summed_in_the_update_is_the_global_one(tmp_p
         metrics[impl] = [json.loads(line) for line in path.read_text().splitlines()]
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in metrics["triton"]] == pytest.approx([m[key] for m in metrics["foreach"]], rel=1e-5), key
+
+
+def test_tensors_off_a_16_byte_boundary_take_the_unhinted_path_and_the_same_update():
+    """A parameter that is a view one element into its buffer (4 bytes off 16): the launch drops its
+    alignment hints and the update equals the aligned tensors' update of the same values."""
+    from kernels.triton.adamw import TileTable, adamw_step_
+
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(5001, generator=g).to(DEVICE)
+    shifted, aligned = buf[1:], buf[1:].clone()
+    grad = torch.randn(5000, generator=g).to(DEVICE)
+    assert shifted.data_ptr() % 16 and not aligned.data_ptr() % 16
+    table = TileTable([5000], buf.device)
+    hyper = {"step": 1, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    moments = [torch.zeros(5000, device=DEVICE) for _ in range(4)]
+    adamw_step_([shifted], [grad], [moments[0]], [moments[1]], table, **hyper)
+    adamw_step_([aligned], [grad], [moments[2]], [moments[3]], table, **hyper)
+    assert torch.equal(shifted, aligned) and torch.equal(moments[0], moments[2])

@@ -5,7 +5,7 @@ inside the step (3.39 TB/s at 28 bytes a parameter: read parameter, gradient and
 three; docs/PERFORMANCE.md 5c), in 37 multi_tensor_apply launches. A step that logs its gradient
 norm then reads every gradient again for it: `get_total_norm`, 2.9 GB more and about 1.1 ms a step
 on one GPU. Here one launch walks every tensor's tiles (a tile table built once for the parameter
-shapes; the tensors' addresses in a table per step, since FSDP2 hands out new gradient buffers),
+shapes; the tensors' offsets in a table per step, since FSDP2 hands out new gradient buffers),
 and each program writes its tile's sum of squared gradients, so the norm costs a reduction of one
 float per tile instead of a second pass over the gradients.
 
@@ -21,57 +21,77 @@ import torch
 import triton
 import triton.language as tl
 
-# 2048 elements a program at 4 warps: 16 fp32 elements a thread per stream, seven streams (four read,
-# three written), as the gradient upcast (kernels/triton/cast.py) reaches 3.8 TB/s with.
-BLOCK, NUM_WARPS = 2048, 4
+# A program takes TILE = BLOCK x ITERS elements of one tensor: 2048 at 4 warps a pass (16 fp32
+# elements a thread per stream, as the gradient upcast in kernels/triton/cast.py reaches 3.8 TB/s
+# with), 8 passes, so the tile table's four loads are paid once per 64K elements. A first version
+# with one 2048-element tile a program and each tensor's address read as a pointer ran at 1.54 TB/s
+# on an H200 (13.3 ms against torch's 6.07): a loaded address carries no alignment, so every load
+# was scalar. Addresses are now element offsets from each stream's first tensor (a kernel argument,
+# 16-byte aligned by Triton's specialisation), hinted as multiples of 16 bytes where they are.
+BLOCK, ITERS, NUM_WARPS = 2048, 8, 4
+TILE = BLOCK * ITERS
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
 
 
 @triton.jit
-def _adamw_tiles(PTRS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                 BLOCK: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr):
-    """One tile of one tensor a program. PTRS holds four rows of n_tensors addresses: parameters,
-    gradients, first moments, second moments."""
+def _adamw_tiles(P, G, M, V, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
+                 BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr):
+    """One tile of one tensor a program. OFFSETS holds four rows of n_tensors element offsets, from
+    P, G, M and V: parameters, gradients, first moments, second moments."""
     tile = tl.program_id(0)
     t = tl.load(TILE_TENSOR + tile)
-    offs = tl.load(TILE_START + tile) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(NUMELS + t)
-    p_ptr = tl.load(PTRS + t).to(tl.pointer_type(tl.float32))
-    if GRAD_BF16:
-        g_ptr = tl.load(PTRS + n_tensors + t).to(tl.pointer_type(tl.bfloat16))
-    else:
-        g_ptr = tl.load(PTRS + n_tensors + t).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(PTRS + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(PTRS + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(p_ptr + offs, mask=mask)
-    m = tl.load(m_ptr + offs, mask=mask)
-    v = tl.load(v_ptr + offs, mask=mask)
-    p = p * wd_scale  # decoupled weight decay: p - lr * wd * p
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    p = p - step_size * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
-    tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    start = tl.load(TILE_START + tile)
+    n = tl.load(NUMELS + t)
+    p_off = tl.load(OFFSETS + t)
+    g_off = tl.load(OFFSETS + n_tensors + t)
+    m_off = tl.load(OFFSETS + 2 * n_tensors + t)
+    v_off = tl.load(OFFSETS + 3 * n_tensors + t)
+    if ALIGNED:  # every tensor starts on 16 bytes: 4 fp32 or 8 bf16 elements
+        p_off = tl.multiple_of(p_off, 4)
+        g_off = tl.multiple_of(g_off, 8 if GRAD_BF16 else 4)
+        m_off = tl.multiple_of(m_off, 4)
+        v_off = tl.multiple_of(v_off, 4)
+        start = tl.multiple_of(start, BLOCK)
+    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G + g_off + offs, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(P + p_off + offs, mask=mask)
+        m = tl.load(M + m_off + offs, mask=mask)
+        v = tl.load(V + v_off + offs, mask=mask)
+        p = p * wd_scale  # decoupled weight decay: p - lr * wd * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        p = p - step_size * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
+        tl.store(P + p_off + offs, p, mask=mask)
+        tl.store(M + m_off + offs, m, mask=mask)
+        tl.store(V + v_off + offs, v, mask=mask)
+        if WANT_SQUARES:
+            squares += g * g
     if WANT_SQUARES:
-        tl.store(SQUARES + tile, tl.sum(g * g, axis=0))
+        tl.store(SQUARES + tile, tl.sum(squares, axis=0))
 
 
 class TileTable:
     """Which tensor and which offset each program takes, for one list of tensor sizes: built once
-    (735M elements are 359k tiles of 2048, 4.3 MB of table) and reused while the sizes stay."""
+    (735M elements are 45k tiles, 0.5 MB of table) and reused while the sizes stay."""
 
     def __init__(self, numels: list[int], device: torch.device):
-        self.numels_list = list(numels)
-        tiles = [math.ceil(n / BLOCK) for n in numels]
+        tiles = [math.ceil(n / TILE) for n in numels]
         self.n_tiles = sum(tiles)
         self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
         index = torch.repeat_interleave(torch.arange(len(numels)), torch.tensor(tiles))
         first = torch.cumsum(torch.tensor([0, *tiles[:-1]]), 0)
-        start = (torch.arange(self.n_tiles) - first[index]) * BLOCK
+        start = (torch.arange(self.n_tiles) - first[index]) * TILE
         self.tensor = index.to(torch.int32).to(device)
         self.start = start.to(torch.int64).to(device)
+
+
+def _offsets(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's first element as an element offset from the first tensor's (any sign)."""
+    base, size = tensors[0].data_ptr(), tensors[0].element_size()
+    return [(t.data_ptr() - base) // size for t in tensors]
 
 
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
@@ -83,14 +103,19 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     if not params:
         return torch.zeros((), dtype=torch.float32) if want_squares else None
     device = params[0].device
-    grad_bf16 = GRAD_DTYPES[grads[0].dtype]
-    # one pinned table of addresses a step, copied behind the stream's work: no host sync
-    ptrs = torch.tensor([t.data_ptr() for group in (params, grads, exp_avgs, exp_avg_sqs) for t in group], dtype=torch.int64,
-                        pin_memory=device.type == "cuda").to(device, non_blocking=True)
-    squares = torch.empty(table.n_tiles, dtype=torch.float32, device=device) if want_squares else ptrs
+    streams = (params, grads, exp_avgs, exp_avg_sqs)
+    if any(t.data_ptr() % t.element_size() for group in streams for t in group):
+        raise ValueError("adamw_step_ takes tensors aligned to their element size")
+    aligned = all(t.data_ptr() % 16 == 0 for group in streams for t in group)
+    # one pinned table of offsets a step (FSDP2's gradients move), copied behind the stream's work:
+    # no host sync
+    offsets = torch.tensor([o for group in streams for o in _offsets(group)], dtype=torch.int64,
+                           pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    squares = torch.empty(table.n_tiles, dtype=torch.float32, device=device) if want_squares else offsets
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     _adamw_tiles[(table.n_tiles,)](
-        ptrs, table.numels, table.tensor, table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1,
-        1.0 / math.sqrt(bc2), eps, BLOCK=BLOCK, GRAD_BF16=grad_bf16, WANT_SQUARES=want_squares, num_warps=NUM_WARPS,
+        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], offsets, table.numels, table.tensor, table.start, squares, len(params),
+        1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps,
+        BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares, num_warps=NUM_WARPS,
     )
     return squares.sum() if want_squares else None
