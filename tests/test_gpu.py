@@ -232,15 +232,18 @@ def test_the_seed_steps_steady_steps_make_no_host_sync(tmp_path: Path):
 
 def test_queued_timing_gives_a_copys_gpu_time_without_its_host_path():
     """src.fusion.timing.queued_ms: a 512 MB copy called back to back behind a queued spin takes
-    what its CUDA graph replay takes (its host path is microseconds against its ~0.25 ms), within
-    20%; and a host-bound call (60 tiny kernels) is timed at its kernels, under its host time."""
-    from src.fusion.timing import graph_ms, host_us_per_call, queued_ms
+    what do_bench gives it (its host path is microseconds against its ~0.25 ms), within 20%; and a
+    host-bound call (60 tiny kernels) is timed at its kernels, under its host time. (A CUDA graph's
+    replay of that one copy measured 0.39 ms against 0.25 queued on an H200: the 4.2 TB/s copy
+    ceiling is the queued figure.)"""
+    from src.fusion.timing import host_us_per_call, median_ms, queued_ms
 
     device = torch.device("cuda")
     src = torch.empty(128 * 2**20, device=device).uniform_()
     dst = torch.empty_like(src)
-    queued, replayed = queued_ms(lambda: dst.copy_(src), device), graph_ms(lambda: dst.copy_(src), device)
-    assert 0.8 < queued / replayed < 1.25, f"queued {queued:.4f} ms, graph {replayed:.4f} ms"
+    # do_bench as called: for a 0.25 ms kernel (4.2 TB/s on an H200) the host path is microseconds
+    queued, called = queued_ms(lambda: dst.copy_(src), device), median_ms(lambda: dst.copy_(src), device)
+    assert 0.8 < queued / called < 1.25, f"queued {queued:.4f} ms, do_bench {called:.4f} ms"
     tiny = torch.zeros(16, device=device)
 
     def many():
