@@ -15,8 +15,9 @@ from src.runtime import RunContext
 from src.train.optimizer import TritonAdamW, build_optimizer, norm_in_update
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# sizes that straddle the 2048-element tile: one element, a tile less one, a tile and one, a matrix
-SHAPES = [(1,), (2047,), (2049,), (37, 113), (3, 5, 7)]
+# sizes that straddle the 2048-element block: one element, a block less one, a block and one, a
+# matrix, and one of two whole 16K-element tiles and a part (the unmasked path)
+SHAPES = [(1,), (2047,), (2049,), (37, 113), (3, 5, 7), (131, 257)]
 # fp32 update, a different order of the same operations than torch's kernel: a few ulps after 3 steps
 RTOL, ATOL = 1e-5, 1e-6
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
