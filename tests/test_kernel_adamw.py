@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.triton.adamw import TritonAdamW
 from src.compose import ConfigError, compose_config
 from src.runtime import RunContext
-from src.train.optimizer import TritonAdamW, build_optimizer, norm_in_update
+from src.train.optimizer import build_optimizer, norm_in_update
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # sizes that straddle the 2048-element block: one element, a block less one, a block and one, a

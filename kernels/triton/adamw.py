@@ -11,13 +11,15 @@ float per tile instead of a second pass over the gradients.
 
 The update is torch's AdamW (decoupled weight decay, bias corrections from the step count, no
 amsgrad), in fp32, in the order torch's fused kernel computes it; results agree with it to fp32
-rounding (tests/test_kernel_adamw.py), not bit for bit.
+rounding (tests/test_kernel_adamw.py), not bit for bit. `TritonAdamW` is torch.optim.AdamW with
+this step (optim.impl=triton builds it), over plain tensors or FSDP2's DTensors.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -132,3 +134,76 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares, num_warps=NUM_WARPS,
     )
     return squares.sum() if want_squares else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (FSDP2's parameters, gradients and the moments made like them)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch's AdamW (same param groups, same state: `step`, `exp_avg`, `exp_avg_sq`, so state dicts,
+    DCP checkpoints and resumes are AdamW's) whose step runs adamw_step_ over every parameter of a
+    group in one launch. With `grad_norm_wanted` set, step() also leaves the global
+    L2 norm of the gradients it read in `last_grad_norm` (a device scalar, no host sync), summed
+    over the mesh dimensions the parameters are sharded on, which is what get_total_norm returns."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self._tables: dict[tuple[int, ...], object] = {}
+        self.grad_norm_wanted = False
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        squares, sharded = [], None
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
+                raise ValueError("TritonAdamW runs plain AdamW: no amsgrad, maximize, capturable or differentiable")
+            by_step: dict[float, tuple[list, list, list, list]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                if sharded is None and hasattr(p, "placements"):
+                    sharded = (p.device_mesh, tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
+                tensors = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
+                if tensors[0].dtype != torch.float32 or tensors[1].dtype not in GRAD_DTYPES or not all(t.is_contiguous() for t in tensors):
+                    raise ValueError(f"TritonAdamW updates contiguous fp32 parameters with fp32 or bf16 gradients; got a {tensors[0].dtype} "
+                                     f"parameter with a {tensors[1].dtype} gradient; use torch's fused AdamW")
+                lists = by_step.setdefault(float(state["step"]), ([], [], [], []))
+                for lst, t in zip(lists, tensors):
+                    lst.append(t)
+            for step, (ps, gs, ms, vs) in by_step.items():
+                for grad_dtype in {g.dtype for g in gs}:  # one launch per gradient dtype (one, in practice)
+                    pick = [i for i, g in enumerate(gs) if g.dtype == grad_dtype]
+                    sel = [[lst[i] for i in pick] for lst in (ps, gs, ms, vs)]
+                    numels = tuple(t.numel() for t in sel[0])
+                    table = self._tables.get(numels)
+                    if table is None:
+                        table = self._tables[numels] = TileTable(list(numels), sel[0][0].device)
+                    sq = adamw_step_(*sel, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                                     eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted)
+                    if sq is not None:
+                        squares.append(sq)
+        if self.grad_norm_wanted:
+            self.last_grad_norm = self._global_norm(squares, sharded)
+        return loss
+
+    @staticmethod
+    def _global_norm(squares: list[torch.Tensor], sharded) -> torch.Tensor:
+        total = torch.stack(squares).sum() if squares else torch.zeros(())
+        if sharded is not None and dist.is_initialized():
+            mesh, dims = sharded
+            for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already
+                dist.all_reduce(total, group=mesh.get_group(d))
+        return total.sqrt()

@@ -200,7 +200,7 @@ def _time_optimizer(use: Use, candidate: str, hyper: DictConfig, log_every: int,
     """One step's AdamW over parameter shards of `use.shape`'s sizes (fp32 parameters, gradients
     and moments, as FSDP2 holds them): "eager" is torch's fused AdamW plus get_total_norm on one
     step in `log_every` (the steps the loop reads), "triton" the one launch with the squares summed."""
-    from src.train.optimizer import TritonAdamW
+    from kernels.triton.adamw import TritonAdamW
 
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, device=device, generator=gen)) for n in use.shape]
