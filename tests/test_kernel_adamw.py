@@ -200,3 +200,19 @@ def test_tensors_off_a_16_byte_boundary_take_the_unhinted_path_and_the_same_upda
     adamw_step_([shifted], [grad], [moments[0]], [moments[1]], table, **hyper)
     adamw_step_([aligned], [grad], [moments[2]], [moments[3]], table, **hyper)
     assert torch.equal(shifted, aligned) and torch.equal(moments[0], moments[2])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's fused AdamW keeps its step count on the GPU")
+def test_a_fused_adamw_checkpoint_resumes_with_its_step_count_moved_to_the_host():
+    ref, ours = _params(), _params()
+    fused = torch.optim.AdamW(ref, fused=True, **HYPER)
+    for p, g in zip(ref, _grads(0, torch.float32)):
+        p.grad = g
+    fused.step()
+    assert fused.state[ref[0]]["step"].is_cuda
+    opt = TritonAdamW(ours, **HYPER)
+    opt.load_state_dict(copy.deepcopy(fused.state_dict()))
+    for p, g in zip(ours, _grads(1, torch.float32)):
+        p.grad = g
+    opt.step()
+    assert all(opt.state[p]["step"].device.type == "cpu" and float(opt.state[p]["step"]) == 2.0 for p in ours)

@@ -173,6 +173,8 @@ class TritonAdamW(torch.optim.AdamW):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":  # a fused AdamW's checkpoint keeps it on the GPU: read once, not every step
+                    state["step"] = state["step"].cpu()
                 state["step"] += 1
                 if sharded is None and hasattr(p, "placements"):
                     sharded = (p.device_mesh, tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
