@@ -190,13 +190,14 @@ def test_tensors_off_a_16_byte_boundary_take_the_unhinted_path_and_the_same_upda
     from kernels.triton.adamw import TileTable, adamw_step_
 
     g = torch.Generator().manual_seed(3)
-    buf = torch.randn(5001, generator=g).to(DEVICE)
+    n = 40000  # two whole 16K-element tiles (the unmasked path) and a part
+    buf = torch.randn(n + 1, generator=g).to(DEVICE)
     shifted, aligned = buf[1:], buf[1:].clone()
-    grad = torch.randn(5000, generator=g).to(DEVICE)
+    grad = torch.randn(n, generator=g).to(DEVICE)
     assert shifted.data_ptr() % 16 and not aligned.data_ptr() % 16
-    table = TileTable([5000], buf.device)
+    table = TileTable([n], buf.device)
     hyper = {"step": 1, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
-    moments = [torch.zeros(5000, device=DEVICE) for _ in range(4)]
+    moments = [torch.zeros(n, device=DEVICE) for _ in range(4)]
     adamw_step_([shifted], [grad], [moments[0]], [moments[1]], table, **hyper)
     adamw_step_([aligned], [grad], [moments[2]], [moments[3]], table, **hyper)
     assert torch.equal(shifted, aligned) and torch.equal(moments[0], moments[2])
@@ -216,3 +217,29 @@ def test_a_fused_adamw_checkpoint_resumes_with_its_step_count_moved_to_the_host(
         p.grad = g
     opt.step()
     assert all(opt.state[p]["step"].device.type == "cpu" and float(opt.state[p]["step"]) == 2.0 for p in ours)
+
+
+def test_a_checkpoint_resumed_under_other_kernels_steps_with_the_runs_own():
+    """A TritonAdamW checkpoint loaded by a fused AdamW (a resume under optim.impl=fused, or another
+    pick of kernels=auto): loading replaces the param groups' kernel flags with the checkpoint's, and
+    the fused update's clipping divisor then fails in the for-loop path; the Checkpointer puts the
+    run's flags back, and the resumed step takes the divisor."""
+    from src.train.checkpoint import keep_optimizer_kernels, optimizer_kernels
+
+    saved = TritonAdamW(_params(), **HYPER)
+    for p, g in zip(saved.param_groups[0]["params"], _grads(0, torch.float32)):
+        p.grad = g
+    saved.step()
+    params = _params()
+    fused = torch.optim.AdamW(params, fused=True, **HYPER)
+    kernels = optimizer_kernels(fused)
+    fused.load_state_dict(copy.deepcopy(saved.state_dict()))
+    assert not fused.param_groups[0]["fused"]  # what loading alone leaves
+    keep_optimizer_kernels(fused, kernels)
+    assert fused.param_groups[0]["fused"] is True
+    for p, g in zip(params, _grads(1, torch.float32)):
+        p.grad = g
+    fused.grad_scale = torch.tensor(2.0, device=DEVICE)  # optim.clip_in_update's divisor
+    fused.step()
+    del fused.grad_scale
+    assert float(fused.state[params[0]]["step"]) == 2.0 and fused.state[params[0]]["step"].device == params[0].device

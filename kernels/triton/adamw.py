@@ -16,6 +16,7 @@ this step (optim.impl=triton builds it), over plain tensors or FSDP2's DTensors.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,6 +36,7 @@ import triton.language as tl
 BLOCK, ITERS, NUM_WARPS = 2048, 8, 4
 TILE = BLOCK * ITERS
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
+MAX_TABLES = 64  # tile tables kept per optimizer: one per parameter set it steps (one, or one per FSDP unit)
 
 
 @triton.jit
@@ -128,11 +130,12 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                            pin_memory=device.type == "cuda").to(device, non_blocking=True)
     squares = torch.empty(table.n_tiles, dtype=torch.float32, device=device) if want_squares else offsets
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-    _adamw_tiles[(table.n_tiles,)](
-        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], offsets, table.numels, table.tensor, table.start, squares, len(params),
-        1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps,
-        BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares, num_warps=NUM_WARPS,
-    )
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
+        _adamw_tiles[(table.n_tiles,)](
+            params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], offsets, table.numels, table.tensor, table.start, squares, len(params),
+            1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps,
+            BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares, num_warps=NUM_WARPS,
+        )
     return squares.sum() if want_squares else None
 
 
@@ -179,6 +182,8 @@ class TritonAdamW(torch.optim.AdamW):
                 if sharded is None and hasattr(p, "placements"):
                     sharded = (p.device_mesh, tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
                 tensors = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
+                if any(t.numel() and not t.data_ptr() for t in tensors):  # a wrapper subclass (torchao's float8 weights) has no storage
+                    raise ValueError(f"TritonAdamW reads each tensor's storage, and a {type(tensors[0]).__name__} parameter has none; use torch's fused AdamW")
                 if tensors[0].dtype != torch.float32 or tensors[1].dtype not in GRAD_DTYPES or not all(t.is_contiguous() for t in tensors):
                     raise ValueError(f"TritonAdamW updates contiguous fp32 parameters with fp32 or bf16 gradients; got a {tensors[0].dtype} "
                                      f"parameter with a {tensors[1].dtype} gradient; use torch's fused AdamW")
@@ -192,18 +197,21 @@ class TritonAdamW(torch.optim.AdamW):
                     numels = tuple(t.numel() for t in sel[0])
                     table = self._tables.get(numels)
                     if table is None:
+                        if len(self._tables) >= MAX_TABLES:  # parameter sets that come and go (units stepped in backward)
+                            self._tables.clear()
                         table = self._tables[numels] = TileTable(list(numels), sel[0][0].device)
                     sq = adamw_step_(*sel, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                                      eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted)
                     if sq is not None:
                         squares.append(sq)
         if self.grad_norm_wanted:
-            self.last_grad_norm = self._global_norm(squares, sharded)
+            self.last_grad_norm = self._global_norm(squares, sharded, self.param_groups[0]["params"][0].device)
         return loss
 
     @staticmethod
-    def _global_norm(squares: list[torch.Tensor], sharded) -> torch.Tensor:
-        total = torch.stack(squares).sum() if squares else torch.zeros(())
+    def _global_norm(squares: list[torch.Tensor], sharded, device: torch.device) -> torch.Tensor:
+        # a rank with no gradient this step still joins the all-reduce, with 0
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
         if sharded is not None and dist.is_initialized():
             mesh, dims = sharded
             for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already

@@ -8,9 +8,13 @@ import sys
 
 
 def run_src(overrides: list[str]) -> None:
-    """The run as the CLI would do it; its SystemExit(0) returns, any other status is raised."""
+    """The run as the CLI would do it, on one rank (dist.nproc=1 is added where not given: an
+    experiment's own count, +exp=fsdp4's 4, would launch workers); its SystemExit(0) returns, any
+    other status is raised."""
     if any(o.startswith("dist.nproc=") and o != "dist.nproc=1" for o in overrides):
         raise SystemExit("this bench watches the run in its own process: give dist.nproc=1")
+    if "dist.nproc=1" not in overrides:
+        overrides = [*overrides, "dist.nproc=1"]
     argv = sys.argv
     sys.argv = ["src.run", *overrides]
     try:

@@ -10,8 +10,9 @@ host already ahead), and after the last step, a few more times with the device i
 (alone). The second and later updates change the weights further; the run's losses after --after
 are not the experiment's. Times are GPU time between events; the bytes are those of one fused
 update (read parameter, gradient and both moments; write parameter and moments). Under
-optim.impl=triton a step that reports its norm sums the gradients' squares inside the update (the
-in-step row); the other two rows run the update alone.
+optim.impl=triton a step that reports its norm sums the gradients' squares inside the update: the
+in-step and again rows both carry them (the flag is set around the step's update), the alone rows
+do not.
 """
 from __future__ import annotations
 

@@ -76,14 +76,14 @@ def main() -> int:
             shown(message, category, filename, lineno, file, line)
 
     Trainer.run_step, trainer_module.train_loop = counted_run_step, counted_loop
-    warnings.showwarning = on_warning
-    warnings.simplefilter("always")  # each sync, not the first per site
     try:
-        run_src(args.overrides)
+        with warnings.catch_warnings():  # the filters and showwarning as they were, after
+            warnings.showwarning = on_warning
+            warnings.simplefilter("always")  # each sync, not the first per site
+            run_src(args.overrides)
     finally:
         torch.cuda.set_sync_debug_mode("default")
         Trainer.run_step, trainer_module.train_loop = run_step, loop
-        warnings.showwarning = shown
     if not counting["on"]:
         raise SystemExit(f"no step from {args.after} on ran in this process ({counting['steps']} steps here): "
                          "give dist.nproc=1 and train.steps above --after")

@@ -110,6 +110,8 @@ def optimizer_swappable(cfg: DictConfig) -> str | None:
         return "the step needs the grad norm before the update (clipping, skipping or the update in backward)"
     if cfg.sharding.cpu_offload or cfg.backend.name != "cuda":
         return "the optimizer does not run on a GPU"
+    if cfg.precision.float8:
+        return "float8 weights are wrapper tensors the Triton optimizer cannot address"
     return None
 
 

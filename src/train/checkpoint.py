@@ -144,7 +144,9 @@ class Checkpointer:
             inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
             first = (f"{type(inner).__name__}: {inner}".strip().splitlines() or [""])[0][:300]
             raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from None
+        kernels = optimizer_kernels(self.optimizer)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        keep_optimizer_kernels(self.optimizer, kernels)
         torch.set_rng_state(rng["rng"][f"cpu_rank{self.rank}"])
         if f"cuda_rank{self.rank}" in rng["rng"]:
             torch.cuda.set_rng_state(rng["rng"][f"cuda_rank{self.rank}"])
@@ -152,6 +154,30 @@ class Checkpointer:
         self.load_s = time.perf_counter() - t0
         log.info("resumed from %s at step %d (%.2f s)", path, step, self.load_s)
         return step
+
+
+KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""AdamW's param-group flags that say which kernels run it, not what it computes"""
+
+
+def optimizer_kernels(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: g[k] for k in KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def keep_optimizer_kernels(optimizer: torch.optim.Optimizer, kernels: list[dict[str, Any]]) -> None:
+    """Loading an optimizer's state dict replaces its param groups with the saved ones, kernel flags
+    included: a run resumed under another optim.impl (or another pick of kernels=auto) would step
+    with the checkpoint's kernels, e.g. for-loop AdamW from a Triton or foreach checkpoint, which
+    then refuses the fused update's clipping divisor. The run's own flags go back, and each step
+    count moves to where those kernels keep it (fused and capturable: the parameter's device)."""
+    for group, flags in zip(optimizer.param_groups, kernels):
+        group.update(flags)
+        on_device = bool(flags.get("fused") or flags.get("capturable"))
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if torch.is_tensor(step):
+                device = (p._local_tensor if hasattr(p, "_local_tensor") else p).device if on_device else torch.device("cpu")
+                optimizer.state[p]["step"] = step.to(device=device, dtype=torch.float32)
 
 
 def export_safetensors(model: nn.Module, path: Path) -> None:

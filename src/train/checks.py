@@ -79,6 +79,12 @@ def _check_in_backward(cfg: DictConfig) -> None:
 
 
 def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
+    why_not = triton_usable(backend)
+    if why_not and backend == "cuda":
+        raise ConfigError(f"optim.impl=triton: {why_not}; or use optim.impl=fused")
+    if cfg.precision.float8:
+        raise ConfigError(f"optim.impl=triton reads each parameter's storage, and precision={cfg.precision.name}'s float8 weights are wrapper tensors "
+                          "without one; use optim.impl=fused")
     if cfg.sharding.cpu_offload:
         raise ConfigError(f"optim.impl=triton updates the parameters on the GPU, and sharding={cfg.sharding.name} keeps them in host memory; use optim.impl=foreach")
     if backend != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from kernels.triton.adamw import TritonAdamW
-
 
 def optimizer_impl(impl: str, device_type: str, cpu_offload: bool) -> str:
     """optim.impl=auto: fused on CUDA; foreach elsewhere, and for parameters offloaded to host
@@ -28,11 +26,14 @@ def optimizer_impl(impl: str, device_type: str, cpu_offload: bool) -> str:
 def build_optimizer(params, o: DictConfig, device_type: str, cpu_offload: bool) -> torch.optim.AdamW:
     impl = optimizer_impl(o.impl, device_type, cpu_offload)
     if impl == "triton":
+        from kernels.triton.adamw import TritonAdamW  # Triton only where asked: the other kinds train without it
+
         return TritonAdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     kernels = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **kernels)
 
 
 def norm_in_update(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` can leave the global grad norm behind (TritonAdamW)."""
-    return isinstance(optimizer, TritonAdamW)
+    """Whether `optimizer.step()` can leave the global grad norm behind (TritonAdamW's
+    grad_norm_wanted and last_grad_norm)."""
+    return hasattr(optimizer, "grad_norm_wanted")
