@@ -142,3 +142,23 @@ def postgres_uri():
     finally:
         pg(str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def in_process_runs():
+    """train() sets up a rank's logging (handlers on the root logger) and Dynamo keeps what it
+    compiled: both are put back after the test, for the tests that share this process."""
+    import logging
+
+    import torch
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    root.__dict__.pop("_perflab_configured", None)
+    torch._dynamo.reset()

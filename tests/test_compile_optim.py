@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,6 @@ from src.train.optimizer import build_optimizer, optimizer_impl
 # 1 rank keeps the launcher out (the ranks' start-up is most of a 2-rank CLI run's ~20 s here);
 # FSDP2 still shards over the 1-rank mesh, so compile meets fully_shard as in any run.
 SMALL = ["dist.nproc=1", "precision=fp32", "train.steps=4", "data.seq_len=64", "data.batch_size=4", "tracking=none", "train.progress=false"]
-
-
-@pytest.fixture
-def in_process_runs():
-    """train() sets up a rank's logging (handlers on the root logger) and Dynamo keeps what it
-    compiled: both are put back after the test, for the tests that share this process."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in root.handlers:
-        if handler not in handlers:
-            handler.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    root.__dict__.pop("_perflab_configured", None)
-    torch._dynamo.reset()
 
 
 def _losses(tmp_path: Path, name: str, overrides: list[str]) -> list[float]:
