@@ -2,7 +2,9 @@
 
 The optimizer is chosen the same way where the diagnosis calls AdamW's kernels memory-bound or
 latency-limited: optim.impl=triton if it beats torch's fused AdamW on this GPU (never without a
-GPU to time it on, and only where optim.impl is left to auto). The diagnosis is `diagnosis.json` from `task=diagnose` (src/diagnose/task.py), named by
+GPU to time it on, and only where optim.impl is left to auto).
+
+The diagnosis is `diagnosis.json` from `task=diagnose` (src/diagnose/task.py), named by
 `kernels.diagnosis` (the file, or a run directory holding diagnose/diagnosis.json); left empty,
 the newest one under ./outputs and ./multirun whose run config has this same model. The choice
 is written into the job's config (`kernels.fused`, `kernels.diagnosis` made absolute) before the
