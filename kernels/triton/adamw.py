@@ -139,7 +139,7 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     return squares.sum() if want_squares else None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's own shard (FSDP2's parameters, gradients and the moments made like them)."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
@@ -167,7 +167,8 @@ class TritonAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
                 raise ValueError("TritonAdamW runs plain AdamW: no amsgrad, maximize, capturable or differentiable")
-            by_step: dict[float, tuple[list, list, list, list]] = {}
+            # one launch per step count and gradient dtype (one of each, in practice)
+            launches: dict[tuple[float, torch.dtype], tuple[list, list, list, list]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -181,29 +182,26 @@ class TritonAdamW(torch.optim.AdamW):
                 state["step"] += 1
                 if sharded is None and hasattr(p, "placements"):
                     sharded = (p.device_mesh, tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
-                tensors = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]))
+                tensors = (local_shard(p), local_shard(p.grad), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]))
                 if any(t.numel() and not t.data_ptr() for t in tensors):  # a wrapper subclass (torchao's float8 weights) has no storage
                     raise ValueError(f"TritonAdamW reads each tensor's storage, and a {type(tensors[0]).__name__} parameter has none; use torch's fused AdamW")
                 if tensors[0].dtype != torch.float32 or tensors[1].dtype not in GRAD_DTYPES or not all(t.is_contiguous() for t in tensors):
                     raise ValueError(f"TritonAdamW updates contiguous fp32 parameters with fp32 or bf16 gradients; got a {tensors[0].dtype} "
                                      f"parameter with a {tensors[1].dtype} gradient; use torch's fused AdamW")
-                lists = by_step.setdefault(float(state["step"]), ([], [], [], []))
+                lists = launches.setdefault((float(state["step"]), tensors[1].dtype), ([], [], [], []))
                 for lst, t in zip(lists, tensors):
                     lst.append(t)
-            for step, (ps, gs, ms, vs) in by_step.items():
-                for grad_dtype in {g.dtype for g in gs}:  # one launch per gradient dtype (one, in practice)
-                    pick = [i for i, g in enumerate(gs) if g.dtype == grad_dtype]
-                    sel = [[lst[i] for i in pick] for lst in (ps, gs, ms, vs)]
-                    numels = tuple(t.numel() for t in sel[0])
-                    table = self._tables.get(numels)
-                    if table is None:
-                        if len(self._tables) >= MAX_TABLES:  # parameter sets that come and go (units stepped in backward)
-                            self._tables.clear()
-                        table = self._tables[numels] = TileTable(list(numels), sel[0][0].device)
-                    sq = adamw_step_(*sel, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
-                                     eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted)
-                    if sq is not None:
-                        squares.append(sq)
+            for (step, _), streams in launches.items():
+                numels = tuple(t.numel() for t in streams[0])
+                table = self._tables.get(numels)
+                if table is None:
+                    if len(self._tables) >= MAX_TABLES:  # parameter sets that come and go (units stepped in backward)
+                        self._tables.clear()
+                    table = self._tables[numels] = TileTable(list(numels), streams[0][0].device)
+                sq = adamw_step_(*streams, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                                 eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted)
+                if sq is not None:
+                    squares.append(sq)
         if self.grad_norm_wanted:
             self.last_grad_norm = self._global_norm(squares, sharded, self.param_groups[0]["params"][0].device)
         return loss

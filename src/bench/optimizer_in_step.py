@@ -34,7 +34,7 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("optimizer_in_step needs a CUDA GPU")
-    from kernels.triton.adamw import TritonAdamW
+    from kernels.triton.adamw import TritonAdamW, local_shard
 
     classes = (torch.optim.AdamW, TritonAdamW)  # optim.impl=triton's step is its own
     steps = {cls: cls.step for cls in classes}  # AdamW's may be Adam's, inherited
@@ -84,8 +84,7 @@ def main() -> int:
         alone.append((start, end))
     torch.cuda.synchronize()
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    local, grads = [local_shard(p) for p in params], [local_shard(p.grad) for p in params]
     # read and write the parameter and both moments (the parameter's dtype), read the gradient
     moved = sum(t.numel() * (6 * t.element_size() + g.element_size()) for t, g in zip(local, grads))
     print(f"\nAdamW over {len(params)} parameters, {sum(t.numel() for t in local) / 1e6:.0f}M elements, {moved / 1e9:.2f} GB moved an update")

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from src.fusion.choice import OPTIMIZER
+
 log = logging.getLogger("src.run")
 
 CANDIDATES = ("eager", "compile", "triton")
@@ -132,7 +134,6 @@ Timer = Callable[[Use, str], "float | tuple[float, float]"]
 
 
 LOSS_OPS = ("cross_entropy", "linear_cross_entropy")
-OPTIMIZER = "adamw"
 BLOCK_OPS = ("rms_norm", "swiglu", "softmax")
 """ops that live inside a transformer block: a compiled block subsumes their picks"""
 BLOCK = "block"

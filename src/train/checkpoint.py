@@ -176,8 +176,8 @@ def keep_optimizer_kernels(optimizer: torch.optim.Optimizer, kernels: list[dict[
         for p in group["params"]:
             step = optimizer.state.get(p, {}).get("step")
             if torch.is_tensor(step):
-                device = (p._local_tensor if hasattr(p, "_local_tensor") else p).device if on_device else torch.device("cpu")
-                optimizer.state[p]["step"] = step.to(device=device, dtype=torch.float32)
+                # a DTensor's device is its own shard's, where fused AdamW keeps the count
+                optimizer.state[p]["step"] = step.to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
 def export_safetensors(model: nn.Module, path: Path) -> None:
