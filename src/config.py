@@ -45,6 +45,11 @@ class GatherCopyIn(StrEnum):
     fsdp2 = "fsdp2"
 
 
+class OneRankCopies(StrEnum):
+    direct = "direct"
+    fsdp2 = "fsdp2"
+
+
 class CompileBackend(StrEnum):
     inductor = "inductor"
     aot_eager = "aot_eager"
@@ -157,6 +162,12 @@ class ShardingConfig:
     """fsdp2/hsdp on CUDA: FSDP2's copy of each unit's unsharded gradients into the reduce-scatter
     input (cast to reduce_dtype) by a vectorised Triton kernel (triton) or torch._chunk_cat (torch:
     1.7 TB/s bf16 -> fp32, 2.5 bf16 -> bf16 on torch 2.11); the same bits; src/distributed/reduce_copy_in.py"""
+    one_rank_copies: OneRankCopies = OneRankCopies.direct
+    """fsdp2/hsdp with one rank a shard group, where FSDP2 gathers and reduce-scatters nothing but
+    still copies as if it did: each unshard casts the fp32 shards straight into the unsharded
+    parameters and each reduce's output is its input (direct), or FSDP2 casts into a new tensor
+    and copies it, and copies the reduce input into an output (fsdp2); the same bits either way;
+    src/distributed/one_rank.py"""
 
 
 @dataclass

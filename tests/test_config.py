@@ -97,6 +97,7 @@ BAD_OVERRIDES = [
     (["sharding.grad_upcast=cuda"], "sharding.grad_upcast=cuda: not a choice of sharding.grad_upcast; use one of: triton, torch"),
     (["sharding.gather_copy_in=fused"], "sharding.gather_copy_in=fused: not a choice of sharding.gather_copy_in; use one of: one_pass, fsdp2"),
     (["sharding.reduce_copy_in=cuda"], "sharding.reduce_copy_in=cuda: not a choice of sharding.reduce_copy_in; use one of: triton, torch"),
+    (["sharding.one_rank_copies=skip"], "sharding.one_rank_copies=skip: not a choice of sharding.one_rank_copies; use one of: direct, fsdp2"),
     (["model.mlp=gelu"], "model.mlp=gelu: not a choice of model.mlp; use one of: silu, swiglu"),
     (["precision.param_dtype=fp8"], "precision.param_dtype=fp8: not a choice"),
     (["train.nonfinite=ignore"], "train.nonfinite=ignore: not a choice"),

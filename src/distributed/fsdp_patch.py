@@ -3,7 +3,8 @@
 FSDP2 has no hooks inside its all-gather and reduce-scatter paths; the copies and casts there are
 module-level functions of `torch.distributed.fsdp._fully_shard._fsdp_collectives`, found by name at
 each call. src/distributed/grad_cast.py, copy_in.py and reduce_copy_in.py each replace one or two of
-them for the whole process. The rules they share live here: install once and keep the first
+them for the whole process; one_rank.py replaces a method and a property of FSDP2's classes (the
+`owner` of its patch), found by name at each call in the same way. The rules they share live here: install once and keep the first
 install's originals; never take one's own replacement, or a replacement of someone else's installed
 after ours, for the original; restore only what is still ours; change nothing (and say so) where
 this torch lacks a function.
@@ -25,14 +26,16 @@ class CollectivesPatch:
     the first install for the life of the process: a replacement that other code captured while it
     was installed still reaches FSDP2's function after a restore."""
 
-    def __init__(self, replacements: dict[str, Callable]):
+    def __init__(self, replacements: dict[str, Callable], owner: Callable[[], object] = collectives):
         self.replacements = replacements
+        self.owner = owner
+        """what holds the functions: `_fsdp_collectives` (the default), or one of FSDP2's classes"""
         self.fsdp2: dict[str, Callable] | None = None
 
     def _current(self) -> dict[str, Callable] | None:
         try:
-            module = collectives()
-        except ImportError:
+            module = self.owner()
+        except (ImportError, AttributeError):
             return None
         current = {name: getattr(module, name, None) for name in self.replacements}
         return None if any(f is None for f in current.values()) else current
@@ -56,7 +59,7 @@ class CollectivesPatch:
         if self.fsdp2 is not None and current != self.fsdp2:
             return False
         self.fsdp2 = current
-        module = collectives()
+        module = self.owner()
         for name, f in self.replacements.items():
             setattr(module, name, f)
         return True
@@ -66,6 +69,6 @@ class CollectivesPatch:
         one since the install, theirs stay (and so do ours that they may call)."""
         if self.fsdp2 is None or not self.installed():
             return
-        module = collectives()
+        module = self.owner()
         for name, f in self.fsdp2.items():
             setattr(module, name, f)

@@ -1,0 +1,167 @@
+"""FSDP2 on a one-rank shard group without its stand-in copies (`sharding.one_rank_copies=direct`).
+
+With one rank FSDP2 gathers and reduce-scatters nothing, but it still copies as if it did:
+
+- unshard (`FSDPParamGroup.wait_for_unshard`): each fp32 shard is cast to param_dtype into a new
+  tensor (`FSDPParam.all_gather_inputs`), then copied into the unsharded parameter's storage: read
+  4 + write 2, then read 2 + write 2 bytes a parameter, on the compute stream, at every unshard
+  (twice a step with reshard_after_forward). Cast straight into that storage: 6 bytes.
+- reduce (`foreach_reduce`): the unit's gradients, already copied into the reduce-scatter input,
+  are copied again into a reduce output of the same size (`reduce_output.copy_(reduce_scatter_input)`):
+  8 bytes a parameter with the seed's fp32 reduce, on the reduce stream beside backward's GEMMs.
+  Here the output is the input (a custom reduce-scatter comm, FSDP2's public
+  `set_custom_reduce_scatter`, whose second buffer is its first), and the copy is a no-op.
+
+For mini_llm on one H200 these are the profile's 207 DtoD memcpys, 2.8 ms a step of the seed's
+eager step (docs/PERFORMANCE.md 7's one-GPU anatomy). The parameters and gradients are the same
+bits: the cast is the same fp32 -> bf16 copy (round to nearest even), and the gradients are read
+from the buffer they were copied into rather than a copy of it.
+
+The unshard has no hook, so the method is wrapped: before FSDP2's own runs, each parameter it will
+cast is cast into its unsharded storage, and `all_gather_inputs` hands FSDP2 that storage, so its
+copy is of a tensor onto itself, which torch returns from at once. Groups this does not cover
+(more than one rank, no lower param_dtype, CPU offload, tensor subclasses with their own
+`fsdp_pre_all_gather` such as float8 weights, parameters kept sharded after forward) and anything
+traced under torch.compile run FSDP2's path unchanged. Process-wide; where this torch's FSDP2 lacks
+the method or the property, nothing changes and `use_direct_unshard` says so.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from src.distributed.fsdp_patch import CollectivesPatch
+
+_DIRECT = "_direct_all_gather_input"  # an FSDPParam's unsharded storage, already cast, for FSDP2's copy
+
+
+def _param_group_class():
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return FSDPParamGroup
+
+
+def _param_class():
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return FSDPParam
+
+
+def _one_rank(group) -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    # FSDP2's own test for its one-rank unshard path (a replicate-only group is left to it)
+    return isinstance(group.mesh_info, FSDPMeshInfo) and group._all_gather_process_group.size() == 1
+
+
+def _castable(fsdp_param) -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    dtype = fsdp_param.param_dtype
+    return (dtype is not None and dtype != fsdp_param._sharded_param_data.dtype and not fsdp_param.offload_to_cpu
+            and fsdp_param.sharded_state == ShardedState.SHARDED
+            and not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"))
+
+
+@torch.no_grad()
+def _cast_into_unsharded(group) -> list:
+    """Cast each castable parameter of a one-rank group straight into its unsharded storage (the
+    buffer FSDP2's copy would write) and mark it for `all_gather_inputs`; the marked parameters."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import alloc_storage
+
+    if torch.compiler.is_compiling() or not group._all_gather_result or not _one_rank(group):
+        return []
+    marked = []
+    for p in group.fsdp_params:
+        if not _castable(p):
+            continue
+        shard = p._sharded_param_data
+        p.init_all_gather_outputs([shard.numel()], [p.param_dtype], 1, group.device)
+        out = p.all_gather_outputs[0]
+        alloc_storage(out)
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            out.copy_(shard)
+        p.__dict__[_DIRECT] = out
+        marked.append(p)
+    return marked
+
+
+def wait_for_unshard(self):
+    marked = _cast_into_unsharded(self)
+    try:
+        return UNSHARD.fsdp2["wait_for_unshard"](self)
+    finally:
+        for p in marked:
+            p.__dict__.pop(_DIRECT, None)
+
+
+def _all_gather_inputs(self) -> list[torch.Tensor]:
+    direct = self.__dict__.get(_DIRECT)
+    if direct is not None:
+        return [direct]
+    return INPUTS.fsdp2["all_gather_inputs"].fget(self)
+
+
+UNSHARD = CollectivesPatch({"wait_for_unshard": wait_for_unshard}, owner=_param_group_class)
+INPUTS = CollectivesPatch({"all_gather_inputs": property(_all_gather_inputs)}, owner=_param_class)
+
+
+def use_direct_unshard() -> bool:
+    """One-rank unshards cast straight into the unsharded parameters; False (and nothing changed)
+    where this torch's FSDP2 lacks `FSDPParamGroup.wait_for_unshard` or `FSDPParam.all_gather_inputs`,
+    or other code has replaced them since an earlier install."""
+    if not INPUTS.install():
+        return False
+    if UNSHARD.install():
+        return True
+    INPUTS.restore()
+    return False
+
+
+def restore_unshard() -> None:
+    """FSDP2's cast and copy again (sharding.one_rank_copies=fsdp2, tests), unless other code has
+    replaced the method or property since: theirs are left."""
+    UNSHARD.restore()
+    INPUTS.restore()
+
+
+class OneRankReduceScatter(ReduceScatter):
+    """A reduce-scatter comm for a one-rank group. FSDP2 allocates the reduce-scatter input, then
+    (on its reduce stream) an output of the same size, and copies one into the other; the output
+    handed back is the input, so that copy is of a tensor onto itself. Never called to communicate:
+    with one rank FSDP2 does not."""
+
+    def __init__(self):
+        self._input: torch.Tensor | None = None
+        self.aliased = 0
+        """reductions whose output was their input"""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        last, self._input = self._input, None
+        if last is not None and tuple(last.shape) == tuple(size) and last.dtype == dtype and last.device == torch.device(device):
+            self.aliased += 1
+            return last
+        self._input = torch.empty(*size, dtype=dtype, device=device)
+        return self._input
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        raise RuntimeError("a one-rank reduce-scatter comm was asked to communicate: its group has more than one rank")
+
+
+def alias_one_rank_reduces(model: nn.Module) -> int:
+    """Give every one-rank FSDP2 group of `model` that still has FSDP2's default reduce-scatter comm
+    (not symmetric memory's, not another custom one) the aliasing comm; how many got it."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is None or not _one_rank(group) or type(group._reduce_scatter_comm) is not DefaultReduceScatter:
+            continue
+        m.set_custom_reduce_scatter(OneRankReduceScatter())
+        n += 1
+    return n

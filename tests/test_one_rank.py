@@ -1,0 +1,186 @@
+"""FSDP2 on one rank without its stand-in copies (src/distributed/one_rank.py), on a one-rank gloo
+group in process (and a one-rank NCCL group where a GPU is present): the unsharded bf16 parameters,
+the losses, the gradients and the updated parameters are the same bits as FSDP2's own path, the
+param-sized casts and gradient copies are gone, and the groups it does not cover keep FSDP2's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from src.distributed import one_rank
+
+aten = torch.ops.aten
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(37, 61), nn.ReLU(), nn.Linear(61, 29), nn.Linear(29, 5, bias=False))
+
+
+class _Copies(TorchDispatchMode):
+    """Every copy between two distinct storages: (op, dtype written, elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and type(dst) is torch.Tensor and type(src) is torch.Tensor \
+                    and dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+                self.seen.append(("copy_", dst.dtype, dst.numel()))
+        elif func is aten._to_copy.default and type(out) is torch.Tensor:
+            self.seen.append(("_to_copy", out.dtype, out.numel()))
+        return out
+
+
+def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if choice == "direct":
+        assert one_rank.use_direct_unshard()
+    else:
+        one_rank.restore_unshard()
+    mesh = init_device_mesh(device, (1,))
+    model = _model().to("cpu" if offload else device)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = {"mesh": mesh, "mp_policy": policy, "offload_policy": CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()}
+    for layer in (model[0], model[2]):
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)  # the root: the last linear
+    comms = []
+    if choice == "direct":
+        assert one_rank.alias_one_rank_reduces(model) == 3
+        comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm for m in (model[0], model[2], model)]
+    gathered = []
+    for layer in (model[0], model[2], model[3]):
+        layer.register_forward_pre_hook(lambda m, _: gathered.append(m.weight.detach().clone()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses, grads = [], []
+    copies = _Copies()
+    for _ in range(3):
+        x = torch.randn(11, 37, generator=g).to(device)
+        with copies:
+            loss = model(x).float().square().mean()
+            loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append([p.grad.full_tensor().cpu() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    sizes = {p.numel() for p in model.parameters()}
+    return {"gathered": [t.cpu() for t in gathered], "losses": [t.cpu() for t in losses], "grads": grads,
+            "params": [p.full_tensor().cpu() for p in model.parameters()], "aliased": [c.aliased for c in comms],
+            # param-sized casts to param_dtype (the unshard's new tensors) and fp32 copies of a
+            # whole unit's gradients (the reduce's): what direct removes
+            "casts": sum(1 for op, dt, n in copies.seen if op == "_to_copy" and dt == param_dtype and n in sizes),
+            "copies": copies.seen}
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        one_rank.restore_unshard()
+        dist.destroy_process_group()
+
+
+def _compare(direct: dict, fsdp2: dict) -> None:
+    for name in ("gathered", "losses", "params"):
+        assert len(direct[name]) == len(fsdp2[name]) > 0
+        assert all(torch.equal(a, b) for a, b in zip(direct[name], fsdp2[name])), name
+    for a, b in zip(direct["grads"], fsdp2["grads"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "grads"
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=["fp32-reduce", "bf16-reduce"])
+def test_direct_copies_give_fsdp2s_bits_without_its_casts_and_gradient_copies(one_rank_group, reduce_dtype):
+    fsdp2 = _run("fsdp2", "cpu", torch.bfloat16, reduce_dtype)
+    direct = _run("direct", "cpu", torch.bfloat16, reduce_dtype)
+    _compare(direct, fsdp2)
+    assert fsdp2["gathered"][0].dtype == torch.bfloat16
+    # 3 steps: the two linear units' 4 parameters unshard in forward and again in backward, the
+    # root's one weight once
+    assert fsdp2["casts"] == 3 * (2 * 4 + 1) and direct["casts"] == 0
+    # every reduce (3 groups, 3 steps) handed back its input as the output
+    assert direct["aliased"] == [3, 3, 3]
+    units = {37 * 61 + 61, 61 * 29 + 29, 29 * 5}  # each group's gradients, flat
+
+    def unit_copies(run):
+        return sum(1 for op, dt, n in run["copies"] if op == "copy_" and dt == reduce_dtype and n in units)
+
+    assert unit_copies(fsdp2) - unit_copies(direct) == 9
+
+
+def test_groups_it_does_not_cover_keep_fsdp2s_path(one_rank_group):
+    # no param_dtype (fp32 compute): FSDP2's path (already one copy), and the same bits
+    fsdp2 = _run("fsdp2", "cpu", None, torch.float32)
+    direct = _run("direct", "cpu", None, torch.float32)
+    _compare(direct, fsdp2)
+    # CPU offload: the shards live on the host; FSDP2's own unshard moves and casts them
+    fsdp2 = _run("fsdp2", "cpu", torch.bfloat16, torch.float32, offload=True)
+    direct = _run("direct", "cpu", torch.bfloat16, torch.float32, offload=True)
+    _compare(direct, fsdp2)
+    assert direct["casts"] == fsdp2["casts"] > 0
+
+
+def test_a_group_with_a_custom_reduce_scatter_keeps_it(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class Mine(DefaultReduceScatter):
+        pass
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    mine = Mine()
+    model[0].set_custom_reduce_scatter(mine)
+    assert one_rank.alias_one_rank_reduces(model) == 1  # the root only
+    assert model[0]._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm is mine
+
+
+def test_install_and_restore_leave_others_alone():
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    one_rank.restore_unshard()
+    wait, inputs = FSDPParamGroup.wait_for_unshard, FSDPParam.all_gather_inputs
+    try:
+        assert one_rank.use_direct_unshard() and one_rank.use_direct_unshard()  # twice: installed once
+        assert one_rank.UNSHARD.fsdp2 == {"wait_for_unshard": wait} and one_rank.INPUTS.fsdp2 == {"all_gather_inputs": inputs}
+        later = lambda self: wait(self)  # noqa: E731  someone wraps the method after the install
+        FSDPParamGroup.wait_for_unshard = later
+        one_rank.restore_unshard()
+        assert FSDPParamGroup.wait_for_unshard is later and FSDPParam.all_gather_inputs is inputs
+        assert not one_rank.use_direct_unshard()  # theirs is in place: neither half installs
+        assert FSDPParam.all_gather_inputs is inputs
+    finally:
+        FSDPParamGroup.wait_for_unshard = wait
+        one_rank.restore_unshard()
+    assert (FSDPParamGroup.wait_for_unshard, FSDPParam.all_gather_inputs) == (wait, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_direct_copies_on_one_nccl_rank():
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fsdp2 = _run("fsdp2", "cuda", torch.bfloat16, torch.float32)
+        direct = _run("direct", "cuda", torch.bfloat16, torch.float32)
+    finally:
+        one_rank.restore_unshard()
+        dist.destroy_process_group()
+    _compare(direct, fsdp2)
+    assert direct["casts"] == 0 and direct["aliased"] == [3, 3, 3]
