@@ -252,3 +252,16 @@ def test_queued_timing_gives_a_copys_gpu_time_without_its_host_path():
 
     kernels, host = queued_ms(many, device), host_us_per_call(many, device) / 1e3
     assert kernels < host, f"60 tiny kernels: {kernels:.4f} ms queued, {host:.4f} ms of host"
+
+
+def test_host_phases_splits_a_steps_host_and_device_time(tmp_path: Path):
+    """src.bench.host_phases over a one-GPU run (small model): a table of host and device ms for
+    forward, backward, optimizer and the loop's own work, each positive, over the steps from --after."""
+    proc = run_cli(["--after", "2", "--", "+exp=fsdp4", "model=small", "dist.nproc=1", "train.steps=6", "tracking=none"],
+                   cwd=tmp_path, timeout=600, module="src.bench.host_phases")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "medians over 4 steps" in proc.stdout
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines() if line.startswith("| ") and "phase" not in line}
+    assert set(rows) == {"forward", "backward", "optimizer", "rest", "step"}
+    assert all(float(host) > 0 for host, _ in rows.values())
+    assert all(float(dev) > 0 for name, (_, dev) in rows.items() if name != "rest")
