@@ -75,6 +75,8 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
         grads.append([p.grad.full_tensor().cpu() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
+    assert not [p for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params if one_rank._DIRECT in p.__dict__]  # no marker left
     sizes = {p.numel() for p in model.parameters()}
     return {"gathered": [t.cpu() for t in gathered], "losses": [t.cpu() for t in losses], "grads": grads,
             "params": [p.full_tensor().cpu() for p in model.parameters()], "aliased": [c.aliased for c in comms],
@@ -184,3 +186,59 @@ def test_direct_copies_on_one_nccl_rank():
         dist.destroy_process_group()
     _compare(direct, fsdp2)
     assert direct["casts"] == 0 and direct["aliased"] == [3, 3, 3]
+
+
+def _slow_reduce_grads(choice: str, reduce_dtype, accumulate: bool, offload: bool, delay: int) -> list[torch.Tensor]:
+    """Six identical units and a root on one NCCL rank; the reduce stream's post-reduce work held
+    back by `delay` GPU cycles, so the next unit's reduce-scatter input is allocated while it runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    if choice == "direct":
+        assert one_rank.use_direct_unshard()
+    else:
+        one_rank.restore_unshard()
+    cast = _fsdp_collectives._to_dtype_if_needed
+
+    def slow_cast(t, dtype):
+        if t.is_cuda and torch.cuda.current_stream() != torch.cuda.default_stream():
+            torch.cuda._sleep(delay)
+        return cast(t, dtype)
+
+    _fsdp_collectives._to_dtype_if_needed = slow_cast
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)], nn.Linear(1024, 8)).to("cpu" if offload else "cuda")
+        kw = {"mesh": init_device_mesh("cuda", (1,)), "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype),
+              "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+        for layer in model[:6]:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        if choice == "direct":
+            assert one_rank.alias_one_rank_reduces(model) == 7
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2 if accumulate else 1):
+            model(torch.randn(512, 1024, generator=g).cuda()).float().square().mean().backward()
+        torch.cuda.synchronize()
+        return [p.grad.to_local().cpu().clone() for p in model.parameters()]
+    finally:
+        _fsdp_collectives._to_dtype_if_needed = cast
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("reduce_dtype, accumulate, offload", [(torch.bfloat16, False, False), (torch.float32, True, False), (torch.float32, False, True)],
+                         ids=["bf16-reduce", "fp32-accumulated", "fp32-cpu-offload"])
+def test_an_aliased_reduce_buffer_is_not_reused_while_the_reduce_stream_reads_it(reduce_dtype, accumulate, offload):
+    """The reduce output read on the reduce stream after FSDP2 lets go of its input (the upcast, an
+    accumulation, the copy to the host): with that stream held back 0.1 s a unit, the next unit's
+    gradients must not be copied into the buffer meanwhile. Unrecorded on the reduce stream, they were."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        want = _slow_reduce_grads("fsdp2", reduce_dtype, accumulate, offload, 0)
+        got = _slow_reduce_grads("direct", reduce_dtype, accumulate, offload, 200_000_000)
+    finally:
+        one_rank.restore_unshard()
+        dist.destroy_process_group()
+    assert [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)] == []

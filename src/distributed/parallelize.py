@@ -219,21 +219,26 @@ def _reduce_copy_in(choice: str, reduce_dtype: str, device: torch.device, main: 
            "Triton is missing, or other code replaced the function); torch._chunk_cat copies")
 
 
-def _one_rank_copies(choice: str, model: nn.Module, mesh: DeviceMesh, param_dtype: str, main: bool) -> None:
+def _one_rank_copies(choice: str, model: nn.Module, mesh: DeviceMesh, param_dtype: str, cpu_offload: bool, main: bool) -> None:
     """sharding.one_rank_copies: on a one-rank shard group, unshard by one cast into the unsharded
-    parameters and reduce with no copy (direct), or FSDP2's cast-and-copy and copy (fsdp2). The
-    unshard route is process-wide and inert on more ranks; the reduce comm is set per group, only
-    on one-rank groups that still have FSDP2's default comm (src/distributed/one_rank.py)."""
+    parameters and reduce with no copy (direct), or FSDP2's cast-and-copy and copy (fsdp2). Both
+    are installed only where the shard group has one rank (src/distributed/one_rank.py); the
+    reduce comm is set per group, on plain FSDP groups that still have FSDP2's default comm."""
     from src.distributed.one_rank import alias_one_rank_reduces, restore_unshard, use_direct_unshard
 
     one_rank = mesh.size(mesh.ndim - 1) == 1  # the shard dimension: the mesh's last (env.py)
-    _route("sharding.one_rank_copies=direct", choice == "direct", use_direct_unshard, restore_unshard, main,
-           None, "FSDP2's one-rank unshard left as it is (this torch's FSDP2 lacks FSDPParamGroup.wait_for_unshard or "
-           "FSDPParam.all_gather_inputs, or other code replaced them)")
-    if choice == "direct" and one_rank:
+    wanted = choice == "direct" and one_rank
+    unshard = wanted and use_direct_unshard()
+    if not unshard:
+        restore_unshard()
+    if wanted and not unshard and main:
+        log.warning("sharding.one_rank_copies=direct: FSDP2's one-rank unshard left as it is (this torch's FSDP2 lacks "
+                    "FSDPParamGroup.wait_for_unshard or FSDPParam.all_gather_inputs, or other code replaced them)")
+    if wanted:
         n = alias_one_rank_reduces(model)
         if main:
-            cast = f"each unshard casts the fp32 shards straight into the unsharded {param_dtype} parameters, " if torch_dtype(param_dtype) != torch.float32 else ""
+            cast = (f"each unshard casts the fp32 shards straight into the unsharded {param_dtype} parameters, "
+                    if unshard and not cpu_offload and torch_dtype(param_dtype) != torch.float32 else "")
             log.info("sharding.one_rank_copies=direct: one rank: %s%d FSDP2 groups reduce with no copy of their gradients", cast, n)
 
 
@@ -275,7 +280,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         _grad_upcast(cfg.sharding.grad_upcast, cfg.precision.reduce_dtype, device, main)
         _gather_copy_in(cfg.sharding.gather_copy_in, cfg.precision.param_dtype, mesh.size(), main)
         _reduce_copy_in(cfg.sharding.reduce_copy_in, cfg.precision.reduce_dtype, device, main)
-        _one_rank_copies(cfg.sharding.one_rank_copies, model, mesh, cfg.precision.param_dtype, main)
+        _one_rank_copies(cfg.sharding.one_rank_copies, model, mesh, cfg.precision.param_dtype, cfg.sharding.cpu_offload, main)
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)
