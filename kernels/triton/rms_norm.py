@@ -227,34 +227,8 @@ class AddRMSNormFunction(torch.autograd.Function):
         return dx, dx, dw, None
 
 
-class BranchRMSNormFunction(torch.autograd.Function):
-    """(x, rmsnorm(x) * w) for a pre-norm branch off the residual stream: x passes through this node,
-    so backward receives the stream's gradient (dx) beside the norm's (dy) and adds it in the norm's
-    backward kernel, instead of autograd adding the two in a kernel of its own."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
-        y, rstd, _ = rms_norm_forward(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a tensor of zeros to read
-        return x.view_as(x), y
-
-    @staticmethod
-    def backward(ctx, dx: torch.Tensor | None, dy: torch.Tensor | None):
-        x, weight, rstd = ctx.saved_tensors
-        if dy is None:  # only the stream was used
-            return dx, None, None
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, dx)
-        return dx, dw, None
-
-
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return RMSNormFunction.apply(x, weight, eps)
-
-
-def fused_branch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, rmsnorm(x) * weight), the stream's gradient added in the norm's backward kernel."""
-    return BranchRMSNormFunction.apply(x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,8 +258,3 @@ class FusedRMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, self(x + residual)) in one kernel: see src/models/mini_llm.py add_norm."""
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-    def branch_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, self(x)), backward adding x's other gradient in the norm's kernel: see
-        src/models/mini_llm.py branch_norm."""
-        return fused_branch_rms_norm(x, self.weight, self.eps)

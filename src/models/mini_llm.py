@@ -84,17 +84,6 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[
     return h, norm(h)
 
 
-def branch_norm(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, norm(x)) where a pre-norm branch leaves the residual stream. x's gradient is the sum of
-    the stream's and the branch's; a norm with `branch_forward` (kernels/triton/rms_norm.py) passes
-    x through its own autograd node and adds the two in its backward kernel, where autograd would
-    add them in one of its own (an 8192 x 2048 bf16 add a block on the seed's step, 23 us)."""
-    fused = getattr(norm, "branch_forward", None)
-    if fused is not None:
-        return fused(x)
-    return x, norm(x)
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, ffn_hidden: int, causal: bool = True, norm_eps: float = 1e-6, mlp: str = "silu"):
         super().__init__()
@@ -104,8 +93,7 @@ class TransformerBlock(nn.Module):
         self.ffn = MLPS[mlp](dim, ffn_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, branch = branch_norm(self.norm1, x)
-        h, normed = add_norm(self.norm2, x, self.attn(branch))
+        h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x)))
         return h + self.ffn(normed)
 
 
