@@ -242,3 +242,24 @@ def test_an_aliased_reduce_buffer_is_not_reused_while_the_reduce_stream_reads_it
         one_rank.restore_unshard()
         dist.destroy_process_group()
     assert [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)] == []
+
+
+def test_hsdp_and_all_reduce_hooks_keep_fsdp2s_reduce_output(one_rank_group):
+    """Their reduce output's last reads run on the all-reduce stream, which the alias's record does
+    not cover: an HSDP group (a (1, 1) mesh) gets no aliasing comm, and a group given an all-reduce
+    hook after it got one allocates a separate output again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    hsdp = _model()
+    fully_shard(hsdp, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+    assert one_rank.alias_one_rank_reduces(hsdp) == 0
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    assert one_rank.alias_one_rank_reduces(model) == 1
+    comm = model._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+    seen = []
+    model.set_all_reduce_hook(lambda grad: seen.append(grad.numel()))
+    model(torch.randn(3, 37)).square().mean().backward()
+    assert seen and comm.aliased == 0
