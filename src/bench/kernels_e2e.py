@@ -5,7 +5,9 @@ the same GPU(s), so the ratios are measured side by side.
         --diagnosis tests/fixtures/mini_llm_h200_diagnosis.json
 
 Prints one row per run and the median per setting: tokens/s per GPU, MFU, peak memory, median step
-time, and the speedup over eager. Each run is `python -m src.run +exp=fsdp4` (the seed's model,
+time, the host's median time to queue a step (near the step time, the host is the limit: a setting
+whose kernels save device time can still lose where its Python path is longer), and the speedup
+over eager. Each run is `python -m src.run +exp=fsdp4` (the seed's model,
 data and optimizer) with `kernels=SETTING`; `auto` reads --diagnosis (the mini_llm H200 diagnosis
 kept as a test fixture, or a fresh one from `+exp=diagnose`).
 """
@@ -57,14 +59,16 @@ def main() -> None:
             print(f"kernels={setting:8s} round {r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_num(s['mfu'], '.1f')}%, "
                   f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}", flush=True)
     eager = statistics.median([r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"] or [float("nan")])
-    print("\n| kernels | tok/s/GPU | MFU % | peak GB | step ms | vs eager | final loss |\n|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| kernels | tok/s/GPU | MFU % | peak GB | step ms | host ms | vs eager | final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for setting in args.settings:
         mine = [r for r in rows if r["setting"] == setting]
         tps = statistics.median(r["tokens_per_s_per_device"] for r in mine)
         mfu = None if mine[0]["mfu"] is None else statistics.median(r["mfu"] for r in mine)
         peak = None if mine[0]["peak_mem_gb"] is None else max(r["peak_mem_gb"] for r in mine)
+        hosts = [r["host_step_time_s"] for r in mine if r.get("host_step_time_s") is not None]
+        host = 1e3 * statistics.median(hosts) if hosts else None
         print(f"| {setting} | {tps:,.0f} | {_num(mfu, '.1f')} | {_num(peak, '.2f')} | {1e3 * statistics.median(r['step_time_s'] for r in mine):.1f} | "
-              f"{tps / eager:.3f}x | {mine[-1]['final_loss']:.4f} |")
+              f"{_num(host, '.1f')} | {tps / eager:.3f}x | {mine[-1]['final_loss']:.4f} |")
 
 
 if __name__ == "__main__":
