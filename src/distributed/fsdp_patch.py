@@ -4,10 +4,10 @@ FSDP2 has no hooks inside its all-gather and reduce-scatter paths; the copies an
 module-level functions of `torch.distributed.fsdp._fully_shard._fsdp_collectives`, found by name at
 each call. src/distributed/grad_cast.py, copy_in.py and reduce_copy_in.py each replace one or two of
 them for the whole process; one_rank.py replaces a method and a property of FSDP2's classes (the
-`owner` of its patch), found by name at each call in the same way. The rules they share live here: install once and keep the first
-install's originals; never take one's own replacement, or a replacement of someone else's installed
-after ours, for the original; restore only what is still ours; change nothing (and say so) where
-this torch lacks a function.
+`owner` of its patch), found by name at each call in the same way. The rules they share live here:
+install once and keep the first install's originals; never take one's own replacement, or a
+replacement of someone else's installed after ours, for the original; restore only what is still
+ours; change nothing (and say so) where this torch lacks a function.
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ With one rank FSDP2 gathers and reduce-scatters nothing, but it still copies as 
 - reduce (`foreach_reduce`): the unit's gradients, already copied into the reduce-scatter input,
   are copied again into a reduce output of the same size (`reduce_output.copy_(reduce_scatter_input)`):
   8 bytes a parameter with the seed's fp32 reduce, on the reduce stream beside backward's GEMMs.
-  Here the output is the input (a custom reduce-scatter comm, FSDP2's public
-  `set_custom_reduce_scatter`, whose second buffer is its first), and the copy is a no-op.
+  Here the output is the input (a custom reduce-scatter comm of FSDP2's `ReduceScatter` interface,
+  whose second buffer is its first, recorded on the reduce stream), and the copy is a no-op. Plain
+  FSDP groups only: HSDP's all-reduce and an all-reduce hook read the output on another stream.
 
 For mini_llm on one H200 these are the profile's 207 DtoD memcpys, 2.8 ms a step of the seed's
 eager step (docs/PERFORMANCE.md 7's one-GPU anatomy). The parameters and gradients are the same
