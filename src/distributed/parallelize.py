@@ -169,17 +169,20 @@ def inductor_config(cfg) -> contextlib.AbstractContextManager:
     return inductor.patch(settings) if settings else contextlib.nullcontext()
 
 
-def _route(setting: str, wanted: bool, use, restore, main: bool, routed: str | None, missing: str) -> None:
+def _route(setting: str, wanted: bool, use, restore, main: bool, routed: str | None, missing: str) -> bool:
     """One of FSDP2's copies through this project's replacement (`use()`) or FSDP2's own
     (`restore()`); the main rank says which where it matters (`routed`, None: nothing to say) and
-    warns where the replacement could not be installed."""
+    warns where the replacement could not be installed. Whether the replacement is in place."""
     if not wanted:
         restore()
-    elif use():
+        return False
+    if use():
         if main and routed:
             log.info("%s: %s", setting, routed)
-    elif main:
+        return True
+    if main:
         log.warning("%s: %s", setting, missing)
+    return False
 
 
 def _grad_upcast(choice: str, reduce_dtype: str, device: torch.device, main: bool) -> None:
@@ -228,12 +231,9 @@ def _one_rank_copies(choice: str, model: nn.Module, mesh: DeviceMesh, param_dtyp
 
     one_rank = mesh.size(mesh.ndim - 1) == 1  # the shard dimension: the mesh's last (env.py)
     wanted = choice == "direct" and one_rank
-    unshard = wanted and use_direct_unshard()
-    if not unshard:
-        restore_unshard()
-    if wanted and not unshard and main:
-        log.warning("sharding.one_rank_copies=direct: FSDP2's one-rank unshard left as it is (this torch's FSDP2 lacks "
-                    "FSDPParamGroup.wait_for_unshard or FSDPParam.all_gather_inputs, or other code replaced them)")
+    unshard = _route("sharding.one_rank_copies=direct", wanted, use_direct_unshard, restore_unshard, main, None,
+                     "FSDP2's one-rank unshard left as it is (this torch's FSDP2 lacks FSDPParamGroup.wait_for_unshard or "
+                     "FSDPParam.all_gather_inputs, or other code replaced them)")
     if wanted:
         n = alias_one_rank_reduces(model)
         if main:
