@@ -71,6 +71,39 @@ def test_the_kernel_reads_bf16_gradients_as_their_fp32_values():
     torch.testing.assert_close(sq, sum(g.float().square().sum() for g in grads), rtol=1e-5, atol=0)
 
 
+def test_the_update_writes_each_parameters_bf16_cast_rounded_as_torchs():
+    """adamw_step_ with copies: the same update, and each copy is the updated parameter's
+    .to(torch.bfloat16) bit for bit (rounded to nearest even by the bits, in the interpreter as on
+    the GPU), for values on rounding ties, at overflow, subnormal and infinite; NaN stays NaN."""
+    from kernels.triton.adamw import TileTable, adamw_step_
+
+    params = [p.detach() for p in _params()]
+    # ties between two bf16 values (odd and even lower halves), the largest finite fp32 (rounds to
+    # inf), subnormals, infinities and a NaN, written over the first tensors' first elements
+    special = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.4028235e38, -3.4028235e38, 1e-40, -3e-39,
+                            float("inf"), float("-inf"), float("nan")], device=params[0].device)
+    params[3].view(-1)[: special.numel()] = special
+    want = [p.clone() for p in params]
+    grads = _grads(0, torch.float32)
+    for g in grads:  # no update where the specials sit: they reach the cast as they are
+        g.view(-1)[: special.numel()] = 0.0
+    moments = [[torch.zeros_like(p) for p in params] for _ in range(4)]
+    copies = [torch.full_like(p, 7.0, dtype=torch.bfloat16) for p in params]
+    table = TileTable([p.numel() for p in params], params[0].device)
+    hyper = {"step": 1, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+    adamw_step_(params, grads, moments[0], moments[1], table, copies=copies, **hyper)
+    adamw_step_(want, grads, moments[2], moments[3], table, **hyper)
+    for got, ref in zip(params + moments[0] + moments[1], want + moments[2] + moments[3]):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+    for written, p in zip(copies, params):
+        finite = ~p.isnan()
+        assert torch.equal(written[finite], p.to(torch.bfloat16)[finite])
+        assert written[~finite].isnan().all()
+    assert copies[3].view(-1)[:2].float().tolist() == [1.0, 1.0 + 2**-6]  # ties to even: down, then up
+    with pytest.raises(ValueError, match="bf16 copy of each parameter's size"):
+        adamw_step_(params, grads, moments[0], moments[1], table, copies=[c.float() for c in copies], **hyper)
+
+
 def test_the_state_dict_is_adamws_and_loads_both_ways():
     """A checkpoint of torch's AdamW resumes under optim.impl=triton and the other way round: the
     same keys, the step count carried, the update continued where it stopped."""
@@ -129,14 +162,14 @@ def test_optim_impl_triton_builds_it_and_is_refused_where_it_cannot_run(monkeypa
         validate(compose_config(["+exp=fsdp4", "dist.nproc=1", "optim.impl=triton", "sharding=fsdp2_offload"]), cuda_device_count=1)
 
 
-def _run(tmp_path: Path, name: str, overrides: list[str]) -> list[dict]:
+def _run(tmp_path: Path, name: str, overrides: list[str], precision: str = "fp32", steps: int = 4) -> list[dict]:
     from src.train.worker import train
 
     run_dir = tmp_path / name
     run_dir.mkdir()
     # on a GPU the run is on it (the kernels module was imported for it); on a CPU in the interpreter
-    cfg = compose_config([f"backend={'cuda' if DEVICE == 'cuda' else 'cpu'}", "dist.nproc=1", "precision=fp32", "train.steps=4", "data.seq_len=64", "data.batch_size=4", "tracking=none",
-                          "train.progress=false", "optim.grad_clip=0", *overrides])
+    cfg = compose_config([f"backend={'cuda' if DEVICE == 'cuda' else 'cpu'}", "dist.nproc=1", f"precision={precision}", f"train.steps={steps}", "data.seq_len=64",
+                          "data.batch_size=4", "tracking=none", "train.progress=false", "optim.grad_clip=0", *overrides])
     train(cfg, RunContext(run_dir=str(run_dir), cwd=str(tmp_path)))
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -150,6 +183,25 @@ def test_a_run_with_optim_impl_triton_trains_as_foreach_adamw_and_reports_the_sa
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ref], rel=1e-5)
     assert [m["grad_norm"] for m in ours] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-5)
     assert all(m["grad_norm"] > 0 for m in ours)
+
+
+def test_a_bf16_run_whose_update_writes_the_unsharded_parameters_trains_as_one_that_casts_them(tmp_path: Path, in_process_runs, caplog):
+    """optim.cast_in_step (the default) on one rank in bf16: the update writes each parameter's bf16
+    cast into FSDP2's kept unsharded storage; the losses and grad norms are those of FSDP2 casting
+    every parameter at every unshard, bit for bit, and so are a run's resumed from a checkpoint
+    (loaded through tensors of DCP's own: the kept casts are forgotten)."""
+    import logging
+
+    base = ["optim.impl=triton", "checkpoint.enabled=true", "checkpoint.interval=3"]
+    with caplog.at_level(logging.INFO, logger="src"):
+        kept = _run(tmp_path, "kept", base, precision="bf16", steps=6)
+    assert any("optim.cast_in_step: the Triton AdamW update writes" in r.getMessage() for r in caplog.records)
+    cast = _run(tmp_path, "cast", [*base, "optim.cast_in_step=false"], precision="bf16", steps=6)
+    assert [(m["loss"], m["grad_norm"]) for m in kept] == [(m["loss"], m["grad_norm"]) for m in cast]
+    # from the kept run's step-3 checkpoint, with its kept casts forgotten at the load
+    resumed = _run(tmp_path, "resumed", [*base, f"checkpoint.resume={tmp_path / 'kept' / 'checkpoints' / 'step_00000003'}"],
+                   precision="bf16", steps=6)
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in kept][3:]
 
 
 def test_on_two_gloo_ranks_the_norm_summed_in_the_update_is_the_global_one(tmp_path: Path, monkeypatch):

@@ -40,7 +40,11 @@ class _Copies(TorchDispatchMode):
         return out
 
 
-def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = False) -> dict:
+def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = False, optimizer: str = "adamw", in_step: bool = False,
+         nudge_at: int | None = None) -> dict:
+    """Three steps of _model() on a one-rank mesh. `optimizer`: torch's AdamW or TritonAdamW;
+    `in_step`: cast_in_step (the update writes the unsharded parameters); `nudge_at`: after that
+    step a torch in-place op changes the first parameter, behind the optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -62,11 +66,17 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
     gathered = []
     for layer in (model[0], model[2], model[3]):
         layer.register_forward_pre_hook(lambda m, _: gathered.append(m.weight.detach().clone()))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if optimizer == "triton":
+        from kernels.triton.adamw import TritonAdamW
+
+        opt = TritonAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    written = one_rank.cast_in_step(model, opt) if in_step else (0, 0)
     g = torch.Generator().manual_seed(1)
     losses, grads = [], []
     copies = _Copies()
-    for _ in range(3):
+    for step in range(3):
         x = torch.randn(11, 37, generator=g).to(device)
         with copies:
             loss = model(x).float().square().mean()
@@ -75,6 +85,9 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
         grads.append([p.grad.full_tensor().cpu() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
+        if step == nudge_at:
+            with torch.no_grad():
+                next(model.parameters()).add_(0.25)
     assert not [p for m in model.modules() if hasattr(m, "_get_fsdp_state")
                 for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params if one_rank._DIRECT in p.__dict__]  # no marker left
     sizes = {p.numel() for p in model.parameters()}
@@ -83,7 +96,9 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
             # param-sized casts to param_dtype (the unshard's new tensors) and fp32 copies of a
             # whole unit's gradients (the reduce's): what direct removes
             "casts": sum(1 for op, dt, n in copies.seen if op == "_to_copy" and dt == param_dtype and n in sizes),
-            "copies": copies.seen}
+            # the direct unshard's casts: param-sized copies into the unsharded storage
+            "direct_casts": sum(1 for op, dt, n in copies.seen if op == "copy_" and dt == param_dtype and n in sizes),
+            "copies": copies.seen, "written": written}
 
 
 @pytest.fixture
@@ -263,3 +278,74 @@ def test_hsdp_and_all_reduce_hooks_keep_fsdp2s_reduce_output(one_rank_group):
     model.set_all_reduce_hook(lambda grad: seen.append(grad.numel()))
     model(torch.randn(3, 37)).square().mean().backward()
     assert seen and comm.aliased == 0
+
+
+@pytest.mark.parametrize("nudge_at", [None, 1], ids=["optimizer-only", "changed-behind-the-optimizer"])
+def test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote(one_rank_group, nudge_at):
+    """cast_in_step: the same bits as FSDP2's own path with the same optimizer, while the only
+    casts left are the first forward's (the kept storage holds them through backward, and the
+    update writes each step's); a parameter changed by a torch in-place op is cast again."""
+    fsdp2 = _run("fsdp2", "cpu", torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
+    direct = _run("direct", "cpu", torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
+    kept = _run("direct", "cpu", torch.bfloat16, torch.float32, optimizer="triton", in_step=True, nudge_at=nudge_at)
+    _compare(kept, fsdp2)
+    _compare(direct, fsdp2)
+    assert kept["written"] == (5, 2 * (37 * 61 + 61 + 61 * 29 + 29 + 29 * 5))  # every parameter, 2 bytes each
+    # FSDP2's 3 x (2 x 4 + 1) unshards of a parameter, cast each time; kept: the first forward's 5,
+    # and the changed parameter's one more
+    assert direct["direct_casts"] == 27
+    assert kept["direct_casts"] == 5 + (nudge_at is not None)
+    for m in ("fsdp2", "direct"):
+        assert (fsdp2 if m == "fsdp2" else direct)["written"] == (0, 0)
+
+
+def test_cast_in_step_needs_the_direct_unshard_and_an_optimizer_that_writes_copies(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from kernels.triton.adamw import TritonAdamW
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    assert one_rank.use_direct_unshard()
+    assert one_rank.cast_in_step(model, torch.optim.AdamW(model.parameters())) == (0, 0)  # torch's update writes no copy
+    one_rank.restore_unshard()
+    triton = TritonAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    assert one_rank.cast_in_step(model, triton) == (0, 0)  # FSDP2's own unshard: nothing kept
+    with pytest.raises(ValueError, match="this optimizer's own parameters"):
+        TritonAdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).write_copies(
+            [(next(model.parameters()), one_rank.UnshardedCopy(torch.empty(3, dtype=torch.bfloat16)))])
+
+
+def test_a_checkpoint_loaded_into_kept_parameters_is_cast_at_the_next_unshard(one_rank_group, tmp_path):
+    """torch.distributed.checkpoint's load writes the shards through tensors of its own, moving no
+    counter the kept casts compare: forget_casts has the next unshard cast them again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from kernels.triton.adamw import TritonAdamW
+
+    assert one_rank.use_direct_unshard()
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = TritonAdamW(model.parameters(), lr=1e-1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    assert one_rank.cast_in_step(model, opt)[0] == 5
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, _: seen.append(m.weight.detach().clone()))
+    x = torch.randn(4, 37)
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path))
+    before = next(model.parameters()).full_tensor().clone()
+    for _ in range(2):
+        model(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    assert torch.equal(next(model.parameters()).full_tensor(), before)  # the shards hold the checkpoint
+    model(x)
+    model.reshard()  # the root keeps its parameters unsharded after forward
+    assert not torch.equal(seen[-1], before.bfloat16())  # the kept storage still holds the last update's cast
+    assert one_rank.forget_casts(model) == 5
+    model(x)
+    assert torch.equal(seen[-1], before.bfloat16())

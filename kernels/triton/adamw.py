@@ -13,6 +13,11 @@ The update is torch's AdamW (decoupled weight decay, bias corrections from the s
 amsgrad), in fp32, in the order torch's fused kernel computes it; results agree with it to fp32
 rounding (tests/test_kernel_adamw.py), not bit for bit. `TritonAdamW` is torch.optim.AdamW with
 this step (optim.impl=triton builds it), over plain tensors or FSDP2's DTensors.
+
+The same launch can also write each updated parameter's bf16 copy (`TritonAdamW.write_copies`):
+FSDP2 casts every fp32 parameter to bf16 at each unshard (read 4 bytes, write 2), which on one rank
+is the unsharded parameter itself; written in the update it costs the 2-byte store alone, the
+fp32 value being in registers already (src/distributed/one_rank.py's cast_in_step).
 """
 from __future__ import annotations
 
@@ -36,14 +41,27 @@ import triton.language as tl
 BLOCK, ITERS, NUM_WARPS = 2048, 8, 4
 TILE = BLOCK * ITERS
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
+COPY_DTYPES = (torch.bfloat16,)  # what a parameter's copy written in the update may be (write_copies): rounded by the bits, bf16's only
 MAX_TABLES = 64  # tile tables kept per optimizer: one per parameter set it steps (one, or one per FSDP unit)
 
 
 @triton.jit
-def _adamw_block(P, G, M, V, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, MASKED: tl.constexpr):
-    """AdamW over BLOCK elements at `offs` (P, G, M, V already at the tensor's first element); the
+def _bf16_rne(x):
+    """fp32 -> bf16, rounded to nearest even by the bits, as torch's .to(torch.bfloat16) does (NaN:
+    torch's CPU 0x7FC0): the same bits on a GPU and in Triton's interpreter, whose own cast
+    truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, MASKED: tl.constexpr, HAS_COPY: tl.constexpr):
+    """AdamW over BLOCK elements at `offs` (P, G, M, V, C already at the tensor's first element); the
     gradients' squares, for the norm. Unmasked where the block is whole: a mask against a length read
-    from memory has no known divisibility, so its loads would not vectorise."""
+    from memory has no known divisibility, so its loads would not vectorise. With HAS_COPY the
+    updated parameter is also stored to C in C's dtype (round to nearest even, as torch's .to())."""
     mask = offs < n if MASKED else None
     g = tl.load(G + offs, mask=mask, other=0.0 if MASKED else None).to(tl.float32)
     p = tl.load(P + offs, mask=mask)
@@ -56,14 +74,18 @@ def _adamw_block(P, G, M, V, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2
     tl.store(P + offs, p, mask=mask)
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
+    if HAS_COPY:
+        tl.store(C + offs, _bf16_rne(p), mask=mask)
     return g * g
 
 
 @triton.jit
-def _adamw_tiles(P, G, M, V, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                 BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr):
+def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
+                 BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr,
+                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr):
     """One tile of one tensor a program. OFFSETS holds four rows of n_tensors element offsets, from
-    P, G, M and V: parameters, gradients, first moments, second moments."""
+    P, G, M and V: parameters, gradients, first moments, second moments; with HAS_COPY a fifth,
+    from C: the parameters' copies in a lower dtype (COPY_ALIGN elements to 16 bytes)."""
     tile = tl.program_id(0)
     t = tl.load(TILE_TENSOR + tile)
     start = tl.load(TILE_START + tile)
@@ -72,20 +94,29 @@ def _adamw_tiles(P, G, M, V, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, 
     g_off = tl.load(OFFSETS + n_tensors + t)
     m_off = tl.load(OFFSETS + 2 * n_tensors + t)
     v_off = tl.load(OFFSETS + 3 * n_tensors + t)
+    c_off = 0
+    if HAS_COPY:
+        c_off = tl.load(OFFSETS + 4 * n_tensors + t)
     if ALIGNED:  # every tensor starts on 16 bytes: 4 fp32 or 8 bf16 elements
         p_off = tl.multiple_of(p_off, 4)
         g_off = tl.multiple_of(g_off, 8 if GRAD_BF16 else 4)
         m_off = tl.multiple_of(m_off, 4)
         v_off = tl.multiple_of(v_off, 4)
+        if HAS_COPY:
+            c_off = tl.multiple_of(c_off, COPY_ALIGN)
         start = tl.multiple_of(start, BLOCK)
     P, G, M, V = P + p_off, G + g_off, M + m_off, V + v_off
+    if HAS_COPY:
+        C = C + c_off
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     if start + BLOCK * ITERS <= n:  # a whole tile: every tile but a tensor's last
         for i in range(ITERS):
-            squares += _adamw_block(P, G, M, V, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, False)
+            squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
+                                    False, HAS_COPY)
     else:
         for i in range(ITERS):
-            squares += _adamw_block(P, G, M, V, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, True)
+            squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
+                                    True, HAS_COPY)
     if WANT_SQUARES:
         tl.store(SQUARES + tile, tl.sum(squares, axis=0))
 
@@ -113,14 +144,20 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                 table: TileTable, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                want_squares: bool = False) -> torch.Tensor | None:
+                want_squares: bool = False, copies: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """AdamW's update of every tensor in place (fp32 parameters and moments, contiguous; gradients
     fp32 or bf16, contiguous, all of one dtype), the bias corrections of step `step` (counted from 1).
-    Returns the sum of the gradients' squares (an fp32 device scalar) when `want_squares`."""
+    With `copies` (one contiguous bf16 tensor of each parameter's size), each updated parameter is
+    also written to its copy, rounded as torch's cast: 2 bytes more a parameter, where a separate
+    cast would read the 4-byte parameter again. Returns the sum of the gradients'
+    squares (an fp32 device scalar) when `want_squares`."""
     if not params:
         return torch.zeros((), dtype=torch.float32) if want_squares else None
     device = params[0].device
-    streams = (params, grads, exp_avgs, exp_avg_sqs)
+    streams = (params, grads, exp_avgs, exp_avg_sqs) + ((copies,) if copies else ())
+    if copies and (len(copies) != len(params) or any(c.numel() != p.numel() or c.dtype not in COPY_DTYPES or not c.is_contiguous()
+                                                     for c, p in zip(copies, params))):
+        raise ValueError("adamw_step_ writes one contiguous bf16 copy of each parameter's size")
     if any(t.data_ptr() % t.element_size() for group in streams for t in group):
         raise ValueError("adamw_step_ takes tensors aligned to their element size")
     aligned = all(t.data_ptr() % 16 == 0 for group in streams for t in group)
@@ -132,11 +169,22 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
         _adamw_tiles[(table.n_tiles,)](
-            params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], offsets, table.numels, table.tensor, table.start, squares, len(params),
-            1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps,
-            BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares, num_warps=NUM_WARPS,
+            params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copies[0] if copies else params[0], offsets, table.numels, table.tensor,
+            table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps,
+            BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares,
+            HAS_COPY=bool(copies), COPY_ALIGN=16 // copies[0].element_size() if copies else 1, num_warps=NUM_WARPS,
         )
     return squares.sum() if want_squares else None
+
+
+def increment_version(tensors: list[torch.Tensor]) -> None:
+    """Move each tensor's version counter on by one, as a torch in-place op on it would."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(tensors)
+    else:  # older torch: the C++ call, one tensor at a time
+        for t in tensors:
+            torch._C._increment_version(t)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -156,6 +204,24 @@ class TritonAdamW(torch.optim.AdamW):
         self._tables: dict[tuple[int, ...], object] = {}
         self.grad_norm_wanted = False
         self.last_grad_norm: torch.Tensor | None = None
+        self._copies: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def write_copies(self, pairs) -> int:
+        """(parameter, copy) pairs: each step also writes the updated parameter to `copy.out` (a
+        contiguous bf16 tensor of the parameter's local shard's size) in the same launch, moves
+        the parameter's version counters, then calls `copy.written()`, so whoever reads
+        `copy.out` can tell it still holds the parameter's cast. FSDP2's one-rank unshard reads them
+        (src/distributed/one_rank.py's cast_in_step). Returns how many this optimizer now writes."""
+        owned = {id(p) for group in self.param_groups for p in group["params"]}
+        for param, copy in pairs:
+            out, local = copy.out, local_shard(param)
+            if id(param) not in owned:
+                raise ValueError("write_copies takes this optimizer's own parameters")
+            if out.numel() != local.numel() or out.dtype not in COPY_DTYPES or not out.is_contiguous() or out.device != local.device:
+                raise ValueError(f"a parameter's copy is a contiguous bf16 tensor of its {local.numel()} elements on {local.device}; "
+                                 f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+            self._copies[id(param)] = (param, copy)
+        return len(self._copies)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -167,8 +233,9 @@ class TritonAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
                 raise ValueError("TritonAdamW runs plain AdamW: no amsgrad, maximize, capturable or differentiable")
-            # one launch per step count and gradient dtype (one of each, in practice)
-            launches: dict[tuple[float, torch.dtype], tuple[list, list, list, list]] = {}
+            # one launch per step count, gradient dtype and copy dtype (one of each, in practice):
+            # local parameters, gradients, moments, copies' tensors, copies, parameters
+            launches: dict[tuple[float, torch.dtype, torch.dtype | None], tuple[list, list, list, list, list, list, list]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -188,10 +255,16 @@ class TritonAdamW(torch.optim.AdamW):
                 if tensors[0].dtype != torch.float32 or tensors[1].dtype not in GRAD_DTYPES or not all(t.is_contiguous() for t in tensors):
                     raise ValueError(f"TritonAdamW updates contiguous fp32 parameters with fp32 or bf16 gradients; got a {tensors[0].dtype} "
                                      f"parameter with a {tensors[1].dtype} gradient; use torch's fused AdamW")
-                lists = launches.setdefault((float(state["step"]), tensors[1].dtype), ([], [], [], []))
+                copy = self._copies.get(id(p))
+                copy = copy[1] if copy is not None and copy[0] is p else None
+                key = (float(state["step"]), tensors[1].dtype, copy.out.dtype if copy is not None else None)
+                lists = launches.setdefault(key, ([], [], [], [], [], [], []))
                 for lst, t in zip(lists, tensors):
                     lst.append(t)
-            for (step, _), streams in launches.items():
+                lists[4].append(copy.out if copy is not None else None)
+                lists[5].append(copy)
+                lists[6].append(p)
+            for (step, _, copy_dtype), (*streams, outs, copies, params) in launches.items():
                 numels = tuple(t.numel() for t in streams[0])
                 table = self._tables.get(numels)
                 if table is None:
@@ -199,7 +272,15 @@ class TritonAdamW(torch.optim.AdamW):
                         self._tables.clear()
                     table = self._tables[numels] = TileTable(list(numels), streams[0][0].device)
                 sq = adamw_step_(*streams, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
-                                 eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted)
+                                 eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted,
+                                 copies=outs if copy_dtype is not None else None)
+                # the kernel wrote the parameters behind autograd's back: their version counters
+                # (a DTensor's and its local tensor's) move as a torch in-place op's would, which
+                # is what a reader of a copy compares against
+                increment_version(streams[0] + [p for p in params if p is not local_shard(p)])
+                for copy in copies:
+                    if copy is not None:
+                        copy.written()
                 if sq is not None:
                     squares.append(sq)
         if self.grad_norm_wanted:

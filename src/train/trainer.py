@@ -102,6 +102,8 @@ class Trainer:
         laid = parallelize(model, cfg, mesh, env.device)
         self.model, self.autocast_dtype, self.after_optimizer = laid.model, laid.autocast_dtype, laid.after_optimizer
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload)
+        if mesh is not None and cfg.optim.cast_in_step:
+            self._cast_in_step()
         self.in_backward = StepInBackward(self.model, self.optimizer) if cfg.optim.in_backward else None
         self.units_stepped_in_backward: int | None = None
         self._checkpoint_and_resume()
@@ -130,6 +132,17 @@ class Trainer:
             if self.run_dir is not None:
                 self.metrics_file = MetricsFile(self.run_dir / "metrics.jsonl", self.start_step)
                 self.callbacks.append(self.metrics_file)
+
+    def _cast_in_step(self) -> None:
+        """optim.cast_in_step: where it applies (TritonAdamW, one-rank groups unsharded directly),
+        the update writes the unsharded parameters and they stay allocated; the log says so and
+        what it holds."""
+        from src.distributed.one_rank import cast_in_step
+
+        n, kept = cast_in_step(self.model, self.optimizer)
+        if n and self.env.is_main:
+            log.info("optim.cast_in_step: the Triton AdamW update writes %d parameters' %s casts into their one-rank unsharded "
+                     "storage, kept between steps (%.2f GB); unshards cast only what changed since", n, self.cfg.precision.param_dtype, kept / 1e9)
 
     def _swap_kernels(self, model: torch.nn.Module) -> FusedModel:
         """kernels.fused (Triton) and kernels.compiled (single ops under torch.compile), in place."""
@@ -206,6 +219,10 @@ class Trainer:
             self.resumed_from = resumed
             if resumed is not None:
                 self.start_step = self.checkpointer.load(resumed)
+                if self.cfg.optim.cast_in_step:  # DCP writes the shards through tensors of its own, which move no counter of theirs
+                    from src.distributed.one_rank import forget_casts
+
+                    forget_casts(self.model)
 
     def train(self) -> dict[str, Any]:
         """build(), the loop (under torch.profiler for task=profile), then the summary and records."""
