@@ -111,6 +111,19 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def one_rank_device():
+    """A one-rank group on the GPU where there is one (Triton's kernels run there; the interpreter
+    is for CPUs), else on the CPU: the device's name."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield device
+    finally:
+        one_rank.restore_unshard()
+        dist.destroy_process_group()
+
+
 def _compare(direct: dict, fsdp2: dict) -> None:
     for name in ("gathered", "losses", "params"):
         assert len(direct[name]) == len(fsdp2[name]) > 0
@@ -281,13 +294,14 @@ def test_hsdp_and_all_reduce_hooks_keep_fsdp2s_reduce_output(one_rank_group):
 
 
 @pytest.mark.parametrize("nudge_at", [None, 1], ids=["optimizer-only", "changed-behind-the-optimizer"])
-def test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote(one_rank_group, nudge_at):
+def test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote(one_rank_device, nudge_at):
     """cast_in_step: the same bits as FSDP2's own path with the same optimizer, while the only
     casts left are the first forward's (the kept storage holds them through backward, and the
     update writes each step's); a parameter changed by a torch in-place op is cast again."""
-    fsdp2 = _run("fsdp2", "cpu", torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
-    direct = _run("direct", "cpu", torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
-    kept = _run("direct", "cpu", torch.bfloat16, torch.float32, optimizer="triton", in_step=True, nudge_at=nudge_at)
+    dev = one_rank_device
+    fsdp2 = _run("fsdp2", dev, torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
+    direct = _run("direct", dev, torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
+    kept = _run("direct", dev, torch.bfloat16, torch.float32, optimizer="triton", in_step=True, nudge_at=nudge_at)
     _compare(kept, fsdp2)
     _compare(direct, fsdp2)
     assert kept["written"] == (5, 2 * (37 * 61 + 61 + 61 * 29 + 29 + 29 * 5))  # every parameter, 2 bytes each
@@ -317,7 +331,7 @@ def test_cast_in_step_needs_the_direct_unshard_and_an_optimizer_that_writes_copi
             [(next(model.parameters()), one_rank.UnshardedCopy(torch.empty(3, dtype=torch.bfloat16)))])
 
 
-def test_a_checkpoint_loaded_into_kept_parameters_is_cast_at_the_next_unshard(one_rank_group, tmp_path):
+def test_a_checkpoint_loaded_into_kept_parameters_is_cast_at_the_next_unshard(one_rank_device, tmp_path):
     """torch.distributed.checkpoint's load writes the shards through tensors of its own, moving no
     counter the kept casts compare: forget_casts has the next unshard cast them again."""
     import torch.distributed.checkpoint as dcp
@@ -326,14 +340,15 @@ def test_a_checkpoint_loaded_into_kept_parameters_is_cast_at_the_next_unshard(on
 
     from kernels.triton.adamw import TritonAdamW
 
+    dev = one_rank_device
     assert one_rank.use_direct_unshard()
-    model = _model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model = _model().to(dev)
+    fully_shard(model, mesh=init_device_mesh(dev, (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     opt = TritonAdamW(model.parameters(), lr=1e-1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     assert one_rank.cast_in_step(model, opt)[0] == 5
     seen = []
     model[0].register_forward_pre_hook(lambda m, _: seen.append(m.weight.detach().clone()))
-    x = torch.randn(4, 37)
+    x = torch.randn(4, 37, device=dev)
     dcp.save(model.state_dict(), checkpoint_id=str(tmp_path))
     before = next(model.parameters()).full_tensor().clone()
     for _ in range(2):
