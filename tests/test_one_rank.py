@@ -98,7 +98,8 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
             "casts": sum(1 for op, dt, n in copies.seen if op == "_to_copy" and dt == param_dtype and n in sizes),
             # the direct unshard's casts: param-sized copies into the unsharded storage
             "direct_casts": sum(1 for op, dt, n in copies.seen if op == "copy_" and dt == param_dtype and n in sizes),
-            "copies": copies.seen, "written": written}
+            "copies": copies.seen, "written": written,
+            "reshard_after_forward": [m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for m in (model[0], model[2])]}
 
 
 @pytest.fixture
@@ -309,6 +310,8 @@ def test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it
     # and the changed parameter's one more
     assert direct["direct_casts"] == 27
     assert kept["direct_casts"] == 5 + (nudge_at is not None)
+    # the kept modules no longer reshard after forward (it would free nothing)
+    assert direct["reshard_after_forward"] == [True, True] and kept["reshard_after_forward"] == [False, False]
     for m in ("fsdp2", "direct"):
         assert (fsdp2 if m == "fsdp2" else direct)["written"] == (0, 0)
 

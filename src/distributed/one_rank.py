@@ -185,41 +185,53 @@ def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
     Needs the direct unshard (use_direct_unshard) and an optimizer with `write_copies`
     (TritonAdamW) that holds the model's parameters. FSDP2 settles each parameter's param_dtype at
     its first forward, so each is handed to the optimizer at its first unshard after this call;
-    until then the optimizer writes no copy. Returns how many parameters it will cover (0: none)
-    and the bytes their kept storage will hold."""
+    until then the optimizer writes no copy. A module whose parameters are all kept no longer
+    reshards after forward, which would free nothing. Returns how many parameters it will cover (0:
+    none) and the bytes their kept storage will hold."""
     write = getattr(optimizer, "write_copies", None)
     if write is None or not UNSHARD.installed() or not INPUTS.installed() or not FREE.install():
         return 0, 0
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     n = nbytes = 0
-    for group in _groups(model):
-        if not _one_rank(group):
-            continue
-        dtype = group.mp_policy.param_dtype
-        # what _castable will find at the first unshard, from what is known before it: fp32
-        # parameters computed in bf16 (the update rounds to bf16 only)
-        params = [p for p in group.fsdp_params if dtype == torch.bfloat16 and p.sharded_param.dtype == torch.float32
-                  and not p.offload_to_cpu and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")]
-        if not params:
-            continue
-        if any(id(p.sharded_param) not in owned for p in params):
-            raise ValueError("optim.cast_in_step: the optimizer does not hold every parameter of the model's FSDP2 groups")
-        group.__dict__[_KEEP] = write
-        n += len(params)
-        nbytes += sum(p.sharded_param.numel() for p in params) * dtype.itemsize
+    for module, groups in _module_groups(model):
+        kept_all = bool(groups)
+        for group in groups:
+            dtype = group.mp_policy.param_dtype
+            # what _castable will find at the first unshard, from what is known before it: fp32
+            # parameters computed in bf16 (the update rounds to bf16 only)
+            params = [p for p in group.fsdp_params if _one_rank(group) and dtype == torch.bfloat16 and p.sharded_param.dtype == torch.float32
+                      and not p.offload_to_cpu and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")]
+            kept_all = kept_all and len(params) == len(group.fsdp_params)
+            if not params:
+                continue
+            if any(id(p.sharded_param) not in owned for p in params):
+                raise ValueError("optim.cast_in_step: the optimizer does not hold every parameter of the model's FSDP2 groups")
+            group.__dict__[_KEEP] = write
+            n += len(params)
+            nbytes += sum(p.sharded_param.numel() for p in params) * dtype.itemsize
+        if kept_all:
+            # resharding after forward would free nothing (the storage stays) and cost backward an
+            # unshard's Python per parameter: the module keeps its parameters unsharded till backward
+            module.set_reshard_after_forward(False, recurse=False)
     return n, nbytes
 
 
-def _groups(model: nn.Module):
-    """Every FSDP2 parameter group of `model` (torch 2.13 can give a module several)."""
+def _module_groups(model: nn.Module):
+    """(FSDP2 module, its parameter groups) for every FSDP2 module of `model` (torch 2.13 can give
+    a module several groups)."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
             state = m._get_fsdp_state()
-            for group in state._fsdp_param_groups if hasattr(state, "_fsdp_param_groups") else [state._fsdp_param_group]:
-                if group is not None:
-                    yield group
+            groups = state._fsdp_param_groups if hasattr(state, "_fsdp_param_groups") else [state._fsdp_param_group]
+            yield m, [g for g in groups if g is not None]
+
+
+def _groups(model: nn.Module):
+    """Every FSDP2 parameter group of `model`."""
+    for _, groups in _module_groups(model):
+        yield from groups
 
 
 def forget_casts(model: nn.Module) -> int:
