@@ -298,10 +298,11 @@ class OptimConfig:
     kernel (its grad_scale) instead of a pass of its own over the gradients; same clipping, one read
     of the fp32 gradients and a pass's launches fewer a step. foreach and for_loop keep the pass"""
     cast_in_step: bool = True
-    """impl=triton under fsdp2/hsdp with one rank a shard group and sharding.one_rank_copies=direct:
-    the update also writes each parameter's param_dtype cast into its unsharded storage, which then
-    stays allocated between steps (2 bytes a parameter), so unshards cast only what changed since;
-    FSDP2 casts every parameter at every unshard instead (src/distributed/one_rank.py's cast_in_step)"""
+    """impl=triton under fsdp2/hsdp with one rank a shard group, sharding.one_rank_copies=direct and a
+    bf16 param_dtype: the update also writes each parameter's bf16 cast into its unsharded storage,
+    which then stays allocated between steps (2 bytes a parameter), so unshards cast only what
+    changed since; FSDP2 casts every parameter at every unshard instead (src/distributed/one_rank.py's
+    cast_in_step). Other settings: nothing changes"""
     in_backward: bool = False
     """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
     post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""

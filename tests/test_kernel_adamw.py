@@ -188,8 +188,8 @@ def test_a_run_with_optim_impl_triton_trains_as_foreach_adamw_and_reports_the_sa
 def test_a_bf16_run_whose_update_writes_the_unsharded_parameters_trains_as_one_that_casts_them(tmp_path: Path, in_process_runs, caplog):
     """optim.cast_in_step (the default) on one rank in bf16: the update writes each parameter's bf16
     cast into FSDP2's kept unsharded storage; the losses and grad norms are those of FSDP2 casting
-    every parameter at every unshard, bit for bit, and so are a run's resumed from a checkpoint
-    (loaded through tensors of DCP's own: the kept casts are forgotten)."""
+    every parameter at every unshard, bit for bit, with the update after backward or in it
+    (optim.in_backward, on FSDP2's reduce stream), and so are a run's resumed from a checkpoint."""
     import logging
 
     base = ["optim.impl=triton", "checkpoint.enabled=true", "checkpoint.interval=3"]
@@ -198,6 +198,9 @@ def test_a_bf16_run_whose_update_writes_the_unsharded_parameters_trains_as_one_t
     assert any("optim.cast_in_step: the Triton AdamW update writes" in r.getMessage() for r in caplog.records)
     cast = _run(tmp_path, "cast", [*base, "optim.cast_in_step=false"], precision="bf16", steps=6)
     assert [(m["loss"], m["grad_norm"]) for m in kept] == [(m["loss"], m["grad_norm"]) for m in cast]
+    in_backward = [_run(tmp_path, f"in_backward_{c}", ["optim.impl=triton", "optim.in_backward=true", f"optim.cast_in_step={c}"],
+                        precision="bf16", steps=4) for c in ("true", "false")]
+    assert [m["loss"] for m in in_backward[0]] == [m["loss"] for m in in_backward[1]]
     # from the kept run's step-3 checkpoint, with its kept casts forgotten at the load
     resumed = _run(tmp_path, "resumed", [*base, f"checkpoint.resume={tmp_path / 'kept' / 'checkpoints' / 'step_00000003'}"],
                    precision="bf16", steps=6)

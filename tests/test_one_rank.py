@@ -41,10 +41,11 @@ class _Copies(TorchDispatchMode):
 
 
 def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = False, optimizer: str = "adamw", in_step: bool = False,
-         nudge_at: int | None = None) -> dict:
+         nudge_at: int | None = None, frozen: bool = False) -> dict:
     """Three steps of _model() on a one-rank mesh. `optimizer`: torch's AdamW or TritonAdamW;
     `in_step`: cast_in_step (the update writes the unsharded parameters); `nudge_at`: after that
-    step a torch in-place op changes the first parameter, behind the optimizer."""
+    step a torch in-place op changes the first parameter, behind the optimizer; `frozen`: the
+    second linear's bias takes no gradient (the update skips it)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -54,6 +55,7 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
         one_rank.restore_unshard()
     mesh = init_device_mesh(device, (1,))
     model = _model().to("cpu" if offload else device)
+    model[2].bias.requires_grad_(not frozen)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = {"mesh": mesh, "mp_policy": policy, "offload_policy": CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()}
     for layer in (model[0], model[2]):
@@ -82,7 +84,7 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
             loss = model(x).float().square().mean()
             loss.backward()
         losses.append(loss.detach().clone())
-        grads.append([p.grad.full_tensor().cpu() for p in model.parameters()])
+        grads.append([p.grad.full_tensor().cpu() for p in model.parameters() if p.grad is not None])
         opt.step()
         opt.zero_grad()
         if step == nudge_at:
@@ -294,15 +296,17 @@ def test_hsdp_and_all_reduce_hooks_keep_fsdp2s_reduce_output(one_rank_group):
     assert seen and comm.aliased == 0
 
 
-@pytest.mark.parametrize("nudge_at", [None, 1], ids=["optimizer-only", "changed-behind-the-optimizer"])
-def test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote(one_rank_device, nudge_at):
+@pytest.mark.parametrize("nudge_at, frozen", [(None, False), (1, False), (None, True)],
+                         ids=["optimizer-only", "changed-behind-the-optimizer", "a-frozen-bias"])
+def test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote(one_rank_device, nudge_at, frozen):
     """cast_in_step: the same bits as FSDP2's own path with the same optimizer, while the only
     casts left are the first forward's (the kept storage holds them through backward, and the
     update writes each step's); a parameter changed by a torch in-place op is cast again."""
     dev = one_rank_device
-    fsdp2 = _run("fsdp2", dev, torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
-    direct = _run("direct", dev, torch.bfloat16, torch.float32, optimizer="triton", nudge_at=nudge_at)
-    kept = _run("direct", dev, torch.bfloat16, torch.float32, optimizer="triton", in_step=True, nudge_at=nudge_at)
+    kw = {"optimizer": "triton", "nudge_at": nudge_at, "frozen": frozen}
+    fsdp2 = _run("fsdp2", dev, torch.bfloat16, torch.float32, **kw)
+    direct = _run("direct", dev, torch.bfloat16, torch.float32, **kw)
+    kept = _run("direct", dev, torch.bfloat16, torch.float32, in_step=True, **kw)
     _compare(kept, fsdp2)
     _compare(direct, fsdp2)
     assert kept["written"] == (5, 2 * (37 * 61 + 61 + 61 * 29 + 29 + 29 * 5))  # every parameter, 2 bytes each
@@ -367,3 +371,28 @@ def test_a_checkpoint_loaded_into_kept_parameters_is_cast_at_the_next_unshard(on
     assert one_rank.forget_casts(model) == 5
     model(x)
     assert torch.equal(seen[-1], before.bfloat16())
+
+
+def test_a_kept_storage_freed_behind_cast_in_step_is_not_written_and_is_cast_again(one_rank_device):
+    """Only the patched free_unsharded_param keeps the storage: were it freed by other code, the
+    update writes no copy into it and the next unshard casts into a new allocation."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from kernels.triton.adamw import TritonAdamW
+
+    dev = one_rank_device
+    assert one_rank.use_direct_unshard()
+    model = _model().to(dev)
+    fully_shard(model, mesh=init_device_mesh(dev, (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = TritonAdamW(model.parameters(), lr=1e-1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    one_rank.cast_in_step(model, opt)
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, _: seen.append(m.weight.detach().clone()))
+    x = torch.randn(4, 37, device=dev)
+    model(x).float().sum().backward()
+    fsdp_param = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+    fsdp_param.all_gather_outputs[0].untyped_storage().resize_(0)  # someone else frees it
+    opt.step()
+    model(x)
+    assert torch.equal(seen[-1], fsdp_param.sharded_param.full_tensor().detach().bfloat16())

@@ -47,9 +47,9 @@ MAX_TABLES = 64  # tile tables kept per optimizer: one per parameter set it step
 
 @triton.jit
 def _bf16_rne(x):
-    """fp32 -> bf16, rounded to nearest even by the bits, as torch's .to(torch.bfloat16) does (NaN:
-    torch's CPU 0x7FC0): the same bits on a GPU and in Triton's interpreter, whose own cast
-    truncates."""
+    """fp32 -> bf16, rounded to nearest even by the bits, as torch's .to(torch.bfloat16) does for
+    every non-NaN value (a NaN stays a NaN: 0x7FC0): the same bits on a GPU and in Triton's
+    interpreter, whose own cast truncates."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(x != x, 0x7FC0, rounded)
@@ -61,7 +61,7 @@ def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_
     """AdamW over BLOCK elements at `offs` (P, G, M, V, C already at the tensor's first element); the
     gradients' squares, for the norm. Unmasked where the block is whole: a mask against a length read
     from memory has no known divisibility, so its loads would not vectorise. With HAS_COPY the
-    updated parameter is also stored to C in C's dtype (round to nearest even, as torch's .to())."""
+    updated parameter is also stored to C in bf16 (round to nearest even, as torch's .to())."""
     mask = offs < n if MASKED else None
     g = tl.load(G + offs, mask=mask, other=0.0 if MASKED else None).to(tl.float32)
     p = tl.load(P + offs, mask=mask)
@@ -85,7 +85,7 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
                  HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr):
     """One tile of one tensor a program. OFFSETS holds four rows of n_tensors element offsets, from
     P, G, M and V: parameters, gradients, first moments, second moments; with HAS_COPY a fifth,
-    from C: the parameters' copies in a lower dtype (COPY_ALIGN elements to 16 bytes)."""
+    from C: the parameters' bf16 copies (COPY_ALIGN elements to 16 bytes)."""
     tile = tl.program_id(0)
     t = tl.load(TILE_TENSOR + tile)
     start = tl.load(TILE_START + tile)
@@ -257,6 +257,8 @@ class TritonAdamW(torch.optim.AdamW):
                                      f"parameter with a {tensors[1].dtype} gradient; use torch's fused AdamW")
                 copy = self._copies.get(id(p))
                 copy = copy[1] if copy is not None and copy[0] is p else None
+                if copy is not None and copy.out.untyped_storage().size() < copy.out.numel() * copy.out.element_size():
+                    copy = None  # its storage was freed since (not by FSDP2 under cast_in_step): no copy to write
                 key = (float(state["step"]), tensors[1].dtype, copy.out.dtype if copy is not None else None)
                 lists = launches.setdefault(key, ([], [], [], [], [], [], []))
                 for lst, t in zip(lists, tensors):

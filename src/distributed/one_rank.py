@@ -25,6 +25,12 @@ copy is of a tensor onto itself, which torch returns from at once. Groups this d
 `fsdp_pre_all_gather` such as float8 weights, parameters kept sharded after forward) and anything
 traced under torch.compile run FSDP2's path unchanged. Process-wide; where this torch's FSDP2 lacks
 the method or the property, nothing changes and `use_direct_unshard` says so.
+
+On top of the direct unshard, `cast_in_step` (optim.cast_in_step) takes the cast out of the
+unshard altogether: the unsharded storage is kept from one unshard to the next, TritonAdamW's
+update writes each parameter's bf16 cast into it as it writes the fp32 parameter, and an unshard
+casts only a parameter changed since (version counters say). 2 bytes a parameter of memory for
+8.8 GB of casts a step on mini_llm.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ from src.distributed.fsdp_patch import CollectivesPatch
 
 _DIRECT = "_direct_all_gather_input"  # an FSDPParam's unsharded storage, already cast, for FSDP2's copy
 _KEPT = "_kept_unsharded"  # an FSDPParam's UnshardedCopy: its unsharded storage is never freed (cast_in_step)
-_KEEP = "_keep_unsharded"  # an FSDPParamGroup's optimizer.write_copies: its parameters are kept from their next unshard on
+_KEEP = "_keep_unsharded"  # an FSDPParamGroup's (optimizer.write_copies, module or None): its parameters are kept from their next unshard on
 
 
 def _one_rank(group) -> bool:
@@ -54,14 +60,18 @@ def _castable(fsdp_param) -> bool:
             and not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"))
 
 
+def _allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().size() == t.numel() * t.element_size()
+
+
 class UnshardedCopy:
     """A one-rank parameter's unsharded storage kept from one unshard to the next (cast_in_step):
     `out`, FSDP2's flat param_dtype buffer, and what it was last cast from. FSDP2's fp32 shard is
-    three tensors on one storage, each with its own version counter: the DTensor parameter (what a
-    torch in-place op on the parameter moves, a checkpoint load's copy among them), its local tensor
+    three tensors on one storage, each with its own version counter: the DTensor parameter (what an
+    aten in-place op on the parameter moves, load_state_dict's copy_ among them), its local tensor
     (what TritonAdamW's update writes) and the flat shard (what the unshard reads). `versions` are
-    the three counters when `out` last held the shard's cast: a change through any of them moves
-    one, and the next unshard casts again."""
+    the three counters when `out` last held the shard's cast: a change that moves any of them has
+    the next unshard cast again (writes that move none: cast_in_step's docstring)."""
 
     __slots__ = ("out", "tensors", "versions")
 
@@ -70,8 +80,9 @@ class UnshardedCopy:
 
     def fresh(self, out: torch.Tensor, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
         """`out` holds the cast of the shard as it is: cast there, or written by the optimizer's
-        update (written()), and nothing written through the shard's tensors since."""
-        return (self.out is out and self.tensors is not None and all(a is b for a, b in zip(self.tensors, tensors))
+        update (written()), and nothing written through the shard's tensors since; and its storage
+        is still allocated (only the patched free_unsharded_param keeps it so)."""
+        return (self.out is out and self.tensors is not None and _allocated(out) and all(a is b for a, b in zip(self.tensors, tensors))
                 and self.versions == tuple(t._version for t in tensors))
 
     def cast(self, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -98,6 +109,7 @@ def _cast_into_unsharded(group, marked: list) -> None:
     shard's cast is not cast again."""
     if torch.compiler.is_compiling() or not group._all_gather_result or not _one_rank(group):
         return
+    new = []
     for p in group.fsdp_params:
         if not _castable(p):
             continue
@@ -108,7 +120,7 @@ def _cast_into_unsharded(group, marked: list) -> None:
         if kept is None and _KEEP in group.__dict__:  # its first unshard since cast_in_step: from now on kept
             alloc_storage(out)
             kept = p.__dict__[_KEPT] = UnshardedCopy(out)
-            group.__dict__[_KEEP]([(p.sharded_param, kept)])
+            new.append((p.sharded_param, kept))
         tensors = (p.sharded_param, p._sharded_local_tensor, shard)
         if kept is None or not kept.fresh(out, tensors):
             alloc_storage(out)
@@ -118,6 +130,20 @@ def _cast_into_unsharded(group, marked: list) -> None:
                 kept.cast(tensors)
         marked.append(p)
         p.__dict__[_DIRECT] = out
+    if new:
+        write, module = group.__dict__[_KEEP]
+        write(new)
+        if module is not None:
+            _stop_resharding(module)
+
+
+def _stop_resharding(module: nn.Module) -> None:
+    """Once every parameter of `module`'s groups is kept, resharding after forward would free
+    nothing (the storage stays) and cost backward an unshard's Python per parameter: the module
+    keeps its parameters unsharded from forward to backward."""
+    groups = next(g for m, g in _module_groups(module) if m is module)
+    if all(_KEPT in p.__dict__ for g in groups for p in g.fsdp_params):
+        module.set_reshard_after_forward(False, recurse=False)
 
 
 def _wait_for_unshard(self):
@@ -176,18 +202,22 @@ def restore_unshard() -> None:
 def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
     """Have `optimizer`'s update write each one-rank fp32 parameter's bf16 cast straight into its
     unsharded storage, and keep that storage from one unshard to the next: an unshard then casts
-    only a parameter changed since (a checkpoint load, any torch in-place op: the version counter
-    says), where FSDP2 casts every parameter at every unshard (twice a step with
-    reshard_after_forward). For mini_llm on one H200 those casts are 8.8 GB a step (2.1 ms); the
+    only a parameter changed since (version counters say; see below), where FSDP2 casts every
+    parameter at every unshard (twice a step with reshard_after_forward). For mini_llm on one H200 those casts are 8.8 GB a step (2.1 ms); the
     update writes 1.5 GB more instead. The cost is memory: the unsharded parameters stay, 2 bytes a
     parameter, as with reshard_after_forward=false.
 
     Needs the direct unshard (use_direct_unshard) and an optimizer with `write_copies`
     (TritonAdamW) that holds the model's parameters. FSDP2 settles each parameter's param_dtype at
     its first forward, so each is handed to the optimizer at its first unshard after this call;
-    until then the optimizer writes no copy. A module whose parameters are all kept no longer
+    until then the optimizer writes no copy. A module whose parameters are then all kept no longer
     reshards after forward, which would free nothing. Returns how many parameters it will cover (0:
-    none) and the bytes their kept storage will hold."""
+    none) and the bytes their kept storage will hold.
+
+    What is seen as a change: an aten in-place op on the DTensor parameter (load_state_dict's
+    copy_, `p.add_`) and the update itself. What is not: foreach ops on the parameters (torch's
+    foreach AdamW, `_foreach_mul_`), writes through `.data`, torch.distributed.checkpoint's load:
+    after such a write, call forget_casts."""
     write = getattr(optimizer, "write_copies", None)
     if write is None or not UNSHARD.installed() or not INPUTS.installed() or not FREE.install():
         return 0, 0
@@ -206,13 +236,12 @@ def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
                 continue
             if any(id(p.sharded_param) not in owned for p in params):
                 raise ValueError("optim.cast_in_step: the optimizer does not hold every parameter of the model's FSDP2 groups")
-            group.__dict__[_KEEP] = write
+            group.__dict__[_KEEP] = None  # marked; the module is known once all its groups are seen
             n += len(params)
             nbytes += sum(p.sharded_param.numel() for p in params) * dtype.itemsize
-        if kept_all:
-            # resharding after forward would free nothing (the storage stays) and cost backward an
-            # unshard's Python per parameter: the module keeps its parameters unsharded till backward
-            module.set_reshard_after_forward(False, recurse=False)
+        for group in groups:
+            if _KEEP in group.__dict__:
+                group.__dict__[_KEEP] = (write, module if kept_all else None)
     return n, nbytes
 
 

@@ -219,7 +219,10 @@ class Trainer:
             self.resumed_from = resumed
             if resumed is not None:
                 self.start_step = self.checkpointer.load(resumed)
-                if self.cfg.optim.cast_in_step:  # DCP writes the shards through tensors of its own, which move no counter of theirs
+                # DCP writes the shards through tensors of its own, moving no counter the kept casts
+                # compare: at a resume nothing is kept yet (a parameter is, from its first unshard
+                # on), so this guards a load after that
+                if self.cfg.optim.cast_in_step:
                     from src.distributed.one_rank import forget_casts
 
                     forget_casts(self.model)
