@@ -53,11 +53,15 @@ def _one_rank(group) -> bool:
     return isinstance(group.mesh_info, _fsdp_common.FSDPMeshInfo) and group._all_gather_process_group.size() == 1
 
 
-def _castable(fsdp_param) -> bool:
-    dtype = fsdp_param.param_dtype
-    return (dtype is not None and dtype != fsdp_param._sharded_param_data.dtype and not fsdp_param.offload_to_cpu
-            and fsdp_param.sharded_state == ShardedState.SHARDED
+def _casts_to(fsdp_param, dtype: torch.dtype | None) -> bool:
+    """Whether unsharding casts the parameter's shard to `dtype` on the device, by FSDP2's own cast
+    (no CPU offload, no tensor subclass with its own `fsdp_pre_all_gather`)."""
+    return (dtype is not None and dtype != fsdp_param.sharded_param.dtype and not fsdp_param.offload_to_cpu
             and not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"))
+
+
+def _castable(fsdp_param) -> bool:
+    return _casts_to(fsdp_param, fsdp_param.param_dtype) and fsdp_param.sharded_state == ShardedState.SHARDED
 
 
 def _allocated(t: torch.Tensor) -> bool:
@@ -224,24 +228,23 @@ def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     n = nbytes = 0
     for module, groups in _module_groups(model):
-        kept_all = bool(groups)
+        kept_all, marked = bool(groups), []
         for group in groups:
             dtype = group.mp_policy.param_dtype
-            # what _castable will find at the first unshard, from what is known before it: fp32
-            # parameters computed in bf16 (the update rounds to bf16 only)
-            params = [p for p in group.fsdp_params if _one_rank(group) and dtype == torch.bfloat16 and p.sharded_param.dtype == torch.float32
-                      and not p.offload_to_cpu and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")]
+            # what _castable will find at the first unshard, from what is known before it (FSDP2
+            # sets param_dtype there): fp32 parameters computed in bf16 (the update rounds to bf16 only)
+            params = [p for p in group.fsdp_params if _one_rank(group) and dtype == torch.bfloat16
+                      and p.sharded_param.dtype == torch.float32 and _casts_to(p, dtype)]
             kept_all = kept_all and len(params) == len(group.fsdp_params)
             if not params:
                 continue
             if any(id(p.sharded_param) not in owned for p in params):
                 raise ValueError("optim.cast_in_step: the optimizer does not hold every parameter of the model's FSDP2 groups")
-            group.__dict__[_KEEP] = None  # marked; the module is known once all its groups are seen
+            marked.append(group)
             n += len(params)
             nbytes += sum(p.sharded_param.numel() for p in params) * dtype.itemsize
-        for group in groups:
-            if _KEEP in group.__dict__:
-                group.__dict__[_KEEP] = (write, module if kept_all else None)
+        for group in marked:  # the module stops resharding once all its groups' parameters are kept
+            group.__dict__[_KEEP] = (write, module if kept_all else None)
     return n, nbytes
 
 
