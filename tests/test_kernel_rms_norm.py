@@ -105,6 +105,46 @@ def test_residual_add_and_norm_match_torch(shape, dtype):
         torch.testing.assert_close(got.grad.float(), want.grad.float(), atol=atol * scale, rtol=rtol * scale, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("layout", ["column-slice", "transposed", "permuted-3d"])
+def test_strided_inputs_match_torch(layout):
+    """Inputs a kernel reads in place with their own row stride (a column slice of a wider tensor),
+    and inputs it must copy first (transposed; a 3-D tensor with its first two dims swapped), for x,
+    the residual and the incoming gradients alike: contiguous tensors are handed over as they are
+    (kernels/triton/rows.py), the others keep their strides or are made contiguous."""
+    torch.manual_seed(3)
+    atol, rtol = TOLERANCE[torch.float32]
+    rows, n = 6, 37
+
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        if layout == "column-slice":
+            wide = torch.randn(rows, n + 5, device=DEVICE)
+            wide[:, :n] = t
+            return wide[:, :n]
+        if layout == "transposed":
+            return t.t().contiguous().t()
+        return t.reshape(2, 3, n).transpose(0, 1).contiguous().transpose(0, 1)
+
+    base = [torch.randn(rows, n, device=DEVICE) for _ in range(4)]
+    x, r, dy, ds = (strided(t) for t in base)
+    assert not any(t.is_contiguous() for t in (x, r, dy, ds))
+    w = torch.rand(n, device=DEVICE) + 0.5
+    # clone keeps a dense tensor's strides; a column slice is not dense, so it is detached instead
+    leaves = [t.clone().requires_grad_() if layout != "column-slice" else t.detach().requires_grad_() for t in (x, r, w)]
+    assert not leaves[0].is_contiguous() and not leaves[1].is_contiguous()
+    s, y = fused_add_rms_norm(*leaves, 1e-6)
+    torch.autograd.backward([s, y], [ds, dy])
+    y1 = fused_rms_norm(x, w, 1e-6)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, r, w)]
+    ref_s = ref_leaves[0] + ref_leaves[1]
+    ref_y = _reference(ref_s, ref_leaves[2], 1e-6)
+    torch.autograd.backward([ref_s, ref_y], [ds, dy])
+    torch.testing.assert_close(y1, _reference(x, w, 1e-6), atol=atol, rtol=rtol)
+    torch.testing.assert_close(s, ref_s, atol=atol, rtol=rtol)
+    torch.testing.assert_close(y, ref_y, atol=atol, rtol=rtol)
+    for name, got, want in zip("xrw", leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, atol=atol * 10, rtol=rtol * 5, msg=f"d{name}")
+
+
 def test_module_is_a_drop_in_for_nn_rmsnorm():
     norm = torch.nn.RMSNorm(96, eps=1e-6, device=DEVICE)
     with torch.no_grad():

@@ -26,8 +26,8 @@ import triton.language as tl
 
 from kernels.triton import pdl
 from kernels.triton.device import device_index, pipeline_stages, sm_count
-from kernels.triton.launch import Launcher
-from kernels.triton.rows import as_rows, as_shape
+from kernels.triton.launch import Launcher, meta_key
+from kernels.triton.rows import as_shape, row_major
 
 
 @triton.jit
@@ -145,26 +145,60 @@ def _warps(block: int, table: dict[int, int]) -> int:
     return fitting[-1] if fitting else 4
 
 
+# Launch plans: everything a launch needs besides its tensors, worked out once per shape, dtype,
+# device and setting. Working it out each call (block, warps, pipeline stages, grid, the launch's
+# keyword dict and its share of the cache key) took ~5 us of host a launch on an H200's host
+# (docs/PERFORMANCE.md 5g), against ~9 us for the C launch itself. The key holds every module
+# setting above by value, and the warps tables by identity (the plan keeps the table it read, so
+# its id is not reused while the plan lives): tests and src/bench/kernel_configs.py replace them.
+_plans: dict[tuple, tuple] = {}
+MAX_PLANS = 256
+
+
+def _plan(key: tuple, make) -> tuple:
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = make()
+    return plan
+
+
+def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc: bool) -> tuple:
+    """(grid, meta, meta key, the warps table read) of a forward launch."""
+    block = _block(N)
+    tiles = triton.cdiv(M, FWD_ROWS)
+    programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
+    loads = 2 if residual else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
+    stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * element_size, index)
+    meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc))
+    return (programs,), meta, meta_key(meta), FWD_WARPS
+
+
+def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: bool) -> tuple:
+    """(programs, rows a program, backward grid/meta/meta key, dw grid/meta/meta key, the warps table read)."""
+    programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
+    block = _block(N)
+    loads = 3 if has_ds else 2  # x, dy (and ds): what each pipelined stage buffers
+    stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * element_size, index)
+    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc))
+    dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
+    return (programs, math.ceil(M / programs), (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta), BWD_WARPS)
+
+
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """y = rmsnorm(x [+ residual]) * w; returns (y, rstd, the sum or None)."""
     shape = x.shape
-    x2 = as_rows(x)
-    M, N = x2.shape
-    y = torch.empty_like(x2)
+    x2, M, N, stride_x = row_major(x)
+    y = torch.empty_like(x2)  # contiguous (rows.py): its rows, and s's, are N apart
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    r2 = as_rows(residual) if residual is not None else x2
+    r2, _, _, stride_r = row_major(residual) if residual is not None else (x2, M, N, stride_x)
     s = torch.empty_like(x2) if residual is not None else x2
-    block = _block(N)
-    tiles = triton.cdiv(M, FWD_ROWS)
-    gdc = pdl.use_gdc(x)
     index = device_index(x)
-    programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
-    loads = 2 if residual is not None else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
-    stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * x2.element_size(), index)
-    _launch_fwd(
-        (programs,), x2, r2, s, weight, y, rstd, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), M, N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc),
-    )
+    gdc = pdl.use_gdc(x)
+    grid, meta, key, _ = _plan((M, N, x2.dtype, index, residual is not None, gdc, FWD_ROWS, FWD_PROGRAMS_PER_SM, FWD_STAGES, id(FWD_WARPS)),
+                               lambda: _fwd_plan(M, N, x2.element_size(), index, residual is not None, gdc))
+    _launch_fwd.launch(grid, (x2, r2, s, weight, y, rstd, stride_x, stride_r, N if residual is not None else stride_x, N, M, N, eps), meta, key)
     return as_shape(y, shape), rstd, (as_shape(s, shape) if residual is not None else None)
 
 
@@ -172,25 +206,19 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     """Gradients of y = rmsnorm(x) * w, plus `ds` (the gradient reaching x from elsewhere, the
     residual stream's) when given; returns (dx, dw)."""
     shape = x.shape
-    x2, dy2 = as_rows(x), as_rows(dy)
-    ds2 = as_rows(ds) if ds is not None else dy2
-    M, N = x2.shape
-    dx = torch.empty_like(x2)
+    x2, M, N, stride_x = row_major(x)
+    dy2, _, _, stride_dy = row_major(dy)
+    ds2, _, _, stride_ds = row_major(ds) if ds is not None else (dy2, M, N, stride_dy)
+    dx = torch.empty_like(x2)  # contiguous (rows.py): rows N apart
     index = device_index(x)
-    programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
     gdc = pdl.use_gdc(x)
-    rows_per_program = math.ceil(M / programs)
+    programs, rows_per_program, grid, meta, key, dw_grid, dw_meta, dw_key, _ = _plan(
+        (M, N, x2.dtype, index, ds is not None, gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, DW_BLOCK_P, DW_BLOCK_N, id(BWD_WARPS)),
+        lambda: _bwd_plan(M, N, x2.element_size(), index, ds is not None, gdc))
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    block = _block(N)
-    loads = 3 if ds is not None else 2  # x, dy (and ds): what each pipelined stage buffers
-    stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * x2.element_size(), index)
-    _launch_bwd(
-        (programs,), dy2, ds2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), ds2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_program,
-        HAS_DS=ds is not None, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc),
-    )
+    _launch_bwd.launch(grid, (dy2, ds2, x2, weight, rstd, dx, dw_partial, stride_dy, stride_ds, stride_x, N, M, N, rows_per_program), meta, key)
     dw = torch.empty_like(weight)
-    _launch_dw((triton.cdiv(N, DW_BLOCK_N),), dw_partial, dw, programs, N, BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N,
-               USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
+    _launch_dw.launch(dw_grid, (dw_partial, dw, programs, N), dw_meta, dw_key)
     return as_shape(dx, shape), dw
 
 

@@ -1,6 +1,7 @@
-"""The row kernels' view of their tensors: (rows, last dim) with unit column stride. Already 2-D
-inputs (the kernel bench's, and a model's flattened tokens) pass through without a reshape call:
-each torch call on the launch path costs host microseconds that a 20-us kernel cannot hide."""
+"""The row kernels' view of their tensors: (rows, last dim) with unit column stride. A contiguous
+input of any rank is handed to the kernel as it is (its rows are N apart), and already 2-D inputs
+pass through: each torch call on the launch path costs host microseconds that a 20-us kernel
+cannot hide (a reshape there and back ~7 us a forward on an H200's host, docs/PERFORMANCE.md 5g)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,17 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t as a (rows, t.shape[-1]) tensor whose rows are contiguous (a view where it can be)."""
     t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def row_major(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(t or its rows, rows, row length, row stride) for a row kernel. A contiguous t comes back as
+    it is, of whatever rank; otherwise `as_rows(t)`. An output made by `torch.empty_like` of the
+    tensor returned is contiguous, so its rows are `row length` apart."""
+    n = t.shape[-1]
+    if n and t.is_contiguous():
+        return t, t.numel() // n, n, n
+    t2 = as_rows(t)
+    return t2, t2.shape[0], n, t2.stride(0)
 
 
 def as_shape(t2: torch.Tensor, shape: torch.Size) -> torch.Tensor:

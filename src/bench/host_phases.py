@@ -14,7 +14,8 @@ unsynchronized run is host-bound.
 
 `--cprofile FILE` also runs cProfile over the same steps and writes its functions by own time
 (cProfile slows Python several-fold; its shares, not its times, are what to read), with backward
-run on the calling thread so that cProfile sees it.
+run on the calling thread so that cProfile sees it. A FILE ending in `.prof` gets the raw
+statistics instead, for `python -m pstats FILE` (callers and callees) or snakeviz.
 
 The run is `python -m src.run OVERRIDES` in this process (dist.nproc=1). Synchronizing every phase
 makes the measured steps slower than training's; their losses are unchanged.
@@ -130,7 +131,10 @@ def main() -> int:
     total_host = sum(statistics.median(host[p]) for p in PHASES if host[p])
     total_dev = sum(statistics.median(device[p]) for p in device)
     print(f"| step | {total_host:.2f} | {total_dev:.2f} |")
-    if profiler:
+    if profiler and args.cprofile.endswith(".prof"):
+        profiler.dump_stats(args.cprofile)
+        print(f"cProfile of the timed steps (raw statistics): {args.cprofile}")
+    elif profiler:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(60)
         with open(args.cprofile, "w") as f:
