@@ -47,7 +47,11 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int 
     idles between its kernels unless a CUDA graph replays them."""
     fn()
     means = []
-    for _ in range(batches if device.type == "cuda" else 1):  # on a CPU the call is its own host time: one batch says it
+    if device.type != "cuda":
+        # on a CPU the call is its own host time, kernels included: one short batch says it (30 calls
+        # of a Triton kernel in the interpreter took most of a CPU kernel bench's time)
+        batches, calls = 1, min(calls, 3)
+    for _ in range(batches):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than `calls` host paths of 1 ms

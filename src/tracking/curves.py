@@ -6,13 +6,15 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def plot_curves(steps, path: str | Path, title: str = "") -> Path:
+    # matplotlib on first use: importing pyplot takes ~1 s of CPU, which every rank would pay at
+    # start-up while only rank 0 draws, once, at the end
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     xs = [s.step for s in steps]
     fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(xs, [s.loss for s in steps], marker=".")
