@@ -1,13 +1,15 @@
-"""Which rank's failure the one-line report names when several ranks end at once."""
+"""Which rank's failure the one-line report names when several ranks end at once; how CPU ranks start."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from src.distributed.launch import ERROR_NOTE, _first_failure
+from src.distributed.launch import ERROR_NOTE, FORKSERVER, _first_failure, launch_ranks
 
 
 def _raised(tmp: Path, rank: int, message: str) -> ProcessFailure:
@@ -52,3 +54,23 @@ def test_a_note_that_only_says_the_peer_left_loses_to_the_cause(tmp_path: Path):
     (tmp_path / ERROR_NOTE.format(rank=1)).write_text("InjectedFault: injected fault at step 2")
     failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file="/nonexistent") for r in (0, 1)}
     assert _first_failure(ChildFailedError("train", failures), str(tmp_path)) == "rank 1 failed: InjectedFault: injected fault at step 2"
+
+
+def _rank_view(name: str) -> tuple[int, str | None]:
+    return os.getppid(), os.environ.get(name)
+
+
+@pytest.mark.skipif(not FORKSERVER, reason="this platform has no forkserver")
+def test_cpu_ranks_fork_from_a_server_started_from_the_launchers_environment_of_the_moment(monkeypatch):
+    """Two launches in one process (a sequential sweep's jobs) with a variable changed between them:
+    each launch's ranks see the value it had when they started, though both were forked from a
+    forkserver (their parent, not this process) that imported the project before forking."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # launch_ranks sets it for the ranks; undone after the test
+    views = {}
+    for value in ("first", "second"):
+        monkeypatch.setenv("PERFLAB_LAUNCH_MARK", value)
+        views[value] = launch_ranks(_rank_view, ("PERFLAB_LAUNCH_MARK",), nproc=2, cpu_ranks=True)
+    for value, ranks in views.items():
+        assert sorted(ranks) == [0, 1] and {seen for _, seen in ranks.values()} == {value}
+        parents = {parent for parent, _ in ranks.values()}
+        assert len(parents) == 1 and os.getpid() not in parents, parents

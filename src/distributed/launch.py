@@ -102,31 +102,38 @@ def _standard_start_method() -> None:
         multiprocessing.set_start_method("spawn", force=True)
 
 
-# How the ranks start. A spawned rank is a fresh interpreter that imports torch and the project
+# How CPU ranks start. A spawned rank is a fresh interpreter that imports torch and the project
 # (5-7 s of CPU a rank on a 2-core machine); a forkserver imports them once, then forks each rank
-# from itself, so a 2-rank CPU run starts in one import instead of two. It never touches CUDA
-# (the ranks do, after the fork), so its children may use the GPU.
-START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+# from itself, so a 2-rank CPU run starts in one import instead of two. GPU ranks are still
+# spawned: a forked child cannot use a CUDA driver its parent initialised, and a forkserver that
+# imports the project has not been run on the GPU machine to show that nothing on that path does.
+FORKSERVER = "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def _fresh_forkserver(entry: Callable[..., Any]) -> None:
-    """A new forkserver for this launch, preloading the module of the ranks' entry. Its ranks inherit
-    the server's environment, not the launcher's at the time they start: a server kept from an
-    earlier launch in this process (a sequential Hydra sweep, whose jobs may set variables of their
-    own through hydra.job.env_set) would hand them that launch's. The server is stopped here and
-    starts again, from the current environment, when the ranks are started."""
+def _fresh_forkserver(entry: Callable[..., Any]) -> bool:
+    """A new forkserver for this launch, preloading the module of the ranks' entry; False where this
+    Python's forkserver cannot be restarted (its internals differ), so the ranks are spawned. Ranks
+    inherit the server's environment, not the launcher's at the time they start: a server kept from
+    an earlier launch in this process (a sequential Hydra sweep, whose jobs may set variables of
+    their own through hydra.job.env_set) would hand them that launch's. The server is stopped here
+    and starts again, from the current environment, when the ranks are started."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # the one torch's start_processes uses, through get_context("forkserver")
+    server = getattr(forkserver, "_forkserver", None)  # the one torch's start_processes uses, through get_context("forkserver")
+    if server is None or not hasattr(server, "_stop"):
+        return False
     server._stop()
     server.set_forkserver_preload([entry.__module__])
+    return True
 
 
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "",
-                 log_dir: str | None = None, notes_dir: str | None = None, log_name: str = "run.log", run_id: str = "") -> dict[int, Any]:
+                 log_dir: str | None = None, notes_dir: str | None = None, log_name: str = "run.log", run_id: str = "",
+                 cpu_ranks: bool = False) -> dict[int, Any]:
     """Run `entry(*args)` on `nproc` local ranks of `nnodes` nodes, this one among them (an agent
     per node, meeting at `rdzv_endpoint` under the same `run_id`); returns {global rank: return
-    value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`."""
+    value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`. `cpu_ranks`:
+    the ranks never use a GPU, so they may be forked from a forkserver (FORKSERVER above)."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
     # CPU run several times slower than it need be.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -140,7 +147,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         # torchrun --standalone's choice: port 0 lets the c10d store bind any free port.
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
         max_restarts=max_restarts,
-        start_method=START_METHOD,
+        start_method="spawn",
         monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
@@ -152,8 +159,8 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         # agent counts one), so no prefix is the same on every node.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _standard_start_method()
-    if START_METHOD == "forkserver":
-        _fresh_forkserver(entry)
+    if cpu_ranks and FORKSERVER and _fresh_forkserver(entry):
+        config.start_method = "forkserver"
     try:
         with torch_logs_to(Path(notes_dir) / log_name if notes_dir else None):
             return elastic_launch(config, entry)(*args)
