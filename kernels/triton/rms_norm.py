@@ -156,6 +156,8 @@ MAX_PLANS = 256
 
 
 def _plan(key: tuple, make) -> tuple:
+    if torch.compiler.is_compiling():  # Dynamo traces the plan's arithmetic, not a global cache's mutation
+        return make()
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= MAX_PLANS:
