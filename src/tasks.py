@@ -103,7 +103,7 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         notes_dir=ctx.run_dir,
         log_name=node_log_name(job),
         run_id=f"perflab-job{job.job_id}" if job is not None and job.num_nodes > 1 else "",
-        cpu_ranks=cfg.backend.name == "cpu",
+        forkserver=cfg.backend.name == "cpu",
     )
     return results[min(results)]
 

@@ -265,3 +265,55 @@ def test_host_phases_splits_a_steps_host_and_device_time(tmp_path: Path):
     assert set(rows) == {"forward", "backward", "optimizer", "rest", "step"}
     assert all(float(host) > 0 for host, _ in rows.values())
     assert all(float(dev) > 0 for name, (_, dev) in rows.items() if name != "rest")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_norms_trace_into_one_compiled_graph(dtype):
+    """kernels=compile with kernels.fused=[rms_norm]: a block's fused norms inside torch.compile.
+    Dynamo traces their autograd Functions down to the Triton launches (kernels/triton/rms_norm.py
+    works out its launch plan in the traced code, launch.py launches through `kernel[grid]` there),
+    so the block is one graph (fullgraph=True fails on a break), and its outputs and gradients are
+    those of the same function run eagerly: the norms' kernels are the same, the elementwise work
+    around them Inductor's (fp32 to 1e-5, bf16 to its usual 2e-2)."""
+    import torch._dynamo
+
+    from kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+
+    def block(x, r, w1, w2):
+        s, y = fused_add_rms_norm(x * 0.5, r, w1, 1e-6)
+        return s, torch.nn.functional.silu(fused_rms_norm(y, w2, 1e-6)) * y
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(3, 341, 2048, device="cuda", dtype=dtype) for _ in range(2)] + [torch.rand(2048, device="cuda", dtype=dtype) + 0.5 for _ in range(2)]
+    grads = [torch.randn(3, 341, 2048, device="cuda", dtype=dtype) for _ in range(2)]
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        torch.autograd.backward(list(out), grads)
+        return [o.detach().float() for o in out] + [t.grad.float() for t in leaves]
+
+    torch._dynamo.reset()
+    compiled = run(torch.compile(block, fullgraph=True, dynamic=False))
+    eager = run(block)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, got, want in zip(["s", "out", "dx", "dr", "dw1", "dw2"], compiled, eager):
+        scale = 10 if name.startswith("dw") else 1  # dw sums 1023 rows
+        torch.testing.assert_close(got, want, atol=tol * scale, rtol=tol * scale, msg=name)
+
+
+def test_gpu_ranks_fork_from_a_server_that_imported_the_trainer():
+    """The forkserver path of src/distributed/launch.py with ranks that use the GPU: the server
+    preloads the entry's module, which imports the trainer (torch, Triton, the kernels), and
+    must not initialise CUDA doing so, or no forked rank could use it. Two ranks each run a
+    matmul on the GPU and report where their parent was."""
+    from src.distributed.launch import FORKSERVER, launch_ranks
+    from tests.gpu_ranks import matmul_on_gpu
+
+    if not FORKSERVER:
+        pytest.skip("this platform has no forkserver")
+    results = launch_ranks(matmul_on_gpu, (), nproc=2, forkserver=True)
+    assert sorted(results) == [0, 1]
+    for rank, (parent, value) in results.items():
+        assert value == 2048.0, (rank, value)
+        assert parent != __import__("os").getpid()

@@ -69,7 +69,7 @@ def test_cpu_ranks_fork_from_a_server_started_from_the_launchers_environment_of_
     views = {}
     for value in ("first", "second"):
         monkeypatch.setenv("PERFLAB_LAUNCH_MARK", value)
-        views[value] = launch_ranks(_rank_view, ("PERFLAB_LAUNCH_MARK",), nproc=2, cpu_ranks=True)
+        views[value] = launch_ranks(_rank_view, ("PERFLAB_LAUNCH_MARK",), nproc=2, forkserver=True)
     for value, ranks in views.items():
         assert sorted(ranks) == [0, 1] and {seen for _, seen in ranks.values()} == {value}
         parents = {parent for parent, _ in ranks.values()}

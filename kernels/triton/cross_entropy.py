@@ -21,6 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
+# Called by name inside the kernels: Inductor copies a user kernel's source into its own module
+# under torch.compile and imports the JIT functions it calls by their names, not modules they hang off.
+from kernels.triton.pdl import gdc_prologue
 from kernels.triton.device import device_index, sm_count
 from kernels.triton.launch import Launcher
 
@@ -39,7 +42,7 @@ ROW_IN_REGISTERS_WARPS = 16
 def _count_valid(TARGETS, N_VALID, rows, ignore_index, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """n_valid = max(1, #targets != ignore_index), as fp32 on the device: the mean's divisor with no
     host sync, in one launch where (targets != i).sum().clamp_min(1) takes three."""
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     count = tl.zeros((BLOCK,), dtype=tl.int32)
     for off in range(0, rows, BLOCK):
         idx = off + tl.arange(0, BLOCK)
@@ -55,7 +58,7 @@ def _cross_entropy_fwd_bwd(LOGITS, stride, TARGETS, LOSS, N_VALID, V, ignore_ind
     exponentials per 0.27 ns a row element on the SMs' special-function units, close to what they
     issue: the gradient multiplies by 1 / sum and 1 / n_valid, once per row, instead of dividing
     per element, and without label smoothing the row's plain sum is not taken (HAS_SMOOTHING)."""
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * stride
     target = tl.load(TARGETS + row)
@@ -108,7 +111,7 @@ def _scale_unless_one(X, SCALE, n, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """x *= scale in place, unless scale == 1 (the loss's own gradient in loss.backward()): then
     every program returns after one scalar load, so the common case costs a launch, not a pass
     over the (tokens x vocab) gradient, and needs no host sync to tell which case it is."""
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     scale = tl.load(SCALE).to(tl.float32)
     if scale != 1.0:
         step = tl.num_programs(0).to(tl.int64) * BLOCK

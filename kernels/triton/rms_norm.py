@@ -25,6 +25,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
+# Called by name inside the kernels: Inductor copies a user kernel's source into its own module
+# under torch.compile and imports the JIT functions it calls by their names, not modules they hang off.
+from kernels.triton.pdl import gdc_prologue
 from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher, meta_key
 from kernels.triton.rows import as_shape, row_major
@@ -37,7 +40,7 @@ def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M
     program t % programs. With one program a tile (the grid FWD_PROGRAMS_PER_SM = 0 gives) the loop
     runs once; with a few programs per SM each loads w once and, for STAGES > 1, issues the next
     tile's loads while this one is reduced (tl.range num_stages)."""
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0), num_stages=STAGES):
@@ -61,7 +64,7 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
     """Each program walks its rows_per_program rows ROWS at a time (one (ROWS, BLOCK) tile, loads
     in flight together) and writes one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner
     to issue the next rows' loads while this row is reduced (tl.range num_stages)."""
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < N
@@ -91,7 +94,7 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stri
 def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr):
     """dw = sum of the P partial rows, in fp32 in a fixed order (deterministic), rounded once to
     the weight's dtype: one launch where torch's sum(0) then .to(dtype) take two."""
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for first in range(0, P, BLOCK_P):

@@ -16,6 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
+# Called by name inside the kernels: Inductor copies a user kernel's source into its own module
+# under torch.compile and imports the JIT functions it calls by their names, not modules they hang off.
+from kernels.triton.pdl import gdc_prologue
 from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher
 from kernels.triton.rows import as_rows, as_shape
@@ -29,7 +32,7 @@ STAGES = 1
 
 @triton.jit
 def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for r in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
@@ -41,7 +44,7 @@ def _softmax_fwd(X, Y, stride_x, stride_y, M, N, BLOCK: tl.constexpr, STAGES: tl
 
 @triton.jit
 def _softmax_bwd(DY, Y, DX, stride_dy, stride_y, stride_dx, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
-    pdl.gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
+    gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     for r in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):

@@ -129,11 +129,11 @@ def _fresh_forkserver(entry: Callable[..., Any]) -> bool:
 
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "",
                  log_dir: str | None = None, notes_dir: str | None = None, log_name: str = "run.log", run_id: str = "",
-                 cpu_ranks: bool = False) -> dict[int, Any]:
+                 forkserver: bool = False) -> dict[int, Any]:
     """Run `entry(*args)` on `nproc` local ranks of `nnodes` nodes, this one among them (an agent
     per node, meeting at `rdzv_endpoint` under the same `run_id`); returns {global rank: return
-    value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`. `cpu_ranks`:
-    the ranks never use a GPU, so they may be forked from a forkserver (FORKSERVER above)."""
+    value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`. `forkserver`:
+    fork the ranks from a forkserver where this platform has one (FORKSERVER above), else spawn them."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
     # CPU run several times slower than it need be.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -159,7 +159,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         # agent counts one), so no prefix is the same on every node.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _standard_start_method()
-    if cpu_ranks and FORKSERVER and _fresh_forkserver(entry):
+    if forkserver and FORKSERVER and _fresh_forkserver(entry):
         config.start_method = "forkserver"
     try:
         with torch_logs_to(Path(notes_dir) / log_name if notes_dir else None):
