@@ -1,6 +1,7 @@
 """Fused Triton RMSNorm against torch's, forward and backward, on odd shapes (interpreter on CPU)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,27 @@ def test_module_is_a_drop_in_for_nn_rmsnorm():
 def test_too_wide_rows_are_refused():
     with pytest.raises(ValueError, match="rows of 70000 > 65536"):
         fused_rms_norm(torch.randn(2, 70000, device=DEVICE), torch.ones(70000, device=DEVICE))
+
+
+def test_fused_norms_trace_into_one_graph_with_their_kernels():
+    """What kernels=compile with kernels.fused=[rms_norm] asks of Dynamo: a block's fused norms
+    traced with fullgraph=True (a graph break fails), forward and backward each down to their
+    Triton launches (tests/trace_fused_norms.py, traced only). In a process of its own: Dynamo
+    takes a Triton kernel into a graph only when it is compiled, not under this process's
+    interpreter. tests/test_gpu.py runs the compiled block on the GPU, with torch's own version
+    there: torch 2.11's Dynamo broke the graph at id() of a warps table in the launch key, which
+    this torch traces, so that break showed only on the GPU."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.trace_fused_norms"], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launches = json.loads(proc.stdout.strip().splitlines()[-1])
+    # forward: one launch; backward: dx and the dw partials, then dw
+    assert launches == {"fwd_body_0": 1, "fwd_body_1": 1, "bwd_body_0": 2, "bwd_body_1": 2}, launches
 
 
 def _losses(cwd):

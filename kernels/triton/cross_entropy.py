@@ -21,11 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
-# Called by name inside the kernels: Inductor copies a user kernel's source into its own module
-# under torch.compile and imports the JIT functions it calls by their names, not modules they hang off.
-from kernels.triton.pdl import gdc_prologue
 from kernels.triton.device import device_index, sm_count
 from kernels.triton.launch import Launcher
+from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
 
 # Launch settings at 8192 x 32000 bf16 on an H200 (src/bench/kernel_configs.py sweeps them): the
 # row in blocks of BLOCK, two passes, the second served from L2 (a 64 KB row; 132 SMs hold a few

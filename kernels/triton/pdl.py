@@ -17,6 +17,11 @@ an H200 (docs/PERFORMANCE.md 5b), found RMSNorm 8192x2048 forward + backward slo
 66.0 us: the backward's resident programs, placed early, take the forward's slots) and the others
 level (add+RMSNorm, softmax, cross-entropy within 1%). Triton's interpreter has no griddepcontrol,
 so under TRITON_INTERPRET=1 it stays off whatever ENABLED says.
+
+Kernels call `gdc_prologue` by its own name (`from kernels.triton.pdl import gdc_prologue`), never
+as `pdl.gdc_prologue`: under torch.compile Inductor copies a user kernel's source into a module of
+its own and imports the JIT functions it calls by name, so a module it hangs off is undefined there
+(a compiled block with the fused norms failed with NameError 'pdl').
 """
 from __future__ import annotations
 

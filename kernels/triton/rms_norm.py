@@ -25,11 +25,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
-# Called by name inside the kernels: Inductor copies a user kernel's source into its own module
-# under torch.compile and imports the JIT functions it calls by their names, not modules they hang off.
-from kernels.triton.pdl import gdc_prologue
 from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher, meta_key
+from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
 from kernels.triton.rows import as_shape, row_major
 
 
@@ -152,8 +150,8 @@ def _warps(block: int, table: dict[int, int]) -> int:
 # device and setting. Working it out each call (block, warps, pipeline stages, grid, the launch's
 # keyword dict and its share of the cache key) took ~5 us of host a launch on an H200's host
 # (docs/PERFORMANCE.md 5g), against ~9 us for the C launch itself. The key holds every module
-# setting above by value, and the warps tables by identity (the plan keeps the table it read, so
-# its id is not reused while the plan lives): tests and src/bench/kernel_configs.py replace them.
+# setting above by value, the warps tables too (tests and src/bench/kernel_configs.py replace
+# them; by value, not id(), which Dynamo cannot trace on a dict: a graph break in a compiled block).
 _plans: dict[tuple, tuple] = {}
 MAX_PLANS = 256
 
@@ -170,25 +168,25 @@ def _plan(key: tuple, make) -> tuple:
 
 
 def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc: bool) -> tuple:
-    """(grid, meta, meta key, the warps table read) of a forward launch."""
+    """(grid, meta, meta key) of a forward launch."""
     block = _block(N)
     tiles = triton.cdiv(M, FWD_ROWS)
     programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
     loads = 2 if residual else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
     stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * element_size, index)
     meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc))
-    return (programs,), meta, meta_key(meta), FWD_WARPS
+    return (programs,), meta, meta_key(meta)
 
 
 def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: bool) -> tuple:
-    """(programs, rows a program, backward grid/meta/meta key, dw grid/meta/meta key, the warps table read)."""
+    """(programs, rows a program, backward grid/meta/meta key, dw grid/meta/meta key)."""
     programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
     block = _block(N)
     loads = 3 if has_ds else 2  # x, dy (and ds): what each pipelined stage buffers
     stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * element_size, index)
     meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc))
     dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
-    return (programs, math.ceil(M / programs), (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta), BWD_WARPS)
+    return (programs, math.ceil(M / programs), (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -201,7 +199,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     s = torch.empty_like(x2) if residual is not None else x2
     index = device_index(x)
     gdc = pdl.use_gdc(x)
-    grid, meta, key, _ = _plan((M, N, x2.dtype, index, residual is not None, gdc, FWD_ROWS, FWD_PROGRAMS_PER_SM, FWD_STAGES, id(FWD_WARPS)),
+    grid, meta, key = _plan((M, N, x2.dtype, index, residual is not None, gdc, FWD_ROWS, FWD_PROGRAMS_PER_SM, FWD_STAGES, tuple(FWD_WARPS.items())),
                                lambda: _fwd_plan(M, N, x2.element_size(), index, residual is not None, gdc))
     _launch_fwd.launch(grid, (x2, r2, s, weight, y, rstd, stride_x, stride_r, N if residual is not None else stride_x, N, M, N, eps), meta, key)
     return as_shape(y, shape), rstd, (as_shape(s, shape) if residual is not None else None)
@@ -217,8 +215,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dx = torch.empty_like(x2)  # contiguous (rows.py): rows N apart
     index = device_index(x)
     gdc = pdl.use_gdc(x)
-    programs, rows_per_program, grid, meta, key, dw_grid, dw_meta, dw_key, _ = _plan(
-        (M, N, x2.dtype, index, ds is not None, gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, DW_BLOCK_P, DW_BLOCK_N, id(BWD_WARPS)),
+    programs, rows_per_program, grid, meta, key, dw_grid, dw_meta, dw_key = _plan(
+        (M, N, x2.dtype, index, ds is not None, gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, DW_BLOCK_P, DW_BLOCK_N, tuple(BWD_WARPS.items())),
         lambda: _bwd_plan(M, N, x2.element_size(), index, ds is not None, gdc))
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     _launch_bwd.launch(grid, (dy2, ds2, x2, weight, rstd, dx, dw_partial, stride_dy, stride_ds, stride_x, N, M, N, rows_per_program), meta, key)

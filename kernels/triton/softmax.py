@@ -16,11 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
-# Called by name inside the kernels: Inductor copies a user kernel's source into its own module
-# under torch.compile and imports the JIT functions it calls by their names, not modules they hang off.
-from kernels.triton.pdl import gdc_prologue
 from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher
+from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
 from kernels.triton.rows import as_rows, as_shape
 
 MAX_COLS = 65536
