@@ -274,7 +274,10 @@ def test_fused_norms_trace_into_one_compiled_graph(dtype):
     works out its launch plan in the traced code, launch.py launches through `kernel[grid]` there),
     so the block is one graph (fullgraph=True fails on a break), and its outputs and gradients are
     those of the same function run eagerly: the norms' kernels are the same, the elementwise work
-    around them Inductor's (fp32 to 1e-5, bf16 to its usual 2e-2)."""
+    around them Inductor's. That work rounds differently (fp32: ~1e-7 relative), and the norm's
+    backward sums each row of its incoming gradient into every element of the row, so errors are
+    relative to the row's scale: within 2e-6 (fp32) and 2e-2 (bf16) of each tensor's largest
+    value (an H200 measured 1.9e-5 on a dr of up to 41 in fp32, 0.375 in bf16)."""
     import torch._dynamo
 
     from kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
@@ -296,10 +299,10 @@ def test_fused_norms_trace_into_one_compiled_graph(dtype):
     torch._dynamo.reset()
     compiled = run(torch.compile(block, fullgraph=True, dynamic=False))
     eager = run(block)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
     for name, got, want in zip(["s", "out", "dx", "dr", "dw1", "dw2"], compiled, eager):
-        scale = 10 if name.startswith("dw") else 1  # dw sums 1023 rows
-        torch.testing.assert_close(got, want, atol=tol * scale, rtol=tol * scale, msg=name)
+        scale = want.abs().max().item()
+        assert (got - want).abs().max().item() <= tol * scale, f"{name}: {(got - want).abs().max().item():.3g} > {tol} x {scale:.3g}"
 
 
 def test_gpu_ranks_fork_from_a_server_that_imported_the_trainer():

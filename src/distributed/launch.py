@@ -104,9 +104,10 @@ def _standard_start_method() -> None:
 
 # How CPU ranks start. A spawned rank is a fresh interpreter that imports torch and the project
 # (5-7 s of CPU a rank on a 2-core machine); a forkserver imports them once, then forks each rank
-# from itself, so a 2-rank CPU run starts in one import instead of two. GPU ranks are still
-# spawned: a forked child cannot use a CUDA driver its parent initialised, and a forkserver that
-# imports the project has not been run on the GPU machine to show that nothing on that path does.
+# from itself, so a 2-rank CPU run starts in one import instead of two. GPU ranks are spawned:
+# forking works for them too (the server's imports leave CUDA uninitialised; tests/test_gpu.py
+# runs two GPU ranks forked from a server that imported the trainer), but a GPU host has cores
+# for every rank, so their imports run side by side and one import in the server saves no time.
 FORKSERVER = "forkserver" in multiprocessing.get_all_start_methods()
 
 
