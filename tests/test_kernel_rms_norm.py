@@ -192,8 +192,11 @@ def _losses(cwd):
 def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path, monkeypatch):
     """Every fused variant at once (RMSNorm with the residual add, SwiGLU, linear + cross-entropy
     with label smoothing) under FSDP2 on 2 ranks: the kernels run on the gathered weights."""
+    from src.fusion.registry import interpreter_fault
     from tests.conftest import run_cli
 
+    if interpreter_fault():  # refused by the run's checks (test_a_broken_interpreter_is_refused_before_the_run)
+        pytest.skip(interpreter_fault())
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the CPU ranks run the kernels in Triton's interpreter, GPU or not
     common = ["precision=fp32", "model.mlp=swiglu", "train.label_smoothing=0.1", "train.steps=5", "data.batch_size=2", "data.seq_len=16", "tracking=none"]
     runs = {}
@@ -224,6 +227,34 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"kernels.fused=\['layer_norm'\]: no fused Triton variant"):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         validate(compose_config(["kernels=triton", "kernels.fused=[layer_norm]"]), cuda_device_count=0, mps_available=False)
+
+
+def test_a_broken_interpreter_is_refused_before_the_run(tmp_path, monkeypatch):
+    """triton before 3.7 with numpy 2.4+: the interpreter fails mid-run in every kernel that loops
+    over program ids (seen with triton 3.6.0 and numpy 2.4 on a GPU machine's image), so a CPU run
+    that would use it is refused by the config checks in one line naming both versions and the fix."""
+    import numpy
+    import triton
+
+    from src.fusion.registry import interpreter_fault
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    assert "triton 3.6.0 fails with numpy 2.4.6" in interpreter_fault()
+    from src.compose import ConfigError, compose_config
+    from src.validate import validate
+
+    fix = r"install triton>=3.7 or numpy<2.4"
+    with pytest.raises(ConfigError, match=rf"^kernels=triton: Triton's interpreter in triton 3.6.0 fails with numpy 2.4.6 .*{fix}; or use kernels=eager$"):
+        validate(compose_config(["kernels=triton"]), cuda_device_count=0, mps_available=False)
+    with pytest.raises(ConfigError, match=rf"^optim.impl=triton: Triton's interpreter .*{fix}; or use optim.impl=foreach$"):
+        validate(compose_config(["optim.impl=triton"]), cuda_device_count=0, mps_available=False)
+    monkeypatch.setattr(numpy, "__version__", "2.3.5")
+    assert interpreter_fault() is None
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    assert interpreter_fault() is None
 
 
 def test_pipeline_stages_fit_shared_memory(monkeypatch):

@@ -14,6 +14,7 @@ the unsharded tensors FSDP2 gathers for each block's forward and backward.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,14 +107,38 @@ class FusedModel:
         return ", ".join([f"{op} x{n}" for op, n in self.swapped.items()] + (["cross_entropy"] if self.loss_fn else []))
 
 
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as '3.6.0' or '2.4.0rc1'."""
+    parts = re.findall(r"\d+", version)[:2]
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+
+
+def interpreter_fault() -> str | None:
+    """Why Triton's interpreter cannot run the fused kernels with the triton and numpy installed,
+    or None. Before triton 3.7 the interpreter turns a kernel's tensors into Python ints with
+    int() of a 1-element array, which numpy 2.4 refuses: every kernel with a `range` over program
+    ids failed mid-run with "InterpreterError: TypeError('only 0-dimensional arrays can be
+    converted to Python scalars')" (triton 3.6.0 with numpy 2.4; triton-lang/triton#9171, fixed
+    in 3.7.0)."""
+    import numpy
+    import triton
+
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
+        return (f"Triton's interpreter in triton {triton.__version__} fails with numpy {numpy.__version__} (triton-lang/triton#9171, "
+                "fixed in triton 3.7); install triton>=3.7 or numpy<2.4")
+    return None
+
+
 def triton_usable(device_type: str) -> str | None:
     """None if Triton kernels can run here, else why not."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed (pip install triton)"
-    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device_type == "cuda":
         return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return interpreter_fault()
     return "Triton kernels need an NVIDIA GPU (backend=cuda); on a CPU they run only in Triton's interpreter (TRITON_INTERPRET=1, slow)"
 
 

@@ -80,8 +80,8 @@ def _check_in_backward(cfg: DictConfig) -> None:
 
 def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
     why_not = triton_usable(backend)
-    if why_not and backend == "cuda":
-        raise ConfigError(f"optim.impl=triton: {why_not}; or use optim.impl=fused")
+    if why_not and (backend == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ConfigError(f"optim.impl=triton: {why_not}; or use optim.impl={'fused' if backend == 'cuda' else 'foreach'}")
     if cfg.precision.float8:
         raise ConfigError(f"optim.impl=triton reads each parameter's storage, and precision={cfg.precision.name}'s float8 weights are wrapper tensors "
                           "without one; use optim.impl=fused")
