@@ -200,7 +200,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     index = device_index(x)
     gdc = pdl.use_gdc(x)
     grid, meta, key = _plan((M, N, x2.dtype, index, residual is not None, gdc, FWD_ROWS, FWD_PROGRAMS_PER_SM, FWD_STAGES, tuple(FWD_WARPS.items())),
-                               lambda: _fwd_plan(M, N, x2.element_size(), index, residual is not None, gdc))
+                            lambda: _fwd_plan(M, N, x2.element_size(), index, residual is not None, gdc))
     _launch_fwd.launch(grid, (x2, r2, s, weight, y, rstd, stride_x, stride_r, N if residual is not None else stride_x, N, M, N, eps), meta, key)
     return as_shape(y, shape), rstd, (as_shape(s, shape) if residual is not None else None)
 

@@ -120,9 +120,12 @@ def interpreter_fault() -> str | None:
     ids failed mid-run with "InterpreterError: TypeError('only 0-dimensional arrays can be
     converted to Python scalars')" (triton 3.6.0 with numpy 2.4; triton-lang/triton#9171, fixed
     in 3.7.0)."""
-    import numpy
     import triton
 
+    try:
+        import numpy
+    except ImportError:
+        return "Triton's interpreter needs numpy (pip install numpy)"
     if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
         return (f"Triton's interpreter in triton {triton.__version__} fails with numpy {numpy.__version__} (triton-lang/triton#9171, "
                 "fixed in triton 3.7); install triton>=3.7 or numpy<2.4")
