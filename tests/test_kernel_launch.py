@@ -57,3 +57,28 @@ def test_the_interpreter_launches_the_plain_way_and_keeps_nothing():
         launch((triton.cdiv(n, 16),), x, y, n, 2.5, BLOCK=16)
         assert torch.equal(y[:n], x[:n] * 2.5) and not y[n:].any()
     assert launch.misses == 3 and launch.hits == 0 and not launch.compiled
+
+
+def test_kernels_call_jit_functions_by_their_own_names():
+    """Under torch.compile Inductor copies a user kernel's source into a module of its own and
+    imports the JIT functions it calls by name: a call through another module (`pdl.gdc_prologue`)
+    is a NameError there (a compiled block with the fused norms failed so on an H200). Every
+    @triton.jit body in kernels/triton calls other modules' functions only through `tl`."""
+    import ast
+    import importlib
+    import types
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).parents[1].joinpath("kernels", "triton").glob("*.py")):
+        module = importlib.import_module(f"kernels.triton.{path.stem}")
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in fn.decorator_list):
+                continue
+            for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+                root = call.func
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id != "tl" and isinstance(getattr(module, root.id, None), types.ModuleType):
+                    offenders.append(f"{path.name}:{call.lineno} {fn.name}: {ast.unparse(call.func)}")
+    assert not offenders, offenders

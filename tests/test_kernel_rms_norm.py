@@ -176,7 +176,7 @@ def test_fused_norms_trace_into_one_graph_with_their_kernels():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "tests.trace_fused_norms"], cwd=Path(__file__).parents[1], env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout[-3000:] + proc.stderr[-3000:]
     launches = json.loads(proc.stdout.strip().splitlines()[-1])
     # forward: one launch; backward: dx and the dw partials, then dw
     assert launches == {"fwd_body_0": 1, "fwd_body_1": 1, "bwd_body_0": 2, "bwd_body_1": 2}, launches
@@ -195,8 +195,9 @@ def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path, monkeypatch)
     from src.fusion.registry import interpreter_fault
     from tests.conftest import run_cli
 
-    if interpreter_fault():  # refused by the run's checks (test_a_broken_interpreter_is_refused_before_the_run)
-        pytest.skip(interpreter_fault())
+    fault = interpreter_fault()
+    if fault:  # refused by the run's checks (test_a_broken_interpreter_is_refused_before_the_run)
+        pytest.skip(fault)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the CPU ranks run the kernels in Triton's interpreter, GPU or not
     common = ["precision=fp32", "model.mlp=swiglu", "train.label_smoothing=0.1", "train.steps=5", "data.batch_size=2", "data.seq_len=16", "tracking=none"]
     runs = {}
@@ -229,7 +230,7 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
         validate(compose_config(["kernels=triton", "kernels.fused=[layer_norm]"]), cuda_device_count=0, mps_available=False)
 
 
-def test_a_broken_interpreter_is_refused_before_the_run(tmp_path, monkeypatch):
+def test_a_broken_interpreter_is_refused_before_the_run(monkeypatch):
     """triton before 3.7 with numpy 2.4+: the interpreter fails mid-run in every kernel that loops
     over program ids (seen with triton 3.6.0 and numpy 2.4 on a GPU machine's image), so a CPU run
     that would use it is refused by the config checks in one line naming both versions and the fix."""
@@ -245,11 +246,16 @@ def test_a_broken_interpreter_is_refused_before_the_run(tmp_path, monkeypatch):
     from src.compose import ConfigError, compose_config
     from src.validate import validate
 
-    fix = r"install triton>=3.7 or numpy<2.4"
-    with pytest.raises(ConfigError, match=rf"^kernels=triton: Triton's interpreter in triton 3.6.0 fails with numpy 2.4.6 .*{fix}; or use kernels=eager$"):
+    fix = r"pip install 'numpy<2\.4' \(or a torch whose triton is 3\.7 or later\)"
+    with pytest.raises(ConfigError, match=rf"^kernels=triton: Triton's interpreter in triton 3\.6\.0 fails with numpy 2\.4\.6 .*{fix}; or use kernels=eager$"):
         validate(compose_config(["kernels=triton"]), cuda_device_count=0, mps_available=False)
     with pytest.raises(ConfigError, match=rf"^optim.impl=triton: Triton's interpreter .*{fix}; or use optim.impl=foreach$"):
         validate(compose_config(["optim.impl=triton"]), cuda_device_count=0, mps_available=False)
+    with pytest.raises(ConfigError, match=rf"^kernel_bench.providers has triton: Triton's interpreter .*{fix}; or drop it from kernel_bench.providers$"):
+        validate(compose_config(["+exp=kernels_cpu"]), cuda_device_count=0, mps_available=False)
+    # the interpreter runs the kernels whatever the device, so a GPU run under TRITON_INTERPRET=1 is refused too
+    with pytest.raises(ConfigError, match=rf"^kernels=triton: Triton's interpreter .*{fix}; or use kernels=eager$"):
+        validate(compose_config(["kernels=triton", "backend=cuda", "dist.nproc=1"]), cuda_device_count=1, mps_available=False)
     monkeypatch.setattr(numpy, "__version__", "2.3.5")
     assert interpreter_fault() is None
     monkeypatch.setattr(numpy, "__version__", "2.4.6")

@@ -24,6 +24,7 @@ def device_index(t: torch.Tensor) -> int:
 # warning to the user at each compile.
 _SM_COUNT: dict[int, int] = {}
 _SMEM_PER_BLOCK: dict[int, int] = {}
+_COMPUTE_MAJOR: dict[int, int] = {}
 
 
 @torch.compiler.assume_constant_result
@@ -33,6 +34,15 @@ def sm_count(index: int) -> int:
     if count is None:
         count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 2
     return count
+
+
+@torch.compiler.assume_constant_result
+def compute_major(index: int) -> int:
+    """The major compute capability of CUDA device `index` (9 on an H100/H200)."""
+    major = _COMPUTE_MAJOR.get(index)
+    if major is None:
+        major = _COMPUTE_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return major
 
 
 @torch.compiler.assume_constant_result

@@ -25,21 +25,15 @@ its own and imports the JIT functions it calls by name, so a module it hangs off
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import device_index
+from kernels.triton.device import compute_major, device_index
 
 ENABLED = False
-
-
-@functools.cache
-def _supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def use_gdc(t: torch.Tensor) -> bool:
@@ -47,7 +41,7 @@ def use_gdc(t: torch.Tensor) -> bool:
     >= 9, and not Triton's interpreter (which has no griddepcontrol, whatever the tensor's device)."""
     if not (ENABLED and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _supported(device_index(t))
+    return compute_major(device_index(t)) >= 9
 
 
 @triton.jit

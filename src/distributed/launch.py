@@ -134,7 +134,9 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
     """Run `entry(*args)` on `nproc` local ranks of `nnodes` nodes, this one among them (an agent
     per node, meeting at `rdzv_endpoint` under the same `run_id`); returns {global rank: return
     value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`. `forkserver`:
-    fork the ranks from a forkserver where this platform has one (FORKSERVER above), else spawn them."""
+    fork the ranks from a fresh forkserver that imported the entry's module (FORKSERVER above),
+    else, or where that server cannot be restarted, spawn them. For GPU ranks it holds only while
+    importing that module leaves CUDA uninitialised (tests/test_gpu.py checks the trainer's)."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
     # CPU run several times slower than it need be.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

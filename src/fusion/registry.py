@@ -128,7 +128,7 @@ def interpreter_fault() -> str | None:
         return "Triton's interpreter needs numpy (pip install numpy)"
     if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
         return (f"Triton's interpreter in triton {triton.__version__} fails with numpy {numpy.__version__} (triton-lang/triton#9171, "
-                "fixed in triton 3.7); install triton>=3.7 or numpy<2.4")
+                "fixed in triton 3.7); pip install 'numpy<2.4' (or a torch whose triton is 3.7 or later)")
     return None
 
 
@@ -138,10 +138,10 @@ def triton_usable(device_type: str) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed (pip install triton)"
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs the kernels whatever the device
+        return interpreter_fault()
     if device_type == "cuda":
         return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return interpreter_fault()
     return "Triton kernels need an NVIDIA GPU (backend=cuda); on a CPU they run only in Triton's interpreter (TRITON_INTERPRET=1, slow)"
 
 
