@@ -232,7 +232,7 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
 
 def test_a_broken_interpreter_is_refused_before_the_run(monkeypatch):
     """triton before 3.7 with numpy 2.4+: the interpreter fails mid-run in every kernel that loops
-    over program ids (seen with triton 3.6.0 and numpy 2.4 on a GPU machine's image), so a CPU run
+    over program ids (seen with triton 3.6.0 and numpy 2.5.2 on a GPU machine's image), so a CPU run
     that would use it is refused by the config checks in one line naming both versions and the fix."""
     import numpy
     import triton
