@@ -400,3 +400,30 @@ def test_the_gpu_campaign_compiles_and_runs_side_by_side_on_lavapipe(tmp_path, c
     assert all(r["decode_call_ms"] > 0 and r["token_read_ms"] > 0 for r in results)
     assert sorted(r["variant"] for r in results if r["backend"] == "vulkan") == ["llvmpipe-nocoop+vulkan_tracing=false"] * 2
     assert "Vulkan / torch decode p50" in (out / "table.md").read_text()
+
+
+def test_an_iree_tool_that_lost_the_device_runs_again_on_lavapipe_only(tmp_path):
+    """src/edge/runtime.py run_tool: a tool run (here a stand-in process) that fails twice with
+    lavapipe's lost device and then succeeds is run three times on lavapipe; off lavapipe, or with
+    an error that is not a lost device, its first result stands; and the tries stop at
+    LAVAPIPE_TRIES."""
+    import sys
+
+    from src.edge.runtime import LAVAPIPE_TRIES, run_tool
+
+    def tool(failures: int, error: str) -> tuple[list[str], Path]:
+        count = tmp_path / f"runs-{len(list(tmp_path.iterdir()))}"
+        count.write_text("0")
+        script = (f"import pathlib, sys; p = pathlib.Path({str(count)!r}); n = int(p.read_text()) + 1; p.write_text(str(n)); "
+                  f"sys.exit('queue.c:2867: {error}' if n <= {failures} else 0)")
+        return [sys.executable, "-c", script], count
+
+    cmd, runs = tool(2, "DATA_LOSS; [vkSignalSemaphore] VK_ERROR_DEVICE_LOST")
+    assert run_tool(cmd, lavapipe=True, timeout=60).returncode == 0 and runs.read_text() == "3"
+    cmd, runs = tool(2, "DATA_LOSS; [vkSignalSemaphore] VK_ERROR_DEVICE_LOST")
+    assert run_tool(cmd, lavapipe=False, timeout=60).returncode == 1 and runs.read_text() == "1"
+    cmd, runs = tool(2, "RESOURCE_EXHAUSTED; [vkAllocateMemory] VK_ERROR_OUT_OF_DEVICE_MEMORY")
+    proc = run_tool(cmd, lavapipe=True, timeout=60)
+    assert proc.returncode == 1 and runs.read_text() == "1" and "OUT_OF_DEVICE_MEMORY" in proc.stderr
+    cmd, runs = tool(LAVAPIPE_TRIES, "DATA_LOSS; [vkSignalSemaphore] VK_ERROR_DEVICE_LOST")
+    assert run_tool(cmd, lavapipe=True, timeout=60).returncode == 1 and runs.read_text() == str(LAVAPIPE_TRIES)

@@ -154,6 +154,25 @@ LAVAPIPE = "llvmpipe"
 LAVAPIPE_TRIES = 4
 
 
+def lost_device(text: str) -> bool:
+    """Whether an IREE error is a lost device (lavapipe's, IreeRunner below)."""
+    return "DATA_LOSS" in text or "DEVICE_LOST" in text
+
+
+def run_tool(cmd: list[str], lavapipe: bool, timeout: float) -> subprocess.CompletedProcess:
+    """Run an IREE tool that makes a context of its own on the Vulkan device (iree-benchmark-module).
+    On lavapipe a run that lost the device is run again, LAVAPIPE_TRIES in all, as IreeRunner makes
+    its context again (the same Mesa fault: a 2-worker test run lost it in iree-benchmark-module
+    once where three runs alone did not); elsewhere, or with any other error, the first result
+    stands. Returns the last run's result."""
+    for attempt in range(LAVAPIPE_TRIES if lavapipe else 1):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or not lost_device(proc.stderr + proc.stdout) or attempt + 1 == LAVAPIPE_TRIES:
+            return proc
+        log.warning("lavapipe lost the device in %s (try %d of %d); again", cmd[0].rsplit("/", 1)[-1], attempt + 1, LAVAPIPE_TRIES)
+    return proc
+
+
 _KEPT_DEVICES: list[Any] = []
 
 
@@ -193,8 +212,7 @@ class IreeRunner:
                 modules = self._load(artifacts)
                 break
             except (RuntimeError, ValueError) as err:
-                lost = "DATA_LOSS" in str(err) or "DEVICE_LOST" in str(err)
-                if not (lavapipe and lost) or attempt + 1 == LAVAPIPE_TRIES:
+                if not (lavapipe and lost_device(str(err))) or attempt + 1 == LAVAPIPE_TRIES:
                     raise ModuleLoadFailed(one_line(err)) from None
                 log.warning("lavapipe lost the device making the context (try %d of %d); again on a new device", attempt + 1, LAVAPIPE_TRIES)
         main = self.module = modules[-1]
