@@ -3,6 +3,8 @@ many software-pipeline stages a row loop may take. Off CUDA (Triton's interprete
 answers are small fixed numbers, so CPU tests still walk several rows per program."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Shared memory a kernel's pipeline buffers may take, below the per-block limit: room for the
@@ -18,45 +20,34 @@ def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-# Device properties, read once per device. Memoised in plain dicts, not functools.cache, and marked
-# constant for torch.compile: Dynamo then takes each answer as a constant when it traces a fused
-# norm inside a compiled block, where an lru_cache-wrapped function is traced through with a
-# warning to the user at each compile.
-_SM_COUNT: dict[int, int] = {}
-_SMEM_PER_BLOCK: dict[int, int] = {}
-_COMPUTE_MAJOR: dict[int, int] = {}
+@functools.cache
+def _properties(index: int):
+    """CUDA device `index`'s properties, read once (a driver query each call otherwise)."""
+    return torch.cuda.get_device_properties(index)
 
 
+# The answers below are marked constant for torch.compile: Dynamo calls each one when it traces a
+# fused norm inside a compiled block and keeps the answer, rather than tracing through the cache
+# above (an lru_cache-wrapped function it warns about at each compile).
 @torch.compiler.assume_constant_result
 def sm_count(index: int) -> int:
     """SMs of CUDA device `index`; 2 off CUDA."""
-    count = _SM_COUNT.get(index)
-    if count is None:
-        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 2
-    return count
+    return _properties(index).multi_processor_count if index >= 0 else 2
 
 
 @torch.compiler.assume_constant_result
 def compute_major(index: int) -> int:
     """The major compute capability of CUDA device `index` (9 on an H100/H200)."""
-    major = _COMPUTE_MAJOR.get(index)
-    if major is None:
-        major = _COMPUTE_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
-    return major
+    return _properties(index).major
 
 
 @torch.compiler.assume_constant_result
 def smem_per_block(index: int) -> int:
     """The most shared memory one block may ask for (the opt-in limit: 227 KB on an H100/H200)."""
-    limit = _SMEM_PER_BLOCK.get(index)
-    if limit is None:
-        if index < 0:
-            limit = 1 << 30  # the interpreter has no shared memory to run out of
-        else:
-            props = torch.cuda.get_device_properties(index)
-            limit = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
-        _SMEM_PER_BLOCK[index] = limit
-    return limit
+    if index < 0:
+        return 1 << 30  # the interpreter has no shared memory to run out of
+    props = _properties(index)
+    return getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
 
 
 def pipeline_stages(requested: int, bytes_per_stage: int, index: int) -> int:
