@@ -122,6 +122,9 @@ class KernelBenchConfig:
     """do_bench's budget per measurement (its defaults)"""
     copy_mb: int = 1024
     """buffer copied to measure the device's copy ceiling"""
+    chain: bool = True
+    """also time each capturable variant as a chain over distinct inputs (src/fusion/timing.py chain_ms): L2 as
+    a step leaves it, without do_bench's flush; costs one graph of 4-32 calls' inputs per row"""
 
 
 @dataclass

@@ -33,10 +33,12 @@ def test_every_op_and_variant_is_timed_checked_and_logged(tmp_path):
             assert r["tbs"] > 0 and r["pct_ceiling"] == pytest.approx(100 * r["tbs"] / summary["copy_ceiling_tbs"])
         if r["provider"] == "eager":
             assert r["speedup"] == 1.0
+        assert r["graph_ms"] is None and r["chain_ms"] is None and r["chain_tbs"] is None  # GPU timers: none on a CPU
     assert summary["copy_ceiling_tbs"] > 0 and summary["device"] == "cpu"
 
     table = (run_dir / "kernel_bench.md").read_text()
     assert "| cross_entropy | 3x1000 | fwd_bwd | triton |" in table and "interpreter" in table
+    assert "| graph ms | chain ms | host us | TB/s | chain TB/s |" in table
     with open(run_dir / "kernel_bench.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert (run_dir / "kernel_bench.png").stat().st_size > 10_000
@@ -74,3 +76,15 @@ def test_exp_kernels_wants_a_gpu(tmp_path):
         "error: backend=cuda but no CUDA GPU is visible; +exp=kernels times kernels on an NVIDIA GPU; "
         "on a CPU, check the plumbing with `TRITON_INTERPRET=1 python -m src.run +exp=kernels_cpu`"]
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("l2_mb,call_mb,calls", [
+    (50, 168, 4),    # RMSNorm 8192x2048 fwd+bwd on an H200: 4 x 168 MB already outgrows 4 x its 50 MB L2
+    (50, 1050, 4),   # cross-entropy 8192x32000: never fewer than 4 sets
+    (50, 20, 10),    # 10 x 20 MB = 200 MB = 4 L2s
+    (50, 1, 32),     # a tiny op: capped at 32 sets
+])
+def test_a_chain_outgrows_l2_four_times_over_in_4_to_32_calls(l2_mb, call_mb, calls):
+    from src.fusion.timing import chain_calls
+
+    assert chain_calls(l2_mb * 2**20, call_mb * 2**20) == calls

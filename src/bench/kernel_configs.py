@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from src.fusion.cases import forward_backward, make_case, seed, variant
-from src.fusion.timing import graph_ms, host_us_per_call
+from src.fusion.timing import chain_ms, graph_ms, host_us_per_call
 
 
 def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16, forward_only: bool = False):
@@ -86,7 +86,7 @@ class _Passthrough(torch.autograd.Function):
         return dy
 
 
-def _row(kernel: str, setting: str, shape, host_us: float, graph_ms: float | None = None, tbs: float | None = None) -> dict:
+def _row(kernel: str, setting: str, shape, host_us: float | None, graph_ms: float | None = None, tbs: float | None = None) -> dict:
     """A row of the table (graph ms and TB/s None where nothing on the GPU is worth timing), printed as it is taken."""
     row = {"kernel": kernel, "setting": setting, "shape": "x".join(map(str, shape)), "graph_ms": graph_ms, "tbs": tbs, "host_us": host_us}
     print(json.dumps(row), flush=True)
@@ -117,8 +117,9 @@ def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> lis
 
 
 def _size_matched_copies() -> list[dict]:
-    """The copy ceiling at each row op's own size: torch copies moving the bytes forward moves,
-    then the bytes backward moves (one copy kernel each, replayed from a CUDA graph like the ops).
+    """The copy ceiling at each row op's own size: a torch copy moving the bytes forward moves, and
+    copies moving those forward then backward move (one copy kernel each), timed as the ops are:
+    replayed from a CUDA graph with L2 flushed, and chained over distinct buffers (chain_ms).
     The 4.25 TB/s ceiling is a 1 GB copy's; a copy of a sixteenth of that pays the same launch, ramp
     and last wave over a sixteenth of the time, and an op can hardly stream faster than a copy of
     its own bytes."""
@@ -127,17 +128,22 @@ def _size_matched_copies() -> list[dict]:
     for op, shape in [("rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096]), ("add_rms_norm", [8192, 2048]),
                       ("softmax", [8192, 4096]), ("cross_entropy", [8192, 32000])]:
         case = make_case(op, shape)
-        parts = [case.bytes_fwd(2), case.bytes_bwd(2)]
-        pairs = [(torch.empty(b // 4, dtype=torch.bfloat16, device=device), torch.empty(b // 4, dtype=torch.bfloat16, device=device)) for b in parts]
-        for src, _ in pairs:
-            src.normal_()
+        for what, parts in (("fwd bytes as 1 copy", [case.bytes_fwd(2)]), ("fwd+bwd bytes as 2 copies", [case.bytes_fwd(2), case.bytes_bwd(2)])):
+            def make_copies(parts=parts):
+                pairs = [(torch.empty(b // 4, dtype=torch.bfloat16, device=device), torch.empty(b // 4, dtype=torch.bfloat16, device=device)) for b in parts]
+                for src, _ in pairs:
+                    src.normal_()
 
-        def copies(pairs=pairs) -> None:
-            for src, dst in pairs:
-                dst.copy_(src)
+                def run() -> None:
+                    for src, dst in pairs:
+                        dst.copy_(src)
+                return run
 
-        ms = graph_ms(copies, device)
-        rows.append(_row("copy", f"{op} fwd+bwd bytes as 2 copies", shape, host_us_per_call(copies, device), ms, sum(parts) / (ms * 1e-3) / 1e12))
+            copies = make_copies()
+            ms = graph_ms(copies, device)
+            rows.append(_row("copy", what, shape, host_us_per_call(copies, device), ms, sum(parts) / (ms * 1e-3) / 1e12))
+            ms = chain_ms(make_copies, device, sum(parts))
+            rows.append(_row("copy", f"{what}, chained", shape, None, ms, sum(parts) / (ms * 1e-3) / 1e12))
     return rows
 
 

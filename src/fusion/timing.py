@@ -3,9 +3,15 @@
 On CUDA, triton.testing.do_bench: CUDA events around each call, the L2 flushed between calls
 (a 256 MB write), gradients reset to None so backward never pays an accumulation. On a CPU
 (Triton's interpreter included, where times say nothing about a GPU) wall-clock medians.
+
+do_bench's flush is a write, so each timed call starts with L2 full of the flush's dirty lines and
+pays for writing them back (up to the L2's 50-60 MB on an H100/H200, ~12 us at 4.25 TB/s) beside its
+own bytes: a 168 MB copy reads 3.05 TB/s that way. `chain_ms` times the other case, the one a step
+has: the op called on distinct inputs back to back, each call finding L2 as the previous call left it.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -114,3 +120,56 @@ def graph_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 
     with torch.cuda.graph(graph):
         fn()
     return median_ms(graph.replay, device, warmup_ms, rep_ms)
+
+
+# chain_ms: the ring of input sets moves at least CHAIN_L2_MULTIPLE times the L2's bytes per pass, so
+# a call's inputs were evicted by the calls between two of its replays (4x: LRU-like replacement
+# keeps nothing of a set three L2-fulls back), in CHAIN_MIN_CALLS to CHAIN_MAX_CALLS calls.
+CHAIN_L2_MULTIPLE = 4
+CHAIN_MIN_CALLS, CHAIN_MAX_CALLS = 4, 32
+
+
+def chain_calls(l2_bytes: int, nbytes_per_call: int) -> int:
+    """How many distinct input sets chain_ms cycles through for a call that moves `nbytes_per_call`
+    on a device with `l2_bytes` of L2."""
+    return max(CHAIN_MIN_CALLS, min(CHAIN_MAX_CALLS, math.ceil(CHAIN_L2_MULTIPLE * l2_bytes / max(1, nbytes_per_call))))
+
+
+def chain_ms(make_run: Callable[[], Callable[[], object]], device: torch.device, nbytes_per_call: int, rep_ms: float = 100, batches: int = 5) -> float | None:
+    """Median GPU ms per call of an op in a chain: `make_run()` builds one call on its own inputs
+    (chain_calls of them, so the ring outgrows L2), all captured back to back into one CUDA graph,
+    replayed with nothing between replays. Each call starts with L2 holding (and dirty with) the
+    previous call's bytes, not its own, as a layer of a step does; no flush is charged to it, as
+    do_bench charges one (module docstring). None off CUDA; raises where a call cannot be captured."""
+    if device.type != "cuda":
+        return None
+    runs = [make_run() for _ in range(chain_calls(torch.cuda.get_device_properties(device).L2_cache_size, nbytes_per_call))]
+
+    def chain() -> None:
+        for run in runs:
+            run()
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capture: compilation, allocator, autotuning
+        chain()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replays = max(1, round(rep_ms / max(start.elapsed_time(end), 1e-3) / batches))
+    per_call = []
+    for _ in range(batches):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / (replays * len(runs)))
+    return statistics.median(per_call)

@@ -15,12 +15,12 @@ from omegaconf import DictConfig
 
 from src.dtypes import torch_dtype
 from src.fusion.cases import Case, forward_backward, make_case, max_rel_err, output_of, seed, variant
-from src.fusion.timing import copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
+from src.fusion.timing import chain_ms, copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
 from src.runtime import RunContext
 
 log = logging.getLogger("src.run")
 
-COLUMNS = ["op", "shape", "mode", "provider", "ms", "host_us", "graph_ms", "tbs", "graph_tbs", "pct_ceiling", "tflops", "speedup", "graph_speedup", "peak_mb", "max_rel_err"]
+COLUMNS = ["op", "shape", "mode", "provider", "ms", "host_us", "graph_ms", "chain_ms", "tbs", "graph_tbs", "chain_tbs", "pct_ceiling", "tflops", "speedup", "graph_speedup", "peak_mb", "max_rel_err"]
 
 
 def _device(cfg: DictConfig) -> torch.device:
@@ -43,16 +43,24 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
     if fn is None:
         return None
     grad = mode == "fwd_bwd"
-    inputs = [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in base_inputs]
-    leaves = [t for t in inputs if t.requires_grad]
-    first = fn(*inputs)
-    err = max_rel_err(output_of(first), reference) if reference is not None else 0.0
-    if grad:
-        run = forward_backward(fn, inputs, first)
-    else:
+
+    def make_inputs() -> list[torch.Tensor]:
+        return [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in base_inputs]
+
+    def make_run(inputs: list[torch.Tensor], first=None):
+        if grad:
+            return forward_backward(fn, inputs, first)
+
         def run():
             with torch.no_grad():
                 fn(*inputs)
+        return run
+
+    inputs = make_inputs()
+    leaves = [t for t in inputs if t.requires_grad]
+    first = fn(*inputs)
+    err = max_rel_err(output_of(first), reference) if reference is not None else 0.0
+    run = make_run(inputs, first)
     del first
     ms = median_ms(run, device, bench.warmup_ms, bench.rep_ms, leaves)
     for t in leaves:
@@ -68,14 +76,18 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
     size = torch.finfo(dtype).bits // 8
     nbytes = case.bytes_fwd(size) + (case.bytes_bwd(size) if grad else 0)
     flops = case.flops_fwd + (case.flops_bwd if grad else 0)
+    chained = None
+    if replayed is not None and bench.chain and not flops:  # a chain is about L2 and bytes; GEMM rows are about FLOPs
+        chained = chain_ms(lambda: make_run(make_inputs()), device, nbytes, bench.rep_ms)
 
     def rate(t_ms: float | None, amount: int) -> float | None:
         return None if t_ms is None or not amount else amount / (t_ms * 1e-3) / 1e12
 
     return {
         "op": case.op, "shape": "x".join(map(str, case.shape)), "mode": mode, "provider": provider, "ms": ms,
-        "host_us": host, "graph_ms": replayed,
+        "host_us": host, "graph_ms": replayed, "chain_ms": chained,
         "tbs": None if flops else rate(ms, nbytes), "graph_tbs": None if flops else rate(replayed, nbytes),
+        "chain_tbs": None if flops else rate(chained, nbytes),
         "tflops": rate(ms, flops) if flops else None,
         "peak_mb": peak, "max_rel_err": err,
     }
@@ -124,19 +136,25 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _times(ratio: float | None) -> str:
+    text = _fmt(ratio)
+    return text if text == "n/a" else f"{text}x"
+
+
 def markdown_table(rows: list[dict], ceiling: float, device_name: str, dtype: str) -> str:
     how = "median of triton.testing.do_bench" if device_name != "cpu" else "wall-clock median on the CPU (Triton in its interpreter: not kernel times)"
     head = (f"{device_name}, {dtype}, {how}; copy ceiling {ceiling:.2f} TB/s measured in the same run. "
             "`ms`: as called (host path included); `graph ms`: replayed from a CUDA graph (GPU time alone); "
-            "`host us`: CPU time to issue one call; TB/s and `% ceiling` from graph ms where there is one\n\n"
-            "| op | shape | mode | variant | ms | graph ms | host us | TB/s | % ceiling | TFLOP/s | vs eager | vs eager (graph) | peak MB | max rel err |\n"
-            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "`chain ms`: called on distinct inputs back to back from one graph, L2 as the previous call left it, as in a step; "
+            "`host us`: CPU time to issue one call; TB/s and `% ceiling` from graph ms where there is one, chain TB/s from chain ms\n\n"
+            "| op | shape | mode | variant | ms | graph ms | chain ms | host us | TB/s | chain TB/s | % ceiling | TFLOP/s | vs eager | vs eager (graph) | peak MB | max rel err |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r['op']} | {r['shape']} | {r['mode']} | {r['provider']} | {_fmt(r['ms'], 4)} | {_fmt(r.get('graph_ms'), 4)} | {_fmt(r.get('host_us'), 1)} | "
-            f"{_fmt(r.get('graph_tbs') or r['tbs'])} | {_fmt(r['pct_ceiling'], 1)} | {_fmt(r['tflops'], 1)} | {_fmt(r['speedup'])}x | "
-            f"{_fmt(r.get('graph_speedup'))}x | {_fmt(r['peak_mb'], 1)} | {_fmt(r['max_rel_err'], 4)} |"
+            f"| {r['op']} | {r['shape']} | {r['mode']} | {r['provider']} | {_fmt(r['ms'], 4)} | {_fmt(r.get('graph_ms'), 4)} | {_fmt(r.get('chain_ms'), 4)} | "
+            f"{_fmt(r.get('host_us'), 1)} | {_fmt(r.get('graph_tbs') or r['tbs'])} | {_fmt(r.get('chain_tbs'))} | {_fmt(r['pct_ceiling'], 1)} | {_fmt(r['tflops'], 1)} | {_times(r['speedup'])} | "
+            f"{_times(r.get('graph_speedup'))} | {_fmt(r['peak_mb'], 1)} | {_fmt(r['max_rel_err'], 4)} |"
         )
     return "\n".join(lines)
 
@@ -196,7 +214,7 @@ def run_kernel_bench(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         key = f"{r['op']}.{r['shape']}.{r['mode']}.{r['provider']}"
         metrics[f"{key}.ms"] = r["ms"]
         metrics[f"{key}.speedup"] = r["speedup"]
-        for name in ("tbs", "graph_ms", "graph_tbs", "host_us"):
+        for name in ("tbs", "graph_ms", "graph_tbs", "chain_ms", "chain_tbs", "host_us"):
             if r.get(name) is not None:
                 metrics[f"{key}.{name}"] = r[name]
     tracker.finish("FINISHED", metrics)
