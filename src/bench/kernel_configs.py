@@ -1,9 +1,10 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_stages softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_stages rms_wide softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
-replays), so the choice depends on the kernels, not on the host. Prints one table per kernel with
+replays) and as a chain over distinct inputs (L2 as the previous call left it, as in a step), so
+the choice depends on the kernels, not on the host. Prints one table per kernel with
 the effective TB/s of each setting; the module constants in kernels/triton/ take the winners.
 """
 from __future__ import annotations
@@ -32,13 +33,17 @@ def _fwd_bwd(op: str, shape: list[int], dtype=torch.bfloat16, forward_only: bool
 
 
 def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
+    """Graph ms with L2 flushed (do_bench), chain ms over distinct inputs (L2 as a step leaves it:
+    src/fusion/timing.py), their TB/s, and host us per call."""
     run, leaves, nbytes = _fwd_bwd(op, shape, forward_only=forward_only)
     device = torch.device("cuda")
     ms = graph_ms(run, device, grad_to_none=leaves)
-    return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "host_us": host_us_per_call(run, device)}
+    chained = chain_ms(lambda: _fwd_bwd(op, shape, forward_only=forward_only)[0], device, nbytes)
+    return {"graph_ms": ms, "tbs": nbytes / (ms * 1e-3) / 1e12, "chain_ms": chained, "chain_tbs": nbytes / (chained * 1e-3) / 1e12,
+            "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "softmax")
+GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "rms_wide", "softmax")
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -233,6 +238,16 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
             record("rms_norm_fwd", setting, "rms_norm_fwd", [8192, 2048])
         rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = *saved_rows, per_sm
         rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
+    if "rms_wide" in groups:  # 4096-wide rows (LLaMA-7B's width): their own warps and backward grid, keys of their own
+        saved = rn.FWD_ROWS, rn.BWD_STAGES
+        for warps, rows_ in [(8, 1), (4, 1), (16, 1), (8, 2), (16, 2), (32, 1)]:
+            rn.FWD_WARPS, rn.FWD_ROWS = {**fwd, 4096: warps}, rows_
+            record("rms_norm_fwd", f"fwd_warps@4096={warps} fwd_rows={rows_}", "rms_norm_fwd", [8192, 4096])
+        rn.FWD_WARPS, rn.FWD_ROWS = fwd, saved[0]
+        for warps, programs, stages in [(8, 2, 4), (16, 2, 4), (8, 1, 4), (16, 1, 4), (8, 3, 3), (8, 2, 3), (8, 2, 2), (16, 1, 6), (4, 4, 2), (4, 2, 4)]:
+            rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = {**bwd, 4096: warps}, programs, stages
+            record("rms_norm", f"bwd_warps@4096={warps} bwd_programs_per_sm={programs} bwd_stages={stages}", "rms_norm", [8192, 4096])
+        rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = bwd, per_sm, saved[1]
     for fw in (2, 4, 8, 16) if "rms_norm" in groups else ():
         for bw in (4, 8, 16):
             rn.FWD_WARPS, rn.BWD_WARPS = {2048: fw, 8192: fw}, {2048: bw, 8192: bw}
@@ -270,14 +285,18 @@ def main() -> None:
     rows = sweep(tuple(args.only))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_configs.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{torch.cuda.get_device_name()}, bf16, forward + backward replayed from a CUDA graph\n")
-    print("| kernel | shape | setting | graph ms | TB/s | host us |\n|---|---|---|---:|---:|---:|")
+    print(f"\n{torch.cuda.get_device_name()}, bf16, forward + backward replayed from a CUDA graph (L2 flushed) and chained over distinct inputs\n")
+    print("| kernel | shape | setting | graph ms | TB/s | chain ms | chain TB/s | host us |\n|---|---|---|---:|---:|---:|---:|---:|")
+
+    def num(value, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for r in rows:
         if "error" in r:
-            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | failed: {r['error']} | | |")
+            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | failed: {r['error']} | | | | |")
         else:
-            gpu = f"{r['graph_ms']:.4f} | {r['tbs']:.2f}" if r["graph_ms"] is not None else "- | -"
-            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | {gpu} | {r['host_us']:.1f} |")
+            print(f"| {r['kernel']} | {r['shape']} | {r['setting']} | {num(r['graph_ms'], 4)} | {num(r['tbs'], 2)} | "
+                  f"{num(r.get('chain_ms'), 4)} | {num(r.get('chain_tbs'), 2)} | {num(r['host_us'], 1)} |")
 
 
 if __name__ == "__main__":
