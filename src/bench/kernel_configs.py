@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_stages rms_wide softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_parts rms_stages rms_wide softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays) and as a chain over distinct inputs (L2 as the previous call left it, as in a step), so
@@ -43,7 +43,7 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
             "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_stages", "rms_wide", "softmax")
+GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_parts", "rms_stages", "rms_wide", "softmax")
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -238,6 +238,17 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
             record("rms_norm_fwd", setting, "rms_norm_fwd", [8192, 2048])
         rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = *saved_rows, per_sm
         rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
+    if "rms_parts" in groups:  # what backward's dw launch costs: the same forward + backward with it left out (dw then wrong)
+        class _Skipped:
+            def launch(self, *args) -> None:
+                pass
+
+        dw_launch = rn._launch_dw
+        for shape in ([8192, 2048], [8192, 4096]):
+            for skip in (False, True, False, True):
+                rn._launch_dw = _Skipped() if skip else dw_launch
+                record("rms_norm", "dw launch left out (measurement only)" if skip else "as shipped", "rms_norm", shape)
+        rn._launch_dw = dw_launch
     if "rms_wide" in groups:  # 4096-wide rows (LLaMA-7B's width): their own warps and backward grid, keys of their own
         saved = rn.FWD_ROWS, rn.BWD_STAGES
         for warps, rows_ in [(8, 1), (4, 1), (16, 1), (8, 2), (16, 2), (32, 1)]:
