@@ -109,11 +109,11 @@ def test_kernels_launched_with_pdl_match_torch(op, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("width", [8192, 16384, 65536])
+@pytest.mark.parametrize("width", [3000, 4096, 8192, 16384, 65536])
 def test_rms_norm_backward_compiles_and_matches_torch_on_wide_rows(width, dtype):
     """The pipelined backward's stages shrink with the row (kernels/triton/device.py): with the
     residual's gradient, 3 loads a stage, every width up to the 65536 the config allows compiles
-    and gives torch's gradients."""
+    and gives torch's gradients; 3000 and 4096 take the 4096 block's own forward warps."""
     from kernels.triton.rms_norm import fused_add_rms_norm
 
     torch.manual_seed(0)

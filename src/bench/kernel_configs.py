@@ -249,11 +249,12 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
                 rn._launch_dw = _Skipped() if skip else dw_launch
                 record("rms_norm", "dw launch left out (measurement only)" if skip else "as shipped", "rms_norm", shape)
         rn._launch_dw = dw_launch
-    if "rms_wide" in groups:  # 4096-wide rows (LLaMA-7B's width): their own warps and backward grid, keys of their own
+    if "rms_wide" in groups:  # forward warps at 2048 and 4096, and 4096-wide rows' (LLaMA-7B's width) own backward grid
         saved = rn.FWD_ROWS, rn.BWD_STAGES
-        for warps, rows_ in [(8, 1), (4, 1), (16, 1), (8, 2), (16, 2), (32, 1)]:
-            rn.FWD_WARPS, rn.FWD_ROWS = {**fwd, 4096: warps}, rows_
-            record("rms_norm_fwd", f"fwd_warps@4096={warps} fwd_rows={rows_}", "rms_norm_fwd", [8192, 4096])
+        for width in (2048, 4096):  # the forward alone, by warps at each width (the other widths' warps as shipped)
+            for warps, rows_ in [(8, 1), (4, 1), (2, 1), (16, 1), (4, 2), (8, 2)]:
+                rn.FWD_WARPS, rn.FWD_ROWS = {**fwd, width: warps}, rows_
+                record("rms_norm_fwd", f"fwd_warps@{width}={warps} fwd_rows={rows_}", "rms_norm_fwd", [8192, width])
         rn.FWD_WARPS, rn.FWD_ROWS = fwd, saved[0]
         for warps, programs, stages in [(8, 2, 4), (16, 2, 4), (8, 1, 4), (16, 1, 4), (8, 3, 3), (8, 2, 3), (8, 2, 2), (16, 1, 6), (4, 4, 2), (4, 2, 4)]:
             rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = {**bwd, 4096: warps}, programs, stages
