@@ -102,11 +102,12 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
 
 
 # Launch settings (src/bench/kernel_configs.py sweeps them on a GPU): warps per row program by the
-# row's block width, and backward programs per SM. 4096-wide forward rows take 4 warps, 32 elements
-# a thread: 34.9-35.1 us chained at 8192 x 4096 bf16 against 36.2-36.4 for 8 warps and 40.8-40.9 for
-# 16 (kernel_configs' rms_wide group, two H200s; 3.8 TB/s against a copy's 3.9). Backward at 4096
-# was level from 4 to 16 warps.
-FWD_WARPS = {2048: 8, 4096: 4, 8192: 16}
+# row's block width, and backward programs per SM. Forward rows up to 4096 wide take 4 warps (16-32
+# elements a thread, more loads in flight each): chained at 8192 x 4096 bf16 34.8-35.1 us against
+# 35.9-36.4 for 8 warps and 40.5-40.9 for 16 (3.85 TB/s against a copy's 3.96), at 8192 x 2048
+# 18.9 against 20.0 (kernel_configs' rms_wide group, H200s). Backward at 4096 was level from 4 to
+# 16 warps.
+FWD_WARPS = {2048: 4, 8192: 16}
 BWD_WARPS = {2048: 8, 8192: 16}
 # Backward programs per SM, with BWD_STAGES below: 2 per SM with a 4-stage row loop was the best
 # of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against

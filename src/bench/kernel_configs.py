@@ -255,6 +255,8 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
             for warps, rows_ in [(8, 1), (4, 1), (2, 1), (16, 1), (4, 2), (8, 2)]:
                 rn.FWD_WARPS, rn.FWD_ROWS = {**fwd, width: warps}, rows_
                 record("rms_norm_fwd", f"fwd_warps@{width}={warps} fwd_rows={rows_}", "rms_norm_fwd", [8192, width])
+                if width == 2048 and rows_ == 1:
+                    record("add_rms_norm_fwd", f"fwd_warps@{width}={warps} fwd_rows={rows_}", "add_rms_norm_fwd", [8192, width])
         rn.FWD_WARPS, rn.FWD_ROWS = fwd, saved[0]
         for warps, programs, stages in [(8, 2, 4), (16, 2, 4), (8, 1, 4), (16, 1, 4), (8, 3, 3), (8, 2, 3), (8, 2, 2), (16, 1, 6), (4, 4, 2), (4, 2, 4)]:
             rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = {**bwd, 4096: warps}, programs, stages
