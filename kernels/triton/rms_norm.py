@@ -105,9 +105,11 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
 # row's block width, and backward programs per SM. Forward rows up to 4096 wide take 4 warps (16-32
 # elements a thread, more loads in flight each): chained at 8192 x 4096 bf16 34.8-35.1 us against
 # 35.9-36.4 for 8 warps and 40.5-40.9 for 16 (3.85 TB/s against a copy's 3.96), at 8192 x 2048
-# 18.9 against 20.0 (kernel_configs' rms_wide group, H200s). Backward at 4096 was level from 4 to
-# 16 warps.
+# 18.9-19.0 against 20.0-20.1 (kernel_configs' rms_wide group, three H200s). With the residual
+# (two tiles loaded a row) 8 warps stay: 35.0 us chained at 8192 x 2048 against 35.3 for 4, 38.2
+# against 39.2 after a flush. Backward at 4096 was level from 4 to 16 warps.
 FWD_WARPS = {2048: 4, 8192: 16}
+FWD_RESIDUAL_WARPS = {2048: 8, 8192: 16}
 BWD_WARPS = {2048: 8, 8192: 16}
 # Backward programs per SM, with BWD_STAGES below: 2 per SM with a 4-stage row loop was the best
 # of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against
@@ -181,7 +183,7 @@ def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc
     programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
     loads = 2 if residual else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
     stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * element_size, index)
-    meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_WARPS), **pdl.launch_options(gdc))
+    meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_RESIDUAL_WARPS if residual else FWD_WARPS), **pdl.launch_options(gdc))
     return (programs,), meta, meta_key(meta)
 
 
@@ -206,7 +208,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     s = torch.empty_like(x2) if residual is not None else x2
     index = device_index(x)
     gdc = pdl.use_gdc(x)
-    grid, meta, key = _plan((M, N, x2.dtype, index, residual is not None, gdc, FWD_ROWS, FWD_PROGRAMS_PER_SM, FWD_STAGES, tuple(FWD_WARPS.items())),
+    grid, meta, key = _plan((M, N, x2.dtype, index, residual is not None, gdc, FWD_ROWS, FWD_PROGRAMS_PER_SM, FWD_STAGES, tuple(FWD_WARPS.items()), tuple(FWD_RESIDUAL_WARPS.items())),
                             lambda: _fwd_plan(M, N, x2.element_size(), index, residual is not None, gdc))
     _launch_fwd.launch(grid, (x2, r2, s, weight, y, rstd, stride_x, stride_r, N if residual is not None else stride_x, N, M, N, eps), meta, key)
     return as_shape(y, shape), rstd, (as_shape(s, shape) if residual is not None else None)

@@ -206,7 +206,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
                                   ("rms_norm_fwd", [8192, 2048]), ("softmax", [8192, 4096]), ("cross_entropy", [8192, 32000])]:
                     record(op.removesuffix("_fwd"), f"pdl={enabled}", op, shape)
         pdl.ENABLED = saved_pdl
-    fwd, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
+    fwd, fwd_residual, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.FWD_RESIDUAL_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
     if "rms_stages" in groups:  # backward's row loop software-pipelined: the next rows' loads in flight
         saved_stages = rn.BWD_STAGES
         for stages, programs in [(4, 2), (1, 4), (3, 2), (5, 2), (6, 2), (4, 3), (5, 3)]:
@@ -232,12 +232,13 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
                                         (1, 2, 4, 8), (1, 4, 4, 8), (1, 2, 2, 16), (1, 4, 2, 16), (1, 8, 1, 16), (1, 4, 1, 16)]:
             rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = fr, br, programs
             rn.FWD_WARPS, rn.BWD_WARPS = {2048: warps, 8192: 16}, {2048: warps, 8192: 16}
+            rn.FWD_RESIDUAL_WARPS = rn.FWD_WARPS
             setting = f"fwd_rows={fr} bwd_rows={br} bwd_programs_per_sm={programs} warps={warps}"
             record("rms_norm", setting, "rms_norm", [8192, 2048])
             record("add_rms_norm", setting, "add_rms_norm", [8192, 2048])
             record("rms_norm_fwd", setting, "rms_norm_fwd", [8192, 2048])
         rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = *saved_rows, per_sm
-        rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
+        rn.FWD_WARPS, rn.FWD_RESIDUAL_WARPS, rn.BWD_WARPS = fwd, fwd_residual, bwd
     if "rms_parts" in groups:  # what backward's dw launch costs: the same forward + backward with it left out (dw then wrong)
         class _Skipped:
             def launch(self, *args) -> None:
@@ -256,7 +257,9 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
                 rn.FWD_WARPS, rn.FWD_ROWS = {**fwd, width: warps}, rows_
                 record("rms_norm_fwd", f"fwd_warps@{width}={warps} fwd_rows={rows_}", "rms_norm_fwd", [8192, width])
                 if width == 2048 and rows_ == 1:
-                    record("add_rms_norm_fwd", f"fwd_warps@{width}={warps} fwd_rows={rows_}", "add_rms_norm_fwd", [8192, width])
+                    rn.FWD_RESIDUAL_WARPS = {**fwd_residual, width: warps}
+                    record("add_rms_norm_fwd", f"fwd_residual_warps@{width}={warps}", "add_rms_norm_fwd", [8192, width])
+                    rn.FWD_RESIDUAL_WARPS = fwd_residual
         rn.FWD_WARPS, rn.FWD_ROWS = fwd, saved[0]
         for warps, programs, stages in [(8, 2, 4), (16, 2, 4), (8, 1, 4), (16, 1, 4), (8, 3, 3), (8, 2, 3), (8, 2, 2), (16, 1, 6), (4, 4, 2), (4, 2, 4)]:
             rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = {**bwd, 4096: warps}, programs, stages
@@ -265,9 +268,10 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     for fw in (2, 4, 8, 16) if "rms_norm" in groups else ():
         for bw in (4, 8, 16):
             rn.FWD_WARPS, rn.BWD_WARPS = {2048: fw, 8192: fw}, {2048: bw, 8192: bw}
+            rn.FWD_RESIDUAL_WARPS = rn.FWD_WARPS
             record("rms_norm", f"fwd_warps={fw} bwd_warps={bw}", "rms_norm", [8192, 2048])
             record("add_rms_norm", f"fwd_warps={fw} bwd_warps={bw}", "add_rms_norm", [8192, 2048])
-    rn.FWD_WARPS, rn.BWD_WARPS = fwd, bwd
+    rn.FWD_WARPS, rn.FWD_RESIDUAL_WARPS, rn.BWD_WARPS = fwd, fwd_residual, bwd
     for programs in (1, 2, 4, 8) if "rms_norm" in groups else ():
         rn.BWD_PROGRAMS_PER_SM = programs
         record("rms_norm", f"bwd_programs_per_sm={programs}", "rms_norm", [8192, 2048])
