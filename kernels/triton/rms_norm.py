@@ -104,10 +104,10 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
 # Launch settings (src/bench/kernel_configs.py sweeps them on a GPU): warps per row program by the
 # row's block width, and backward programs per SM. Forward rows up to 4096 wide take 4 warps (16-32
 # elements a thread, more loads in flight each): chained at 8192 x 4096 bf16 34.8-35.1 us against
-# 35.9-36.4 for 8 warps and 40.5-40.9 for 16 (3.85 TB/s against a copy's 3.96), at 8192 x 2048
-# 18.9-19.0 against 20.0-20.1 (kernel_configs' rms_wide group, three H200s). With the residual
-# (two tiles loaded a row) 8 warps stay: 35.0 us chained at 8192 x 2048 against 35.3 for 4, 38.2
-# against 39.2 after a flush. Backward at 4096 was level from 4 to 16 warps.
+# 35.9-36.4 for 8 warps and 40.5-40.9 for 16 (3.85 TB/s against a copy's 3.96; four H200s), at
+# 8192 x 2048 18.9-19.0 against 20.0-20.1 (two H200s; kernel_configs' rms_wide group). With the
+# residual (two tiles loaded a row) 8 warps stay: 35.0 us chained at 8192 x 2048 against 35.3 for
+# 4, 38.2 against 39.2 after a flush. Backward at 4096 was level from 4 to 16 warps.
 FWD_WARPS = {2048: 4, 8192: 16}
 FWD_RESIDUAL_WARPS = {2048: 8, 8192: 16}
 BWD_WARPS = {2048: 8, 8192: 16}
