@@ -146,8 +146,8 @@ def _block(n: int) -> int:
 
 
 def _warps(block: int, table: dict[int, int]) -> int:
-    """The warps for the widest block in `table` not wider than `block` (4 below them all). By
-    default 8 warps from 2048 columns up, 16 from 8192: enough loads in flight per row (Liger's)."""
+    """The warps for the widest block in `table` not wider than `block` (4 below them all): enough
+    loads in flight per row, the tables above say how many by width."""
     widest, warps = 0, 4
     for b, w in table.items():  # a loop, not max(..., default=): Dynamo traces this inside compiled blocks
         if widest < b <= block:

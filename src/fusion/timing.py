@@ -5,9 +5,9 @@ On CUDA, triton.testing.do_bench: CUDA events around each call, the L2 flushed b
 (Triton's interpreter included, where times say nothing about a GPU) wall-clock medians.
 
 do_bench's flush is a write, so each timed call starts with L2 full of the flush's dirty lines and
-pays for writing them back (up to the L2's 50-60 MB on an H100/H200, ~12 us at 4.25 TB/s) beside its
-own bytes: a 168 MB copy reads 3.05 TB/s that way. `chain_ms` times the other case, the one a step
-has: the op called on distinct inputs back to back, each call finding L2 as the previous call left it.
+pays for writing some of them back beside its own bytes: copies of 168 MB read 3.0 TB/s that way on
+an H200 and 3.2-3.3 chained (docs/PERFORMANCE.md 5i). `chain_ms` times the case a step has: the op
+called on distinct inputs back to back, each call finding L2 as the previous call left it.
 """
 from __future__ import annotations
 
