@@ -52,28 +52,29 @@ def _experiment_runs(url: str, name: str):
 
 
 def test_a_submitit_local_sweep_on_the_postgres_server_finishes_its_jobs_and_records_a_dead_one(tmp_path: Path, team_server: TeamServer):
-    """2x2 jobs in parallel, each a submitit job; the `kill` ones SIGKILL their own process at step
-    0, as a scheduler's time limit or the OOM killer would: recorded FAILED, and the sweep goes on."""
+    """Two jobs in parallel, each a submitit job; the `kill` one SIGKILLs its own process at step 0,
+    as a scheduler's time limit or the OOM killer would: recorded FAILED, and the sweep goes on.
+    (Two jobs, not a 2x2 grid: tests/test_sweeps.py covers grids, and four jobs' start-ups on two
+    cores made this the suite's slowest test, 140 s.)"""
     work = tmp_path / "work"
     work.mkdir()
-    args = ["-m", "hydra/launcher=submitit_local", "precision=fp32,bf16", "fault.kind=none,kill", "fault.step=0", *FAST,
+    args = ["-m", "hydra/launcher=submitit_local", "precision=fp32", "fault.kind=none,kill", "fault.step=0", *FAST,
             f"tracking.uri={team_server.url}", "tracking.experiment=submitit"]
     proc = run_cli(args, cwd=work, timeout=400)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the sweep ended, and says jobs failed
     client, runs = _experiment_runs(team_server.url, "submitit")
     (parent,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
-    children = {(r.data.params["precision.name"], r.data.params["fault.kind"]): r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert len(children) == 4 and len(runs) == 5
-    for precision in ("fp32", "bf16"):
-        finished, dead = children[(precision, "none")], children[(precision, "kill")]
-        assert finished.info.status == "FINISHED" and finished.info.run_name == f"precision={precision} fault.kind=none"
-        assert dead.info.status == "FAILED" and "died without a result" in dead.data.tags["error"]
-    assert parent.info.status == "FINISHED" and parent.data.tags["jobs"] == "2 finished, 2 failed"
+    children = {r.data.params["fault.kind"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert len(children) == 2 and len(runs) == 3
+    finished, dead = children["none"], children["kill"]
+    assert finished.info.status == "FINISHED" and finished.info.run_name == "fault.kind=none"
+    assert dead.info.status == "FAILED" and "died without a result" in dead.data.tags["error"]
+    assert parent.info.status == "FINISHED" and parent.data.tags["jobs"] == "1 finished, 1 failed"
     (sweep_dir,) = work.glob("multirun/*/*")
-    assert sorted(p.name for p in sweep_dir.iterdir() if p.name.isdigit()) == ["0", "1", "2", "3"]
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.name.isdigit()) == ["0", "1"]
     assert any(sweep_dir.glob(".submitit/*/*_submitted.pkl"))  # submitit ran the jobs
     # proxied artifacts: stored through the server in its own folder, fetched back through it
-    run = children[("fp32", "none")]
+    run = finished
     assert run.info.artifact_uri.startswith("mlflow-artifacts:/")
     job_dir = next(d for d in sweep_dir.iterdir() if (d / "summary.json").exists() and json.loads((d / "summary.json").read_text()).get("mlflow_run_id") == run.info.run_id)
     fetched = download_artifacts(run_id=run.info.run_id, artifact_path="summary.json", tracking_uri=team_server.url, dst_path=str(tmp_path / "back"))
