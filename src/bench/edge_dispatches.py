@@ -50,7 +50,7 @@ def profile(module: Path, calls: int, flags: list[str], work: Path) -> list[dict
     from src.dtypes import torch_dtype
     from src.edge.compile import load_artifacts
     from src.edge.params import write_params
-    from src.edge.runtime import LAVAPIPE, run_tool, vulkan_device_names
+    from src.edge.runtime import on_lavapipe, run_tool
     from src.edge.task import reference_model
 
     art = load_artifacts(module)
@@ -66,8 +66,7 @@ def profile(module: Path, calls: int, flags: list[str], work: Path) -> list[dict
     cmd = [_tool("iree-benchmark-module"), f"--module={module / 'module.vmfb'}", f"--parameters=model={params}", "--device=vulkan",
            "--function=decode", f"--input={batch}xi32={tokens}", f"--input=1xi32={m['prompt_len']}", f"--benchmark_min_time={calls}x",
            "--device_profiling_mode=dispatch-events", f"--device_profiling_output={capture}", *flags]
-    lavapipe = any(LAVAPIPE in name for name in vulkan_device_names())
-    proc = run_tool(cmd, lavapipe, timeout=300)
+    proc = run_tool(cmd, on_lavapipe(), timeout=300)
     if proc.returncode or not capture.is_file():
         raise RuntimeError(f"iree-benchmark-module failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
     stats = subprocess.run([_tool("iree-profile"), "statistics", str(capture)], capture_output=True, text=True, timeout=120)

@@ -203,7 +203,7 @@ class IreeRunner:
         if flags:  # runtime flags (`--vulkan_tracing=false`): read when the process's device is made
             rt.flags.parse_flags(*flags)
         # by name only: vulkan_devices() would run `vulkaninfo` again, which the task already ran
-        lavapipe = driver == "vulkan" and any(LAVAPIPE in name for name in vulkan_device_names())
+        lavapipe = driver == "vulkan" and on_lavapipe()
         for attempt in range(LAVAPIPE_TRIES if lavapipe else 1):
             # the process's shared device first; after a loss, a device of this runner's own
             self.config = rt.Config(driver) if attempt == 0 else rt.Config(device=_new_device(rt, driver))
@@ -379,6 +379,11 @@ def vulkan_device_names() -> list[str]:
         return [d["name"] for d in rt.get_driver("vulkan").query_available_devices()]
     except RuntimeError:
         return []
+
+
+def on_lavapipe() -> bool:
+    """Whether IREE's Vulkan devices include Mesa's lavapipe (LAVAPIPE in the name)."""
+    return any(LAVAPIPE in name for name in vulkan_device_names())
 
 
 def vulkan_devices() -> list[dict[str, Any]]:

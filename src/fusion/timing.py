@@ -106,10 +106,16 @@ def graph_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 
     no host path between them. None off CUDA; raises where `fn` cannot be captured (a host sync)."""
     if device.type != "cuda":
         return None
+    return median_ms(_captured(fn, device, 3, grad_to_none).replay, device, warmup_ms, rep_ms)
+
+
+def _captured(fn: Callable[[], object], device: torch.device, warmups: int, grad_to_none: Sequence[torch.Tensor] = ()) -> torch.cuda.CUDAGraph:
+    """`fn` captured once into a CUDA graph, after `warmups` calls on a side stream off the capture
+    (compilation, allocator, autotuning), each with `grad_to_none`'s gradients reset."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up off the capture: compilation, allocator, autotuning
-        for _ in range(3):
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
             for t in grad_to_none:
                 t.grad = None
             fn()
@@ -119,7 +125,7 @@ def graph_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return median_ms(graph.replay, device, warmup_ms, rep_ms)
+    return graph
 
 
 # chain_ms: the ring of input sets moves at least CHAIN_L2_MULTIPLE times the L2's bytes per pass, so
@@ -149,14 +155,7 @@ def chain_ms(make_run: Callable[[], Callable[[], object]], device: torch.device,
         for run in runs:
             run()
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up off the capture: compilation, allocator, autotuning
-        chain()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
+    graph = _captured(chain, device, 1)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
