@@ -1,0 +1,251 @@
+"""Streaming floors under the fused RMSNorm: kernels that move exactly its bytes, in its launch
+shapes, with less of its arithmetic, timed beside its own forward and backward.
+
+    python -m src.bench.row_floors [--widths 2048 4096] [--rows 8192] [--once]
+
+A torch copy of an op's bytes (src/bench/kernel_configs.py's copy group) is one reference, but a
+different launch: at 32 MB a torch copy chained streams at 2.5 TB/s where the norm's forward
+reaches 3.5, so it bounds nothing. These kernels share the norm's grids, warps and pipelining and
+drop one piece of work at a time, so what each piece costs reads off the difference:
+
+- forward bytes (read x, write y), one program a row as the forward: `y = x * w`, no row sum;
+- backward bytes (read x and dy, write dx): one program a row (no dw possible: a partial a row
+  would be rows x N of fp32), and the backward's persistent grid (2 programs an SM, a 4-stage row
+  loop) with no row sum and no dw, then with the dw partials accumulated and stored, then
+  RMSNorm's own backward kernel (row sum and dw partials) without and with the dw launch.
+
+Each row is timed replayed from a CUDA graph after do_bench's L2 flush and chained over distinct
+inputs (src/fusion/timing.py), and reported as TB/s of the bytes it must move. `--once` runs each
+kernel once at each width and prints nothing: the workload for `ncu -k regex:_stream|_rms_norm`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from src.fusion.timing import chain_ms, graph_ms
+
+
+@triton.jit
+def _stream_rows(X, W, Y, N, BLOCK: tl.constexpr):
+    """One program a row, as the norm's forward: y = x * w, no statistics."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (x * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stream_rows2(X, DY, W, DX, N, BLOCK: tl.constexpr):
+    """One program a row with backward's bytes: dx = x * dy * w."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + row * N + cols, (x * dy * w).to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stream_persistent(X, DY, W, DX, DW_PARTIAL, M, N, rows_per_program, BLOCK: tl.constexpr, STAGES: tl.constexpr, DW: tl.constexpr):
+    """Backward's grid and row loop (rows_per_program consecutive rows, STAGES-deep tl.range)
+    with backward's bytes: dx = x * dy * w, and with DW the fp32 partial sum of dy * x stored once."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    start = (pid * rows_per_program).to(tl.int64)  # int64 before the stride multiply
+    for i in tl.range(0, tl.minimum(rows_per_program, M - start), num_stages=STAGES):
+        offs = (start + i) * N + cols
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, (x * dy * w).to(DX.dtype.element_ty), mask=mask)
+        if DW:
+            acc += dy * x
+    if DW:
+        tl.store(DW_PARTIAL + pid * N + cols, acc, mask=mask)
+
+
+@triton.jit
+def _stream_slots(X, DY, W, DX, DW_PARTIAL, TICKETS, M, N, rows_per_program, SLOTS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Backward's bytes in blocks of rows_per_program rows, as many blocks as that takes (the
+    hardware hands them out, no static share a program), each adding its dw partial into slot
+    pid % SLOTS in block order: block b waits until the slot's ticket reads b // SLOTS, adds, and
+    moves the ticket on (the chain's last block sets it back to 0 for the next call). The order of
+    the sums is fixed, so dw is deterministic; the slots stay in L2 between their blocks."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    start = (pid * rows_per_program).to(tl.int64)
+    for i in tl.range(0, tl.minimum(rows_per_program, M - start), num_stages=STAGES):
+        offs = (start + i) * N + cols
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, (x * dy * w).to(DX.dtype.element_ty), mask=mask)
+        acc += dy * x
+    slot = pid % SLOTS
+    turn = pid // SLOTS
+    while tl.atomic_add(TICKETS + slot, 0) != turn:
+        pass
+    tl.debug_barrier()
+    if turn > 0:
+        acc += tl.load(DW_PARTIAL + slot * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(DW_PARTIAL + slot * N + cols, acc, mask=mask)
+    tl.debug_barrier()
+    last = pid + SLOTS >= tl.num_programs(0)
+    tl.atomic_xchg(TICKETS + slot, tl.where(last, 0, turn + 1))
+
+
+def _rows_settings(N: int) -> tuple[int, int, int, int]:
+    """(block, forward warps, backward warps, backward stages) as RMSNorm takes them at width N."""
+    import kernels.triton.rms_norm as rn
+    from kernels.triton.device import pipeline_stages
+
+    block = rn._block(N)
+    index = torch.cuda.current_device()
+    return block, rn._warps(block, rn.FWD_WARPS), rn._warps(block, rn.BWD_WARPS), pipeline_stages(rn.BWD_STAGES, 2 * block * 2, index)
+
+
+def cases(M: int, N: int) -> list[tuple[str, int, object]]:
+    """(name, bytes it must move, make_run) for each kernel at M x N bf16; make_run builds one call
+    on fresh tensors (chain_ms builds several)."""
+    import kernels.triton.rms_norm as rn
+    from kernels.triton.device import sm_count
+
+    device = torch.device("cuda")
+    block, fwd_warps, bwd_warps, stages = _rows_settings(N)
+    programs = min(M, sm_count(torch.cuda.current_device()) * rn.BWD_PROGRAMS_PER_SM)
+    per_program = triton.cdiv(M, programs)
+    row_bytes = M * N * 2
+    fwd_bytes, bwd_bytes = 2 * row_bytes + 2 * N, 3 * row_bytes + 2 * N  # + w read (and dw written)
+
+    def tensors(n: int) -> list[torch.Tensor]:
+        return [torch.randn(M, N, device=device, dtype=torch.bfloat16) for _ in range(n)]
+
+    def make_fwd_floor():
+        x, y = tensors(2)
+        w = torch.randn(N, device=device, dtype=torch.bfloat16)
+        return lambda: _stream_rows[(M,)](x, w, y, N, BLOCK=block, num_warps=fwd_warps)
+
+    def make_fwd():
+        (x,) = tensors(1)
+        w = torch.randn(N, device=device, dtype=torch.bfloat16)
+        return lambda: rn.rms_norm_forward(x, w, 1e-6)
+
+    def make_bwd_rows():
+        x, dy, dx = tensors(3)
+        w = torch.randn(N, device=device, dtype=torch.bfloat16)
+        return lambda: _stream_rows2[(M,)](x, dy, w, dx, N, BLOCK=block, num_warps=bwd_warps)
+
+    def make_persistent(dw: bool):
+        def make():
+            x, dy, dx = tensors(3)
+            w = torch.randn(N, device=device, dtype=torch.bfloat16)
+            partial = torch.empty(programs, N, device=device, dtype=torch.float32)
+            return lambda: _stream_persistent[(programs,)](x, dy, w, dx, partial, M, N, per_program, BLOCK=block, STAGES=stages, DW=dw, num_warps=bwd_warps)
+        return make
+
+    def make_blocks(rows_per_block: int, warps: int):
+        def make():
+            x, dy, dx = tensors(3)
+            w = torch.randn(N, device=device, dtype=torch.bfloat16)
+            blocks = triton.cdiv(M, rows_per_block)
+            partial = torch.empty(blocks, N, device=device, dtype=torch.float32)
+            return lambda: _stream_persistent[(blocks,)](x, dy, w, dx, partial, M, N, rows_per_block, BLOCK=block, STAGES=stages, DW=True, num_warps=warps)
+        return make
+
+    def make_slots(rows_per_block: int, warps: int):
+        def make():
+            x, dy, dx = tensors(3)
+            w = torch.randn(N, device=device, dtype=torch.bfloat16)
+            partial = torch.empty(programs, N, device=device, dtype=torch.float32)
+            tickets = torch.zeros(programs, device=device, dtype=torch.int32)
+            blocks = triton.cdiv(M, rows_per_block)
+            return lambda: _stream_slots[(blocks,)](x, dy, w, dx, partial, tickets, M, N, rows_per_block, SLOTS=programs, BLOCK=block, STAGES=stages, num_warps=warps)
+        return make
+
+    def make_bwd(dw_launch: bool):
+        def make():
+            x, dy = tensors(2)
+            w = torch.randn(N, device=device, dtype=torch.bfloat16)
+            _, rstd, _ = rn.rms_norm_forward(x, w, 1e-6)
+            if dw_launch:
+                return lambda: rn.rms_norm_backward(dy, x, w, rstd)
+            skipped, shipped = _Skipped(), rn._launch_dw
+
+            def run():
+                rn._launch_dw = skipped
+                try:
+                    rn.rms_norm_backward(dy, x, w, rstd)
+                finally:
+                    rn._launch_dw = shipped
+            return run
+        return make
+
+    return [
+        ("fwd floor: one program a row, y = x * w", fwd_bytes, make_fwd_floor),
+        ("fwd: RMSNorm's forward", fwd_bytes + 4 * M, make_fwd),
+        ("bwd floor: one program a row, dx = x * dy * w", bwd_bytes, make_bwd_rows),
+        (f"bwd floor: backward's grid ({programs} programs, {stages} stages), no row sum, no dw", bwd_bytes, make_persistent(False)),
+        ("bwd floor: backward's grid, dw partials, no row sum", bwd_bytes + programs * N * 4, make_persistent(True)),
+        *[(f"bwd floor: blocks of {r} rows, {wp} warps, a dw partial each, no row sum", bwd_bytes + triton.cdiv(M, r) * N * 4, make_blocks(r, wp))
+          for r, wp in ((32, bwd_warps), (16, bwd_warps), (8, bwd_warps), (4, bwd_warps), (8, 4), (16, 4))],
+        *[(f"bwd floor: blocks of {r} rows, {wp} warps, dw into {programs} slots in order, no row sum", bwd_bytes + programs * N * 4, make_slots(r, wp))
+          for r, wp in ((16, bwd_warps), (8, bwd_warps), (4, bwd_warps), (8, 4))],
+        ("bwd: RMSNorm's backward kernel, dw launch left out", bwd_bytes + 4 * M + programs * N * 4, make_bwd(False)),
+        ("bwd: RMSNorm's backward, both launches", bwd_bytes + 4 * M, make_bwd(True)),
+    ]
+
+
+class _Skipped:
+    def launch(self, *args) -> None:
+        pass
+
+
+def measure(widths: tuple[int, ...], rows: int) -> list[dict]:
+    """Each case at each width, both timers; a row per case, printed as it is taken."""
+    device = torch.device("cuda")
+    out = []
+    for N in widths:
+        for name, nbytes, make in cases(rows, N):
+            run = make()
+            flushed = graph_ms(run, device)
+            chained = chain_ms(make, device, nbytes)
+            row = {"shape": f"{rows}x{N}", "kernel": name, "bytes": nbytes, "graph_ms": flushed, "tbs": nbytes / (flushed * 1e-3) / 1e12,
+                   "chain_ms": chained, "chain_tbs": nbytes / (chained * 1e-3) / 1e12}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--once", action="store_true", help="run each kernel once per width (a profiler's workload), time nothing")
+    args = ap.parse_args()
+    if args.once:
+        for N in args.widths:
+            for _, _, make in cases(args.rows, N):
+                make()()
+        torch.cuda.synchronize()
+        return
+    rows = measure(tuple(args.widths), args.rows)
+    print(f"\n{torch.cuda.get_device_name()}, bf16; TB/s of the bytes each kernel must move\n")
+    print("| shape | kernel | graph ms | TB/s | chain ms | chain TB/s |\n|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['kernel']} | {r['graph_ms']:.4f} | {r['tbs']:.2f} | {r['chain_ms']:.4f} | {r['chain_tbs']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
