@@ -78,40 +78,6 @@ def test_multi_row_tiles_match_torch(shape, rows, monkeypatch):
         torch.testing.assert_close(got.grad, want.grad, atol=atol * 10, rtol=rtol * 5)
 
 
-@pytest.mark.parametrize("rows_per_block", [1, 3, 8])
-@pytest.mark.parametrize("shape", [(5, 123), (3, 9, 257)], ids=lambda s: "x".join(map(str, s)))
-def test_backward_blocks_sum_dw_in_order_into_slots(shape, rows_per_block, monkeypatch):
-    """BWD_ROWS_PER_BLOCK > 0: blocks of rows handed out by the hardware, each adding its dw partial
-    into a slot in block order (2 slots on a CPU: chains of 1-14 blocks, a last block with fewer
-    rows). dx and dw match torch with and without the residual; dw is the same bits on a second
-    call; each launch leaves its tickets at 0."""
-    import kernels.triton.rms_norm as rn
-
-    monkeypatch.setattr(rn, "BWD_ROWS_PER_BLOCK", rows_per_block)
-    monkeypatch.setattr(rn, "BWD_PROGRAMS_PER_SM", 1)  # 2 slots on a CPU
-    monkeypatch.setattr(rn, "_tickets", {})
-    torch.manual_seed(3)
-    atol, rtol = TOLERANCE[torch.float32]
-    x, r, dy, ds = (torch.randn(shape, device=DEVICE) for _ in range(4))
-    w = torch.rand(shape[-1], device=DEVICE) + 0.5
-    grads = []
-    for _ in range(2):
-        leaves = [t.clone().requires_grad_() for t in (x, r, w)]
-        s, y = fused_add_rms_norm(*leaves, 1e-6)
-        torch.autograd.backward([s, y], [ds, dy])
-        (fused_rms_norm(leaves[0], leaves[2], 1e-6) * dy).sum().backward()
-        grads.append([t.grad for t in leaves])
-    ref_leaves = [t.clone().requires_grad_() for t in (x, r, w)]
-    ref_s = ref_leaves[0] + ref_leaves[1]
-    torch.autograd.backward([ref_s, _reference(ref_s, ref_leaves[2], 1e-6)], [ds, dy])
-    (_reference(ref_leaves[0], ref_leaves[2], 1e-6) * dy).sum().backward()
-    for name, got, want in zip("xrw", grads[0], ref_leaves):
-        torch.testing.assert_close(got, want.grad, atol=atol * 10, rtol=rtol * 5, msg=f"d{name}")
-    assert torch.equal(grads[0][2], grads[1][2]), "dw differs between two calls"
-    (tickets,) = rn._tickets.values()
-    assert not tickets.any(), "a launch left a ticket set"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(5, 123), (3, 7, 257)], ids=lambda s: "x".join(map(str, s)))
 def test_residual_add_and_norm_match_torch(shape, dtype):

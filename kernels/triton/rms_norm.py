@@ -57,18 +57,11 @@ def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M
 
 
 @triton.jit
-def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, TICKETS, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                  STAGES: tl.constexpr, SLOTS: tl.constexpr, USE_GDC: tl.constexpr):
+def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                  USE_GDC: tl.constexpr):
     """Each program walks its rows_per_program rows ROWS at a time (one (ROWS, BLOCK) tile, loads
-    in flight together). STAGES > 1 asks Triton's software pipeliner to issue the next rows' loads
-    while this row is reduced (tl.range num_stages).
-
-    dw: with SLOTS = 0 (a grid of programs that all fit at once) each program writes its own fp32
-    partial. With SLOTS > 0 the grid is as many blocks as the rows take, handed out by the hardware
-    as SMs free up, and block b adds its partial into slot b % SLOTS once the slot's ticket reads
-    b // SLOTS (block b - SLOTS has added), then moves the ticket on; the last block of a slot sets
-    it back to 0 for the next launch. The sums' order is fixed, so dw is deterministic. Blocks are
-    dispatched in index order, so the block waited for is already running or done."""
+    in flight together) and writes one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner
+    to issue the next rows' loads while this row is reduced (tl.range num_stages)."""
     gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -92,20 +85,7 @@ def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, TICKETS, stride_dy, stride
             dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
-    partial = tl.sum(dw, axis=0)
-    if SLOTS == 0:
-        tl.store(DW_PARTIAL + pid * N + cols, partial, mask=col_mask)
-    else:
-        slot = pid % SLOTS
-        turn = pid // SLOTS
-        while tl.atomic_add(TICKETS + slot, 0) != turn:  # acquire: block pid - SLOTS's sum is in L2
-            pass
-        tl.debug_barrier()
-        if turn > 0:
-            partial += tl.load(DW_PARTIAL + slot * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")  # L2, not a stale L1 line
-        tl.store(DW_PARTIAL + slot * N + cols, partial, mask=col_mask)
-        tl.debug_barrier()  # every thread's store issued before the release below
-        tl.atomic_xchg(TICKETS + slot, tl.where(pid + SLOTS >= tl.num_programs(0), 0, turn + 1))
+    tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
 
 
 @triton.jit
@@ -136,11 +116,6 @@ BWD_WARPS = {2048: 8, 8192: 16}
 # 65.0 for 4 per SM unpipelined, add+RMSNorm 80.8 against 90.9, 8192x4096 100 against 118; 3 stages
 # 1-8% behind); the dw partials stay small (programs x N fp32).
 BWD_PROGRAMS_PER_SM = 2
-# Backward rows per block: 0 runs BWD_PROGRAMS_PER_SM programs an SM over equal shares of the rows
-# (each SM's share fixed at launch: those that finish early idle until the slowest is done); N > 0
-# launches blocks of N rows that the hardware hands to SMs as they free up, their dw partials summed
-# in block order into sm_count x BWD_PROGRAMS_PER_SM slots (the kernel's docstring).
-BWD_ROWS_PER_BLOCK = 0
 # Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
 # flight per program; src/bench/kernel_configs.py sweeps 2 and 4 against it.
 FWD_ROWS = 1
@@ -213,37 +188,14 @@ def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc
 
 
 def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: bool) -> tuple:
-    """(dw partial rows, slots (0: none), rows a program, backward grid/meta/meta key, dw grid/meta/meta key)."""
+    """(programs, rows a program, backward grid/meta/meta key, dw grid/meta/meta key)."""
     programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
-    if BWD_ROWS_PER_BLOCK:
-        rows_per_program = BWD_ROWS_PER_BLOCK
-        grid = triton.cdiv(M, rows_per_program)
-        partials = slots = min(grid, programs)
-    else:
-        rows_per_program = math.ceil(M / programs)
-        grid, partials, slots = programs, programs, 0
     block = _block(N)
     loads = 3 if has_ds else 2  # x, dy (and ds): what each pipelined stage buffers
     stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * element_size, index)
-    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, SLOTS=slots, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc))
-    dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(partials)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
-    return (partials, slots, rows_per_program, (grid,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
-
-
-# The slots' tickets, one zeroed int32 buffer per device and stream, made once: each launch leaves
-# its tickets at 0 (the kernel's last blocks reset them), so no launch pays a memset. Per stream,
-# because two launches on two streams at once would share tickets.
-_tickets: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _tickets_for(device: torch.device, index: int, slots: int) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # Dynamo traces a fresh zeroed buffer, not a global cache's mutation
-        return torch.zeros(slots, dtype=torch.int32, device=device)
-    key = (index, torch._C._cuda_getCurrentRawStream(index) if index >= 0 else 0)
-    tickets = _tickets.get(key)
-    if tickets is None or tickets.numel() < slots:
-        tickets = _tickets[key] = torch.zeros(max(slots, 1024), dtype=torch.int32, device=device)
-    return tickets
+    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc))
+    dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
+    return (programs, math.ceil(M / programs), (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -272,14 +224,13 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dx = torch.empty_like(x2)  # contiguous (rows.py): rows N apart
     index = device_index(x)
     gdc = pdl.use_gdc(x)
-    partials, slots, rows_per_program, grid, meta, key, dw_grid, dw_meta, dw_key = _plan(
-        (M, N, x2.dtype, index, ds is not None, gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, BWD_ROWS_PER_BLOCK, DW_BLOCK_P, DW_BLOCK_N, tuple(BWD_WARPS.items())),
+    programs, rows_per_program, grid, meta, key, dw_grid, dw_meta, dw_key = _plan(
+        (M, N, x2.dtype, index, ds is not None, gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, DW_BLOCK_P, DW_BLOCK_N, tuple(BWD_WARPS.items())),
         lambda: _bwd_plan(M, N, x2.element_size(), index, ds is not None, gdc))
-    dw_partial = torch.empty((partials, N), dtype=torch.float32, device=x.device)
-    tickets = _tickets_for(x.device, index, slots) if slots else rstd  # rstd: a placeholder pointer the kernel never reads
-    _launch_bwd.launch(grid, (dy2, ds2, x2, weight, rstd, dx, dw_partial, tickets, stride_dy, stride_ds, stride_x, N, M, N, rows_per_program), meta, key)
+    dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    _launch_bwd.launch(grid, (dy2, ds2, x2, weight, rstd, dx, dw_partial, stride_dy, stride_ds, stride_x, N, M, N, rows_per_program), meta, key)
     dw = torch.empty_like(weight)
-    _launch_dw.launch(dw_grid, (dw_partial, dw, partials, N), dw_meta, dw_key)
+    _launch_dw.launch(dw_grid, (dw_partial, dw, programs, N), dw_meta, dw_key)
     return as_shape(dx, shape), dw
 
 

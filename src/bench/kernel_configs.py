@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_parts rms_slots rms_stages rms_wide softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_parts rms_stages rms_wide softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays) and as a chain over distinct inputs (L2 as the previous call left it, as in a step), so
@@ -43,7 +43,7 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
             "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_parts", "rms_slots", "rms_stages", "rms_wide", "softmax")
+GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_parts", "rms_stages", "rms_wide", "softmax")
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -250,15 +250,6 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
                 rn._launch_dw = _Skipped() if skip else dw_launch
                 record("rms_norm", "dw launch left out (measurement only)" if skip else "as shipped", "rms_norm", shape)
         rn._launch_dw = dw_launch
-    if "rms_slots" in groups:  # backward's rows as a fixed share per program, or as blocks handed out by the hardware (dw summed in order into slots)
-        saved_block = rn.BWD_ROWS_PER_BLOCK
-        for _ in range(2):  # twice, alternating: machines drift by more than some of these differences
-            for rows_per_block in (0, 32, 16, 8, 4):
-                rn.BWD_ROWS_PER_BLOCK = rows_per_block
-                setting = f"bwd_rows_per_block={rows_per_block}" if rows_per_block else "bwd: a share of the rows a program (as shipped)"
-                for op, shape in [("rms_norm", [8192, 2048]), ("add_rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096])]:
-                    record(op, setting, op, shape)
-        rn.BWD_ROWS_PER_BLOCK = saved_block
     if "rms_wide" in groups:  # forward warps at 2048 and 4096, and 4096-wide rows' (LLaMA-7B's width) own backward grid
         saved = rn.FWD_ROWS, rn.BWD_STAGES
         for width in (2048, 4096):  # the forward alone, by warps at each width (the other widths' warps as shipped)

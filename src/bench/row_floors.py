@@ -12,10 +12,14 @@ drop one piece of work at a time, so what each piece costs reads off the differe
 - backward bytes (read x and dy, write dx): one program a row (no dw possible: a partial a row
   would be rows x N of fp32), and the backward's persistent grid (2 programs an SM, a 4-stage row
   loop) with no row sum and no dw, then with the dw partials accumulated and stored, then
-  RMSNorm's own backward kernel (row sum and dw partials) without and with the dw launch.
+  RMSNorm's own backward kernel (row sum and dw partials) without and with the dw launch;
+- the same loop in blocks of 4-32 rows, as many blocks as the rows take, handed to SMs as they
+  free up (no fixed share a program, so no SM idles while the slowest finishes its share), a dw
+  partial a block: whether the backward's fixed shares cost it a ragged end.
 
 Each row is timed replayed from a CUDA graph after do_bench's L2 flush and chained over distinct
-inputs (src/fusion/timing.py), and reported as TB/s of the bytes it must move. `--once` runs each
+inputs (src/fusion/timing.py), and reported as TB/s of the bytes the norm must move
+(src/fusion/cases.py), whatever more a floor moves, so TB/s orders the rows as their times do. `--once` runs each
 kernel once at each width and prints nothing: the workload for `ncu -k regex:_stream|_rms_norm`.
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from src.fusion.cases import make_case
 from src.fusion.timing import chain_ms, graph_ms
 
 
@@ -74,38 +79,6 @@ def _stream_persistent(X, DY, W, DX, DW_PARTIAL, M, N, rows_per_program, BLOCK: 
         tl.store(DW_PARTIAL + pid * N + cols, acc, mask=mask)
 
 
-@triton.jit
-def _stream_slots(X, DY, W, DX, DW_PARTIAL, TICKETS, M, N, rows_per_program, SLOTS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Backward's bytes in blocks of rows_per_program rows, as many blocks as that takes (the
-    hardware hands them out, no static share a program), each adding its dw partial into slot
-    pid % SLOTS in block order: block b waits until the slot's ticket reads b // SLOTS, adds, and
-    moves the ticket on (the chain's last block sets it back to 0 for the next call). The order of
-    the sums is fixed, so dw is deterministic; the slots stay in L2 between their blocks."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    start = (pid * rows_per_program).to(tl.int64)
-    for i in tl.range(0, tl.minimum(rows_per_program, M - start), num_stages=STAGES):
-        offs = (start + i) * N + cols
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs, (x * dy * w).to(DX.dtype.element_ty), mask=mask)
-        acc += dy * x
-    slot = pid % SLOTS
-    turn = pid // SLOTS
-    while tl.atomic_add(TICKETS + slot, 0) != turn:
-        pass
-    tl.debug_barrier()
-    if turn > 0:
-        acc += tl.load(DW_PARTIAL + slot * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(DW_PARTIAL + slot * N + cols, acc, mask=mask)
-    tl.debug_barrier()
-    last = pid + SLOTS >= tl.num_programs(0)
-    tl.atomic_xchg(TICKETS + slot, tl.where(last, 0, turn + 1))
-
-
 def _rows_settings(N: int) -> tuple[int, int, int, int]:
     """(block, forward warps, backward warps, backward stages) as RMSNorm takes them at width N."""
     import kernels.triton.rms_norm as rn
@@ -126,8 +99,8 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
     block, fwd_warps, bwd_warps, stages = _rows_settings(N)
     programs = min(M, sm_count(torch.cuda.current_device()) * rn.BWD_PROGRAMS_PER_SM)
     per_program = triton.cdiv(M, programs)
-    row_bytes = M * N * 2
-    fwd_bytes, bwd_bytes = 2 * row_bytes + 2 * N, 3 * row_bytes + 2 * N  # + w read (and dw written)
+    case = make_case("rms_norm", [M, N])
+    fwd_bytes, bwd_bytes = case.bytes_fwd(2), case.bytes_bwd(2)
 
     def tensors(n: int) -> list[torch.Tensor]:
         return [torch.randn(M, N, device=device, dtype=torch.bfloat16) for _ in range(n)]
@@ -164,16 +137,6 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
             return lambda: _stream_persistent[(blocks,)](x, dy, w, dx, partial, M, N, rows_per_block, BLOCK=block, STAGES=stages, DW=True, num_warps=warps)
         return make
 
-    def make_slots(rows_per_block: int, warps: int):
-        def make():
-            x, dy, dx = tensors(3)
-            w = torch.randn(N, device=device, dtype=torch.bfloat16)
-            partial = torch.empty(programs, N, device=device, dtype=torch.float32)
-            tickets = torch.zeros(programs, device=device, dtype=torch.int32)
-            blocks = triton.cdiv(M, rows_per_block)
-            return lambda: _stream_slots[(blocks,)](x, dy, w, dx, partial, tickets, M, N, rows_per_block, SLOTS=programs, BLOCK=block, STAGES=stages, num_warps=warps)
-        return make
-
     def make_bwd(dw_launch: bool):
         def make():
             x, dy = tensors(2)
@@ -194,16 +157,14 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
 
     return [
         ("fwd floor: one program a row, y = x * w", fwd_bytes, make_fwd_floor),
-        ("fwd: RMSNorm's forward", fwd_bytes + 4 * M, make_fwd),
+        ("fwd: RMSNorm's forward", fwd_bytes, make_fwd),
         ("bwd floor: one program a row, dx = x * dy * w", bwd_bytes, make_bwd_rows),
         (f"bwd floor: backward's grid ({programs} programs, {stages} stages), no row sum, no dw", bwd_bytes, make_persistent(False)),
-        ("bwd floor: backward's grid, dw partials, no row sum", bwd_bytes + programs * N * 4, make_persistent(True)),
-        *[(f"bwd floor: blocks of {r} rows, {wp} warps, a dw partial each, no row sum", bwd_bytes + triton.cdiv(M, r) * N * 4, make_blocks(r, wp))
+        ("bwd floor: backward's grid, dw partials, no row sum", bwd_bytes, make_persistent(True)),
+        *[(f"bwd floor: blocks of {r} rows, {wp} warps, a dw partial each, no row sum", bwd_bytes, make_blocks(r, wp))
           for r, wp in ((32, bwd_warps), (16, bwd_warps), (8, bwd_warps), (4, bwd_warps), (8, 4), (16, 4))],
-        *[(f"bwd floor: blocks of {r} rows, {wp} warps, dw into {programs} slots in order, no row sum", bwd_bytes + programs * N * 4, make_slots(r, wp))
-          for r, wp in ((16, bwd_warps), (8, bwd_warps), (4, bwd_warps), (8, 4))],
-        ("bwd: RMSNorm's backward kernel, dw launch left out", bwd_bytes + 4 * M + programs * N * 4, make_bwd(False)),
-        ("bwd: RMSNorm's backward, both launches", bwd_bytes + 4 * M, make_bwd(True)),
+        ("bwd: RMSNorm's backward kernel, dw launch left out", bwd_bytes, make_bwd(False)),
+        ("bwd: RMSNorm's backward, both launches", bwd_bytes, make_bwd(True)),
     ]
 
 
