@@ -108,6 +108,44 @@ def test_kernels_launched_with_pdl_match_torch(op, monkeypatch):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs compute capability 9")
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("width", [2048, 4096])
+def test_rms_norm_dw_as_a_dependent_launch_gives_the_same_bits(op, width, monkeypatch):
+    """RMSNorm's dw launched as a PDL dependent of its backward (rms_norm.DW_DEPENDENT, PDL between
+    ops off): dw waits for every partial, so outputs and gradients equal the plain launches' bit for
+    bit, replayed from a CUDA graph too (where the dependency is a programmatic graph edge)."""
+    import kernels.triton.rms_norm as rn
+    from kernels.triton import pdl
+    from src.fusion.cases import make_case
+
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    case = make_case(op, [8191, width])
+    monkeypatch.setattr(rn, "DW_DEPENDENT", False)
+    plain, _ = _fused_fwd_bwd(op, case)
+    monkeypatch.setattr(rn, "DW_DEPENDENT", True)
+    dependent, _ = _fused_fwd_bwd(op, case)
+    for a, b in zip(plain, dependent):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+    x = torch.randn(8191, width, device="cuda", dtype=torch.bfloat16)
+    dy, w = torch.randn_like(x), torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
+    _, rstd, _ = rn.rms_norm_forward(x, w, 1e-6)
+    want = rn.rms_norm_backward(dy, x, w, rstd)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rn.rms_norm_backward(dy, x, w, rstd)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = rn.rms_norm_backward(dy, x, w, rstd)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("width", [3000, 4096, 8192, 16384, 65536])
 def test_rms_norm_backward_compiles_and_matches_torch_on_wide_rows(width, dtype):

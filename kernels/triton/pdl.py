@@ -12,11 +12,13 @@ may be placed as this one's programs retire. The launch passes `launch_pdl=True`
 rests on the waits alone: a kernel launched early still waits for the whole previous grid and its
 memory, so a neighbour that knows nothing of PDL (a cuBLAS GEMM) is ordered as without it.
 
-Off (`ENABLED = False`): src/bench/kernel_configs.py's pdl group, alternating off and on twice on
-an H200 (docs/PERFORMANCE.md 5b), found RMSNorm 8192x2048 forward + backward slower with it (55.4 ->
-66.0 us: the backward's resident programs, placed early, take the forward's slots) and the others
-level (add+RMSNorm, softmax, cross-entropy within 1%). Triton's interpreter has no griddepcontrol,
-so under TRITON_INTERPRET=1 it stays off whatever ENABLED says.
+Between ops it is off (`ENABLED = False`): src/bench/kernel_configs.py's pdl group, alternating off
+and on twice on an H200 (docs/PERFORMANCE.md 5b, 5j), found RMSNorm 8192x2048 forward + backward
+slower with it (55.4 -> 66.0 us after an L2 flush, 48.9 -> 56.7 chained: the backward's persistent
+programs, placed early as the forward's retire, land unevenly over the SMs) and the others within
+1%. Inside one op, a launch that always follows another (RMSNorm's dw after its backward) can be a
+dependent on its own: `available` says whether the device can. Triton's interpreter has no
+griddepcontrol, so under TRITON_INTERPRET=1 neither is used.
 
 Kernels call `gdc_prologue` by its own name (`from kernels.triton.pdl import gdc_prologue`), never
 as `pdl.gdc_prologue`: under torch.compile Inductor copies a user kernel's source into a module of
@@ -36,12 +38,20 @@ from kernels.triton.device import compute_major, device_index
 ENABLED = False
 
 
+def available(t: torch.Tensor) -> bool:
+    """Whether t's device can launch with PDL: a CUDA tensor on compute capability >= 9, and not
+    Triton's interpreter (which has no griddepcontrol, whatever the tensor's device)."""
+    return t.is_cuda and _available_on(device_index(t))
+
+
+@torch.compiler.assume_constant_result  # a constant to Dynamo, as device.py's answers are
+def _available_on(index: int) -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1" and compute_major(index) >= 9
+
+
 def use_gdc(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with PDL: ENABLED, a CUDA tensor on compute capability
-    >= 9, and not Triton's interpreter (which has no griddepcontrol, whatever the tensor's device)."""
-    if not (ENABLED and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return compute_major(device_index(t)) >= 9
+    """Whether kernels on t's device launch with PDL: ENABLED and available(t)."""
+    return ENABLED and available(t)
 
 
 @triton.jit

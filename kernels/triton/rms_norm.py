@@ -133,6 +133,13 @@ BWD_STAGES = 4
 # 16.6 for torch's sum + cast, 9.4 for 128 x 16 and 12.1 for 64 x 32 (kernel_configs' rms_dw group,
 # one H200): many narrow programs, each with all its loads in flight at once, beat a few wide ones.
 DW_BLOCK_P, DW_BLOCK_N = 512, 16
+# The dw launch as a PDL dependent of the backward launch before it, whatever pdl.ENABLED says: the
+# two are always adjacent in the stream, so dw's programs can be placed while backward runs and
+# start summing as soon as its partials land. Only dw is launched early: backward's persistent grid
+# placed early among the previous op's programs lands unevenly (up to 4 programs on some SMs, none
+# on others, where its shares assume 2 an SM; kernel_configs' pdl group, chained: fwd + bwd at 8192
+# x 2048 48.9 -> 56.7 us with every launch a dependent, docs/PERFORMANCE.md 5j).
+DW_DEPENDENT = True
 
 # The launches, through kernels/triton/launch.py's cache of compiled kernels (host cost per launch).
 _launch_fwd, _launch_bwd, _launch_dw = Launcher(_rms_norm_fwd), Launcher(_rms_norm_bwd), Launcher(_rms_norm_dw)
@@ -187,14 +194,16 @@ def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc
     return (programs,), meta, meta_key(meta)
 
 
-def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: bool) -> tuple:
-    """(programs, rows a program, backward grid/meta/meta key, dw grid/meta/meta key)."""
+def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: bool, dw_gdc: bool) -> tuple:
+    """(programs, rows a program, backward grid/meta/meta key, dw grid/meta/meta key). `gdc`: both
+    launches are PDL dependents (pdl.ENABLED); `dw_gdc`: dw is a dependent of backward, which then
+    runs the PDL prologue (its wait a no-op when it was launched plainly) to let dw be placed."""
     programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
     block = _block(N)
     loads = 3 if has_ds else 2  # x, dy (and ds): what each pipelined stage buffers
     stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * element_size, index)
-    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc))
-    dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
+    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc or dw_gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc))
+    dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc or dw_gdc, num_warps=4, **pdl.launch_options(gdc or dw_gdc))
     return (programs, math.ceil(M / programs), (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
 
 
@@ -224,9 +233,10 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dx = torch.empty_like(x2)  # contiguous (rows.py): rows N apart
     index = device_index(x)
     gdc = pdl.use_gdc(x)
+    dw_gdc = DW_DEPENDENT and pdl.available(x)
     programs, rows_per_program, grid, meta, key, dw_grid, dw_meta, dw_key = _plan(
-        (M, N, x2.dtype, index, ds is not None, gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, DW_BLOCK_P, DW_BLOCK_N, tuple(BWD_WARPS.items())),
-        lambda: _bwd_plan(M, N, x2.element_size(), index, ds is not None, gdc))
+        (M, N, x2.dtype, index, ds is not None, gdc, dw_gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, DW_BLOCK_P, DW_BLOCK_N, tuple(BWD_WARPS.items())),
+        lambda: _bwd_plan(M, N, x2.element_size(), index, ds is not None, gdc, dw_gdc))
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     _launch_bwd.launch(grid, (dy2, ds2, x2, weight, rstd, dx, dw_partial, stride_dy, stride_ds, stride_x, N, M, N, rows_per_program), meta, key)
     dw = torch.empty_like(weight)

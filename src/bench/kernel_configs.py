@@ -198,14 +198,15 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     if "pdl" in groups:  # programmatic dependent launch: each kernel placed while the one before it runs
         from kernels.triton import pdl
 
-        saved_pdl = pdl.ENABLED
+        saved_pdl = pdl.ENABLED, rn.DW_DEPENDENT
+        norms = [("rms_norm", [8192, 2048]), ("add_rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096])]
+        others = [("rms_norm_fwd", [8192, 2048]), ("softmax", [8192, 4096]), ("cross_entropy", [8192, 32000])]
         for _ in range(2):  # twice, alternating: the difference is a few microseconds a kernel
-            for enabled in (False, True):
-                pdl.ENABLED = enabled
-                for op, shape in [("rms_norm", [8192, 2048]), ("add_rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096]),
-                                  ("rms_norm_fwd", [8192, 2048]), ("softmax", [8192, 4096]), ("cross_entropy", [8192, 32000])]:
-                    record(op.removesuffix("_fwd"), f"pdl={enabled}", op, shape)
-        pdl.ENABLED = saved_pdl
+            for enabled, dw_dependent in ((False, False), (False, True), (True, True)):
+                pdl.ENABLED, rn.DW_DEPENDENT = enabled, dw_dependent
+                for op, shape in norms + (others if dw_dependent else []):
+                    record(op.removesuffix("_fwd"), f"pdl={enabled} dw_dependent={dw_dependent}", op, shape)
+        pdl.ENABLED, rn.DW_DEPENDENT = saved_pdl
     fwd, fwd_residual, bwd, per_sm = dict(rn.FWD_WARPS), dict(rn.FWD_RESIDUAL_WARPS), dict(rn.BWD_WARPS), rn.BWD_PROGRAMS_PER_SM
     if "rms_stages" in groups:  # backward's row loop software-pipelined: the next rows' loads in flight
         saved_stages = rn.BWD_STAGES
