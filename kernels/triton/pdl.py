@@ -39,9 +39,11 @@ ENABLED = False
 
 
 def available(t: torch.Tensor) -> bool:
-    """Whether t's device can launch with PDL: a CUDA tensor on compute capability >= 9, and not
-    Triton's interpreter (which has no griddepcontrol, whatever the tensor's device)."""
-    return t.is_cuda and _available_on(device_index(t))
+    """Whether t's device can launch with PDL: a CUDA tensor on compute capability >= 9, not Triton's
+    interpreter (which has no griddepcontrol, whatever the tensor's device), and not inside a
+    torch.compile trace (Inductor launches a user kernel itself, with no `launch_pdl`: a compiled
+    block with the norms' dw as a dependent failed to trace into one graph)."""
+    return t.is_cuda and not torch.compiler.is_compiling() and _available_on(device_index(t))
 
 
 @torch.compiler.assume_constant_result  # a constant to Dynamo, as device.py's answers are
