@@ -135,10 +135,10 @@ BWD_STAGES = 4
 DW_BLOCK_P, DW_BLOCK_N = 512, 16
 # The dw launch as a PDL dependent of the backward launch before it, whatever pdl.ENABLED says: the
 # two are always adjacent in the stream, so dw's programs can be placed while backward runs and
-# start summing as soon as its partials land. Only dw is launched early: backward's persistent grid
-# placed early among the previous op's programs lands unevenly (up to 4 programs on some SMs, none
-# on others, where its shares assume 2 an SM; kernel_configs' pdl group, chained: fwd + bwd at 8192
-# x 2048 48.9 -> 56.7 us with every launch a dependent, docs/PERFORMANCE.md 5j).
+# start summing as soon as its partials land (chained fwd + bwd at 8192 x 2048 48.9-49.1 -> 48.2-48.6
+# us, add + norm 72.4-72.9 -> 71.6-72.0, level at 4096; docs/PERFORMANCE.md 5j). Only dw is launched
+# early: with every launch a dependent (pdl.ENABLED) the same row took 56.7 us, the backward's
+# persistent grid then placed among the forward's last programs, likely unevenly.
 DW_DEPENDENT = True
 
 # The launches, through kernels/triton/launch.py's cache of compiled kernels (host cost per launch).
