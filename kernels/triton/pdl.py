@@ -14,9 +14,9 @@ memory, so a neighbour that knows nothing of PDL (a cuBLAS GEMM) is ordered as w
 
 Between ops it is off (`ENABLED = False`): src/bench/kernel_configs.py's pdl group, alternating off
 and on twice on an H200 (docs/PERFORMANCE.md 5b, 5j), found RMSNorm 8192x2048 forward + backward
-slower with it (55.4 -> 66.0 us after an L2 flush, 48.9 -> 56.7 chained: the backward's persistent
-programs, placed early as the forward's retire, land unevenly over the SMs) and the others within
-1%. Inside one op, a launch that always follows another (RMSNorm's dw after its backward) can be a
+slower with it (55.4 -> 66.0 us after an L2 flush, 48.9 -> 56.7 chained; likely the backward's
+persistent programs, placed early as the forward's retire, landing unevenly over the SMs) and the
+others within 1%. Inside one op, a launch that always follows another (RMSNorm's dw after its backward) can be a
 dependent on its own: `available` says whether the device can. Triton's interpreter has no
 griddepcontrol, so under TRITON_INTERPRET=1 neither is used.
 

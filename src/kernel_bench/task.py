@@ -164,8 +164,9 @@ def markdown_table(rows: list[dict], ceiling: float, device_name: str, dtype: st
 
 
 def bar_chart(rows: list[dict], ceiling: float, device_name: str, path: Path) -> None:
-    """Effective TB/s per op, shape and mode, one bar per variant (after do_bench's flush), a black
-    tick on it where the variant was also timed chained (as a step runs it), the copy ceiling as a line."""
+    """Effective TB/s per op, shape and mode, one bar per variant (replayed after do_bench's flush
+    where capturable, as called otherwise), a black tick on it where the variant was also timed
+    chained (as a step runs it), the copy ceiling as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,14 +176,15 @@ def bar_chart(rows: list[dict], ceiling: float, device_name: str, path: Path) ->
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups) + 2), 4.5))
     width = 0.8 / max(1, len(providers))
+    tick_label = "chained over distinct inputs"  # on the first variant's ticks only: one legend entry
     for i, provider in enumerate(providers):
         values = [next((r.get("graph_tbs") or r["tbs"] for r in rows if (r["op"], r["shape"], r["mode"]) == g and r["provider"] == provider), 0.0) or 0.0 for g in groups]
         ax.bar([k + i * width for k in range(len(groups))], values, width, label=provider)
         chained = [(k + i * width, r["chain_tbs"]) for k, g in enumerate(groups) for r in rows
                    if (r["op"], r["shape"], r["mode"]) == g and r["provider"] == provider and r.get("chain_tbs")]
         if chained:
-            ax.hlines([v for _, v in chained], [x - width / 2 for x, _ in chained], [x + width / 2 for x, _ in chained], colors="k", linewidth=2,
-                      label="chained over distinct inputs" if not any(h.get_label() == "chained over distinct inputs" for h in ax.collections) else None)
+            ax.hlines([v for _, v in chained], [x - width / 2 for x, _ in chained], [x + width / 2 for x, _ in chained], colors="k", linewidth=2, label=tick_label)
+            tick_label = None
     ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"copy ceiling {ceiling:.2f} TB/s")
     ax.set_xticks([k + width * (len(providers) - 1) / 2 for k in range(len(groups))])
     ax.set_xticklabels([f"{op}\n{shape}\n{mode}" for op, shape, mode in groups], fontsize=7)
