@@ -241,14 +241,12 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         rn.FWD_ROWS, rn.BWD_ROWS, rn.BWD_PROGRAMS_PER_SM = *saved_rows, per_sm
         rn.FWD_WARPS, rn.FWD_RESIDUAL_WARPS, rn.BWD_WARPS = fwd, fwd_residual, bwd
     if "rms_parts" in groups:  # what backward's dw launch costs: the same forward + backward with it left out (dw then wrong)
-        class _Skipped:
-            def launch(self, *args) -> None:
-                pass
+        from src.bench.row_floors import SkippedLaunch
 
         dw_launch = rn._launch_dw
         for shape in ([8192, 2048], [8192, 4096]):
             for skip in (False, True, False, True):
-                rn._launch_dw = _Skipped() if skip else dw_launch
+                rn._launch_dw = SkippedLaunch() if skip else dw_launch
                 record("rms_norm", "dw launch left out (measurement only)" if skip else "as shipped", "rms_norm", shape)
         rn._launch_dw = dw_launch
     if "rms_wide" in groups:  # forward warps at 2048 and 4096, and 4096-wide rows' (LLaMA-7B's width) own backward grid

@@ -144,7 +144,7 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
             _, rstd, _ = rn.rms_norm_forward(x, w, 1e-6)
             if dw_launch:
                 return lambda: rn.rms_norm_backward(dy, x, w, rstd)
-            skipped, shipped = _Skipped(), rn._launch_dw
+            skipped, shipped = SkippedLaunch(), rn._launch_dw
 
             def run():
                 rn._launch_dw = skipped
@@ -168,7 +168,10 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
     ]
 
 
-class _Skipped:
+class SkippedLaunch:
+    """Stands in for a kernels/triton Launcher and launches nothing: a launch left out of a
+    measurement (its outputs then wrong), to time what it costs."""
+
     def launch(self, *args) -> None:
         pass
 
@@ -202,7 +205,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     rows = measure(tuple(args.widths), args.rows)
-    print(f"\n{torch.cuda.get_device_name()}, bf16; TB/s of the bytes each kernel must move\n")
+    print(f"\n{torch.cuda.get_device_name()}, bf16; TB/s of the bytes RMSNorm must move (src/fusion/cases.py), whatever a floor moves\n")
     print("| shape | kernel | graph ms | TB/s | chain ms | chain TB/s |\n|---|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['shape']} | {r['kernel']} | {r['graph_ms']:.4f} | {r['tbs']:.2f} | {r['chain_ms']:.4f} | {r['chain_tbs']:.2f} |")
