@@ -159,6 +159,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
 
         fused = [op for op in auto_choice(cfg, os.getcwd()).ops if op in REGISTRY]  # AdamW's pick is optim.impl, checked with it
     if fused:
+        unknown = [op for op in fused if op not in REGISTRY]  # a misspelt op first: the same line on every machine
+        if unknown:
+            raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
         why_not = triton_usable(backend)
         if why_not:
             if cfg.kernels.fused is not None and not cfg.kernels.auto:
@@ -167,9 +170,6 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             # kernels=triton (every fused op) or auto's picks
             fix = "set kernels.fused=[]" if cfg.kernels.name == "eager" else "use kernels=eager"
             raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or {fix}")
-        unknown = [op for op in fused if op not in REGISTRY]
-        if unknown:
-            raise ConfigError(f"kernels.fused={unknown}: no fused Triton variant; there are: {', '.join(REGISTRY)}")
         if "rms_norm" in fused and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
             raise ConfigError(f"model.dim={cfg.model.dim}: the fused RMSNorm holds a row in registers, at most {REGISTRY['rms_norm'].max_dim}")
     from src.fusion.compiled import COMPILABLE
