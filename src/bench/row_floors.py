@@ -79,26 +79,17 @@ def _stream_persistent(X, DY, W, DX, DW_PARTIAL, M, N, rows_per_program, BLOCK: 
         tl.store(DW_PARTIAL + pid * N + cols, acc, mask=mask)
 
 
-def _rows_settings(N: int) -> tuple[int, int, int, int]:
-    """(block, forward warps, backward warps, backward stages) as RMSNorm takes them at width N."""
-    import kernels.triton.rms_norm as rn
-    from kernels.triton.device import pipeline_stages
-
-    block = rn._block(N)
-    index = torch.cuda.current_device()
-    return block, rn._warps(block, rn.FWD_WARPS), rn._warps(block, rn.BWD_WARPS), pipeline_stages(rn.BWD_STAGES, 2 * block * 2, index)
-
-
 def cases(M: int, N: int) -> list[tuple[str, int, object]]:
     """(name, bytes it must move, make_run) for each kernel at M x N bf16; make_run builds one call
-    on fresh tensors (chain_ms builds several)."""
+    on fresh tensors (chain_ms builds several). The floors take their block, warps, stages and grid
+    from RMSNorm's own launch plans (bf16, no residual, PDL off), so they follow its settings."""
     import kernels.triton.rms_norm as rn
-    from kernels.triton.device import sm_count
 
     device = torch.device("cuda")
-    block, fwd_warps, bwd_warps, stages = _rows_settings(N)
-    programs = min(M, sm_count(torch.cuda.current_device()) * rn.BWD_PROGRAMS_PER_SM)
-    per_program = triton.cdiv(M, programs)
+    index = torch.cuda.current_device()
+    _, fwd_meta, _ = rn._fwd_plan(M, N, 2, index, False, False)
+    programs, per_program, _, bwd_meta, *_ = rn._bwd_plan(M, N, 2, index, False, False, False)
+    block, fwd_warps, bwd_warps, stages = fwd_meta["BLOCK"], fwd_meta["num_warps"], bwd_meta["num_warps"], bwd_meta["STAGES"]
     case = make_case("rms_norm", [M, N])
     fwd_bytes, bwd_bytes = case.bytes_fwd(2), case.bytes_bwd(2)
 
