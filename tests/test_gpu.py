@@ -118,6 +118,7 @@ def test_rms_norm_dw_as_a_dependent_launch_gives_the_same_bits(op, width, monkey
     import kernels.triton.rms_norm as rn
     from kernels.triton import pdl
     from src.fusion.cases import make_case
+    from src.fusion.timing import _captured
 
     monkeypatch.setattr(pdl, "ENABLED", False)
     case = make_case(op, [8191, width])
@@ -131,14 +132,12 @@ def test_rms_norm_dw_as_a_dependent_launch_gives_the_same_bits(op, width, monkey
     dy, w = torch.randn_like(x), torch.rand(width, device="cuda", dtype=torch.bfloat16) + 0.5
     _, rstd, _ = rn.rms_norm_forward(x, w, 1e-6)
     want = rn.rms_norm_backward(dy, x, w, rstd)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        rn.rms_norm_backward(dy, x, w, rstd)  # warm-up off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = rn.rms_norm_backward(dy, x, w, rstd)
+    got: list[torch.Tensor] = []
+
+    def backward() -> None:  # the last call, the captured one, leaves its (dx, dw) in `got`
+        got[:] = rn.rms_norm_backward(dy, x, w, rstd)
+
+    graph = _captured(backward, torch.device("cuda"), 1)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
