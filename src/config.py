@@ -93,6 +93,7 @@ class NonFinite(StrEnum):
 class Fp8Recipe(StrEnum):
     tensorwise = "tensorwise"
     rowwise = "rowwise"
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"
 
 
 class OptimImpl(StrEnum):
@@ -180,7 +181,8 @@ class PrecisionConfig:
     float8: bool = False
     """float8 GEMMs in the transformer blocks' nn.Linear layers (torchao Float8Linear; not the head); CUDA, capability 8.9+"""
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
-    """float8 scaling: tensorwise (one scale a tensor, cuBLAS; the fastest) or rowwise (a scale per row, CUTLASS)"""
+    """float8 scaling: tensorwise (one scale a tensor, cuBLAS), rowwise (a scale per row, CUTLASS), or
+    rowwise_with_gw_hp (rowwise output and grad-input GEMMs, the grad-weight GEMM in bf16: no transposed casts of activations)"""
     fp8_all_gather: bool = True
     """tensorwise under FSDP2: all-gather the weights in float8 (half bf16's bytes); rowwise gathers bf16"""
 

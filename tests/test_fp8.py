@@ -144,3 +144,21 @@ def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
 
     model = MiniLLM(vocab_size=256, dim=64, n_layers=2, n_heads=4)
     assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, emulate=True) == 8
+
+
+@pytest.mark.parametrize("overrides,gathered", [
+    ([], True),  # tensorwise under FSDP2: float8 wrapper weights
+    (["precision.fp8_all_gather=false"], False),
+    (["precision.fp8_recipe=rowwise"], False),
+    (["precision.fp8_recipe=rowwise_with_gw_hp"], False),
+    (["sharding=none"], False),
+])
+def test_only_float8_gathered_weights_keep_the_triton_optimizer_out(overrides, gathered):
+    """Rowwise recipes (and tensorwise without the float8 all-gather) leave the weights plain bf16
+    parameters, so kernels=auto may still time and pick the Triton AdamW beside their float8 GEMMs."""
+    from src.distributed.float8 import gathers_float8
+    from src.fusion.measure import optimizer_swappable
+
+    cfg = compose_config(["+exp=fsdp4", "precision=fp8", "backend=cuda", *overrides])  # the seed's step: no clipping
+    assert gathers_float8(cfg.precision, cfg.sharding.strategy) is gathered
+    assert (optimizer_swappable(cfg) is not None) is gathered

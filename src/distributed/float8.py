@@ -54,6 +54,13 @@ def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name
     return None
 
 
+def gathers_float8(precision, strategy: str) -> bool:
+    """Whether the weights are torchao's float8 wrapper tensors, all-gathered in float8: tensorwise
+    scales under FSDP2 (or HSDP) with precision.fp8_all_gather. Otherwise they stay plain bf16
+    parameters and only the GEMMs see float8."""
+    return bool(precision.float8 and precision.fp8_all_gather and precision.fp8_recipe == "tensorwise" and strategy in ("fsdp2", "hsdp"))
+
+
 def is_block_linear(module: nn.Module, fqn: str) -> bool:
     """The module filter: nn.Linear inside `layers.N` (the transformer blocks); the head and any
     fused head (kernels.fused linear_cross_entropy) stay as they are."""

@@ -251,9 +251,9 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     main = not dist.is_initialized() or dist.get_rank() == 0
     after_optimizer = None
     if cfg.precision.float8:  # torchtitan's order: float8 swap, then compile, then fully_shard
-        from src.distributed.float8 import convert_blocks_to_float8, scale_precompute
+        from src.distributed.float8 import convert_blocks_to_float8, gathers_float8, scale_precompute
 
-        gather_fp8 = cfg.precision.fp8_all_gather and cfg.precision.fp8_recipe == "tensorwise" and strategy in ("fsdp2", "hsdp")
+        gather_fp8 = gathers_float8(cfg.precision, strategy)
         n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8)
         after_optimizer = scale_precompute(model) if gather_fp8 else None
         if main:

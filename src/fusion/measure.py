@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from src.distributed.float8 import gathers_float8
 from src.fusion.choice import OPTIMIZER
 
 log = logging.getLogger("src.run")
@@ -112,8 +113,8 @@ def optimizer_swappable(cfg: DictConfig) -> str | None:
         return "the step needs the grad norm before the update (clipping, skipping or the update in backward)"
     if cfg.sharding.cpu_offload or cfg.backend.name != "cuda":
         return "the optimizer does not run on a GPU"
-    if cfg.precision.float8:
-        return "float8 weights are wrapper tensors the Triton optimizer cannot address"
+    if gathers_float8(cfg.precision, cfg.sharding.strategy):
+        return "float8-gathered weights are wrapper tensors the Triton optimizer cannot address"
     return None
 
 

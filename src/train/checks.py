@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from src.compose import ConfigError
+from src.distributed.float8 import gathers_float8
 from src.fusion.registry import REGISTRY, selected_ops, triton_usable
 
 TRAINING_TASKS = {"train", "profile"}
@@ -82,9 +83,9 @@ def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
     why_not = triton_usable(backend)
     if why_not and (backend == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         raise ConfigError(f"optim.impl=triton: {why_not}; or use optim.impl={'fused' if backend == 'cuda' else 'foreach'}")
-    if cfg.precision.float8:
-        raise ConfigError(f"optim.impl=triton reads each parameter's storage, and precision={cfg.precision.name}'s float8 weights are wrapper tensors "
-                          "without one; use optim.impl=fused")
+    if gathers_float8(cfg.precision, cfg.sharding.strategy):
+        raise ConfigError(f"optim.impl=triton reads each parameter's storage, and precision={cfg.precision.name}'s float8-gathered weights are wrapper tensors "
+                          "without one; use optim.impl=fused, or precision.fp8_all_gather=false")
     if cfg.sharding.cpu_offload:
         raise ConfigError(f"optim.impl=triton updates the parameters on the GPU, and sharding={cfg.sharding.name} keeps them in host memory; use optim.impl=foreach")
     if backend != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
