@@ -96,6 +96,11 @@ class Fp8Recipe(StrEnum):
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
 
 
+class Fp8Impl(StrEnum):
+    torchao = "torchao"
+    triton = "triton"
+
+
 class OptimImpl(StrEnum):
     auto = "auto"
     fused = "fused"
@@ -185,6 +190,9 @@ class PrecisionConfig:
     rowwise_with_gw_hp (rowwise output and grad-input GEMMs, the grad-weight GEMM in bf16: no transposed casts of activations)"""
     fp8_all_gather: bool = True
     """tensorwise under FSDP2: all-gather the weights in float8 (half bf16's bytes); rowwise gathers bf16"""
+    fp8_impl: Fp8Impl = Fp8Impl.torchao
+    """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
+    (kernels/triton/fp8_linear.py: rowwise_with_gw_hp, each operand cast in one pass)"""
 
 
 @dataclass

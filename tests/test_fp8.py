@@ -41,6 +41,19 @@ def test_fp8_is_refused_where_it_cannot_run(overrides, capability, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+def test_fp8_impl_triton_takes_its_one_recipe_and_needs_no_torchao(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    base = ["precision=fp8", "precision.fp8_impl=triton", "backend=cuda", "dist.nproc=1", "tracking=none"]
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(base), cuda_device_count=1, mps_available=False, cuda_capability=H200)
+    assert str(err.value) == ("precision.fp8_impl=triton casts for the rowwise_with_gw_hp recipe only, not precision.fp8_recipe=tensorwise; "
+                              "set precision.fp8_recipe=rowwise_with_gw_hp or precision.fp8_impl=torchao")
+    validate(compose_config([*base, "precision.fp8_recipe=rowwise_with_gw_hp"]), cuda_device_count=1, mps_available=False, cuda_capability=H200)
+    with pytest.raises(ConfigError, match="precision.fp8_impl=gemlite"):
+        compose_config([*base, "precision.fp8_impl=gemlite"])
+
+
 def test_fp8_without_torchao_names_the_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
@@ -57,9 +70,10 @@ def test_fp8_on_a_cpu_is_refused_before_anything_runs(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # no run directory, no MLflow store
 
 
-def _train_tiny(float8: bool, steps: int = 4) -> list[float]:
+def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao") -> list[float]:
     """The worker's order on one gloo rank: meta model, float8 swap, fully_shard (bf16 params,
-    fp32 reduce), seeded init, AdamW, and after each update the float8 scale precompute."""
+    fp32 reduce), seeded init, AdamW, and after each update the float8 scale precompute (torchao's
+    float8 all-gather; impl=triton keeps plain bf16 weights and real float8 GEMMs)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -75,12 +89,17 @@ def _train_tiny(float8: bool, steps: int = 4) -> list[float]:
         with torch.device("meta"):
             model = MiniLLM(vocab_size=256, dim=64, n_layers=2, n_heads=4)
         after = None
-        if float8:
+        if float8 and impl == "triton":
+            from kernels.triton.fp8_linear import Float8RowwiseLinear
+
+            assert convert_blocks_to_float8(model, "rowwise_with_gw_hp", fsdp_float8_all_gather=False, impl="triton") == 8
+            assert type(model.head) is torch.nn.Linear and type(model.layers[1].ffn.down) is Float8RowwiseLinear
+        elif float8:
             assert convert_blocks_to_float8(model, "tensorwise", fsdp_float8_all_gather=True, emulate=True) == 8  # 4 linears x 2 blocks
             assert type(model.head) is torch.nn.Linear and isinstance(model.layers[1].attn.in_proj, Float8Linear)
         apply_fsdp(model, init_device_mesh("cpu", (1,)), mixed_precision_policy("bfloat16", "float32"))
         materialize_and_init(model, torch.device("cpu"), seed=0)
-        if float8:
+        if float8 and impl == "torchao":
             weight = model.layers[0].ffn.up.weight
             assert isinstance(weight, DTensor) and isinstance(weight.to_local(), WeightWithDynamicFloat8CastTensor)
             assert 0.015 < weight.to_local().float().std().item() < 0.025  # the seeded N(0, 0.02) reached the subclass
@@ -98,7 +117,7 @@ def _train_tiny(float8: bool, steps: int = 4) -> list[float]:
             if after is not None:
                 after()
             losses.append(loss.item())
-        if float8:
+        if float8 and impl == "torchao":
             assert model.layers[0].ffn.up.weight._local_tensor._precomputed_scale is not None  # set by the precompute
         return losses
     finally:
@@ -114,21 +133,36 @@ def test_float8_plumbing_trains_on_a_cpu_rank_with_emulated_gemms():
     assert fp8[-1] < fp8[0] and fp8 == pytest.approx(bf16, abs=0.02)
 
 
+def test_triton_float8_linears_train_on_a_cpu_rank_with_real_float8_gemms():
+    """precision.fp8_impl=triton: the casts run in Triton's interpreter and the GEMMs are real
+    float8 (torch._scaled_mm runs on a CPU too), under FSDP2 on one gloo rank: the loss falls and
+    follows bf16's within 0.05 over 4 steps."""
+    bf16 = _train_tiny(float8=False)
+    fp8 = _train_tiny(float8=True, impl="triton")
+    assert fp8[-1] < fp8[0] and fp8 == pytest.approx(bf16, abs=0.05)
+    assert fp8 != bf16  # the GEMMs did run in float8
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
-def test_fp8_trains_on_the_gpu_like_bf16(tmp_path: Path):
-    """model=small on data=text, 12 steps under FSDP2 with float8 all-gather and compiled blocks:
-    the loss falls and stays within 0.1 of bf16's at every step (same seed, same batches)."""
+@pytest.mark.parametrize("impl", ["torchao", "triton"])
+def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
+    """model=small on data=text, 12 steps under FSDP2 with compiled blocks (torchao: tensorwise,
+    float8 all-gather; triton: rowwise_with_gw_hp, its Triton casts traced into the compiled
+    blocks): the loss falls and stays within 0.1 of bf16's at every step (same seed, same batches)."""
     n = min(torch.cuda.device_count(), 2)
+    fp8 = {"torchao": ["precision=fp8"], "triton": ["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp"]}[impl]
     losses = {}
-    for precision in ("bf16", "fp8"):
+    for precision, overrides in (("bf16", ["precision=bf16"]), ("fp8", fp8)):
         cwd = tmp_path / precision
         cwd.mkdir()
         proc = run_cli(["backend=cuda", "model=small", "data=text", f"dist.nproc={n}", "data.seq_len=512", "train.steps=12",
-                        f"precision={precision}", "kernels=compile", "tracking=none"], cwd=cwd, timeout=600)
+                        *overrides, "kernels=compile", "tracking=none"], cwd=cwd, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         if precision == "fp8":
-            assert "float8 (tensorwise scales): 16 block linears, weights all-gathered in float8" in proc.stdout
+            expected = {"torchao": "float8 (tensorwise scales, torchao casts): 16 block linears, weights all-gathered in float8",
+                        "triton": "float8 (rowwise_with_gw_hp scales, triton casts): 16 block linears, weights all-gathered in bf16"}[impl]
+            assert expected in proc.stdout
         run_dir = next(cwd.glob("outputs/*/*"))
         losses[precision] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses["fp8"][-1] < losses["fp8"][0] - 0.5

@@ -23,6 +23,7 @@ import torch.nn as nn
 TORCHAO_INSTALL = "pip install torchao==0.17.0 (or pip install -e \".[fp8]\")"
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 _ALIGN = 16  # torch._scaled_mm needs every GEMM dimension a multiple of 16
+TRITON_RECIPE = "rowwise_with_gw_hp"  # the one recipe kernels/triton/fp8_linear.py casts for
 
 
 def float8_dims(model_cfg, data_cfg) -> dict[str, int]:
@@ -36,7 +37,8 @@ def float8_dims(model_cfg, data_cfg) -> dict[str, int]:
     }
 
 
-def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name: str, dims: dict[str, int]) -> str | None:
+def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name: str, dims: dict[str, int], impl: str = "torchao",
+                   recipe: str = "tensorwise") -> str | None:
     """Why precision=fp8 cannot run here, in one line naming the fix; None when it can.
     `capability` is the lowest compute capability among the visible GPUs (None: no GPU)."""
     if backend != "cuda":
@@ -45,8 +47,11 @@ def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name
     if capability is not None and capability < MIN_CAPABILITY:
         return (f"precision=fp8 needs compute capability 8.9+ for float8 tensor cores; {device_name} is "
                 f"{capability[0]}.{capability[1]}: use precision=bf16")
-    if importlib.util.find_spec("torchao") is None:
-        return f"precision=fp8 trains through torchao's float8, which is not installed: {TORCHAO_INSTALL}"
+    if impl == "triton" and recipe != TRITON_RECIPE:
+        return (f"precision.fp8_impl=triton casts for the {TRITON_RECIPE} recipe only, not precision.fp8_recipe={recipe}; "
+                f"set precision.fp8_recipe={TRITON_RECIPE} or precision.fp8_impl=torchao")
+    if impl == "torchao" and importlib.util.find_spec("torchao") is None:
+        return f"precision=fp8 trains through torchao's float8, which is not installed: {TORCHAO_INSTALL} (or precision.fp8_impl=triton precision.fp8_recipe={TRITON_RECIPE})"
     for what, size in dims.items():
         if size % _ALIGN:
             return (f"precision=fp8: {what} is {size}, not a multiple of {_ALIGN} (float8 GEMMs need every dimension a multiple of 16); "
@@ -58,7 +63,8 @@ def gathers_float8(precision, strategy: str) -> bool:
     """Whether the weights are torchao's float8 wrapper tensors, all-gathered in float8: tensorwise
     scales under FSDP2 (or HSDP) with precision.fp8_all_gather. Otherwise they stay plain bf16
     parameters and only the GEMMs see float8."""
-    return bool(precision.float8 and precision.fp8_all_gather and precision.fp8_recipe == "tensorwise" and strategy in ("fsdp2", "hsdp"))
+    return bool(precision.float8 and precision.fp8_impl == "torchao" and precision.fp8_all_gather and precision.fp8_recipe == "tensorwise"
+                and strategy in ("fsdp2", "hsdp"))
 
 
 def is_block_linear(module: nn.Module, fqn: str) -> bool:
@@ -67,9 +73,21 @@ def is_block_linear(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear) and fqn.startswith("layers.")
 
 
-def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: bool, emulate: bool = False) -> int:
-    """Swap the blocks' nn.Linear for torchao's Float8Linear in place; returns how many were swapped.
-    `emulate` runs the float8 GEMMs as casts + a high-precision matmul (tests on a CPU only)."""
+def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: bool, emulate: bool = False, impl: str = "torchao") -> int:
+    """Swap the blocks' nn.Linear for a float8 linear in place; returns how many were swapped.
+    impl=torchao: torchao's Float8Linear, where `emulate` runs the float8 GEMMs as casts + a
+    high-precision matmul (tests on a CPU only). impl=triton: kernels/triton/fp8_linear.py's
+    Float8RowwiseLinear (its class swapped in, the parameters kept), whose GEMMs are real float8
+    wherever torch._scaled_mm runs (CUDA 8.9+, and a CPU)."""
+    if impl == "triton":
+        from kernels.triton.fp8_linear import swap_to_float8
+
+        if str(recipe) != TRITON_RECIPE:
+            raise ValueError(f"precision.fp8_impl=triton casts for {TRITON_RECIPE} only, not {recipe}")
+        linears = [m for fqn, m in model.named_modules() if is_block_linear(m, fqn)]
+        for m in linears:
+            swap_to_float8(m)
+        return len(linears)
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training

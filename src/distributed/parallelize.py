@@ -254,10 +254,12 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         from src.distributed.float8 import convert_blocks_to_float8, gathers_float8, scale_precompute
 
         gather_fp8 = gathers_float8(cfg.precision, strategy)
-        n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8)
+        impl = str(cfg.precision.fp8_impl)
+        n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8, impl=impl)
         after_optimizer = scale_precompute(model) if gather_fp8 else None
         if main:
-            log.info("float8 (%s scales): %d block linears, weights all-gathered in %s", cfg.precision.fp8_recipe, n_fp8, "float8" if gather_fp8 else "bf16")
+            log.info("float8 (%s scales, %s casts): %d block linears, weights all-gathered in %s", cfg.precision.fp8_recipe, impl, n_fp8,
+                     "float8" if gather_fp8 else "bf16")
     if cfg.profile.nvtx:
         from src.profiling.annotate import module_ranges
 

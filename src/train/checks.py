@@ -140,7 +140,7 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
         from src.distributed.float8 import float8_dims, float8_refusal
 
         capability, device_name = cuda_capability or _lowest_capability(cuda_device_count if backend == "cuda" else 0)
-        why_not = float8_refusal(backend, capability, device_name, float8_dims(cfg.model, cfg.data))
+        why_not = float8_refusal(backend, capability, device_name, float8_dims(cfg.model, cfg.data), str(cfg.precision.fp8_impl), str(cfg.precision.fp8_recipe))
         if why_not:
             raise ConfigError(why_not)
     if cfg.kernels.compile_backend not in COMPILE_BACKENDS:

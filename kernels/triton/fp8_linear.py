@@ -1,0 +1,176 @@
+"""A linear layer whose output and grad-input GEMMs run in float8 e4m3 with rowwise scales, each
+operand cast in one pass by a Triton kernel; the grad-weight GEMM stays in the input's dtype.
+
+This is torchao's `rowwise_with_gw_hp` recipe (the output GEMM with fast accumulation, the
+grad-input GEMM without; scales rounded down to powers of two), with the casts written by hand:
+
+- output: Y = X W^T as `torch._scaled_mm(x8, w8^T)`, x8 a scale a row of X (one program a row
+  reads X once and writes x8 and its scale), w8 a scale a row of W (an output feature's).
+- grad input: dX = dY W as `_scaled_mm(dy8, w8t^T)`, dy8 a scale a row of dY, w8t = W^T cast with
+  one scale for the whole weight (the largest of its row amaxes, known from the forward's cast),
+  tile by tile, transposed in registers.
+- grad weight: dW = dY^T X in the input's dtype: no transposed casts of the activations, which a
+  float8 grad-weight GEMM would need (dY^T and X^T, each scaled along the token axis).
+
+Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
+scaling is exact and the inverse handed to _scaled_mm is exact too. The cast rounds to nearest,
+ties to even, in integer arithmetic (`e4m3_rne`) before the final conversion, because Triton's
+interpreter converts float32 to e4m3 with ties away from zero and a wrong carry (-124.5 became -64
+on Triton 3.6); on a GPU the result is the same bits as the hardware's rounding.
+
+On an H200 (src/bench/fp8_gemms.py, docs/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
+this way against 3.48 in bf16; torchao's casts compiled by Inductor gave back all but 1.7 ms of the
+11.6 ms a step this saves.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+from kernels.triton.launch import Launcher, meta_key
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# A row of more than this many elements is cast in chunks (two passes: its amax, then the cast)
+# instead of held in registers; 8192 (mini_llm's MLP width) is one pass.
+MAX_BLOCK = 8192
+# The transposed cast's tile: 64 x 64 elements, read along W's rows and written along W^T's.
+TILE = 64
+
+
+@triton.jit
+def e4m3_rne(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32: three mantissa
+    bits kept with the carry into the exponent, or e4m3's subnormal step of 2**-9 below 2**-6."""
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    # 1.5 * 2**14: fp32's spacing between 2**14 and 2**15 is 2**-9, so the add rounds |v| there
+    sub = ((tl.abs(v) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -2147483648)  # the sign kept, -0 too
+    return tl.where(tl.abs(v) < 0.015625, sub.to(tl.float32, bitcast=True), normal)
+
+
+@triton.jit
+def pow2_scale(amax):
+    """(s, 1/s): the largest power of two s with amax * s <= 448, from amax's exponent and
+    mantissa bits (448 = 1.75 * 2**8), so no division or log rounds it. amax floors at 1e-12 (an
+    all-zero row), torchao's floor."""
+    bits = tl.maximum(amax, 1e-12).to(tl.int32, bitcast=True)
+    k = 8 - (((bits >> 23) & 0xFF) - 127) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True), ((127 - k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rowwise_e4m3(X, Y, INV, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """One program a row: its amax, then y = rne(x * s) and 1/s."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    if CHUNKS == 1:
+        x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+        scale, inv = pow2_scale(tl.max(tl.abs(x), axis=0))
+        tl.store(Y + row * N + cols, e4m3_rne(x * scale).to(Y.dtype.element_ty), mask=cols < N)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(CHUNKS):
+            offs = c * BLOCK + cols
+            amax = tl.maximum(amax, tl.abs(tl.load(X + row * stride_x + offs, mask=offs < N, other=0.0).to(tl.float32)))
+        scale, inv = pow2_scale(tl.max(amax, axis=0))
+        for c in range(CHUNKS):
+            offs = c * BLOCK + cols
+            x = tl.load(X + row * stride_x + offs, mask=offs < N, other=0.0).to(tl.float32)
+            tl.store(Y + row * N + offs, e4m3_rne(x * scale).to(Y.dtype.element_ty), mask=offs < N)
+    tl.store(INV + row, inv)
+
+
+@triton.jit
+def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """W (N, K) -> W^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
+    inverse scales: the scale of the largest row amax), one (BN, BK) tile a program; the first row
+    of tiles writes INV_MAX K times (INV, the (1, K) scale_b _scaled_mm takes)."""
+    pn = tl.program_id(0)
+    pk = tl.program_id(1)
+    inv_max = tl.load(INV_MAX)
+    scale = ((254 << 23) - inv_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / inv_max, both powers of two
+    rn = pn * BN + tl.arange(0, BN)
+    rk = pk * BK + tl.arange(0, BK)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    w8 = e4m3_rne(w * scale).to(WT.dtype.element_ty)
+    tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(w8), mask=tl.trans(mask))
+    if pn == 0:
+        tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
+
+
+_launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
+
+
+def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, inv): x (M, N) with unit column stride in e4m3, a scale a row; inv (M, 1) fp32 = 1/s,
+    the scale_a (or, viewed (1, M), scale_b) _scaled_mm takes."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, n = x.shape
+    y = torch.empty((m, n), dtype=E4M3, device=x.device)
+    inv = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = min(triton.next_power_of_2(n), MAX_BLOCK)
+    chunks = triton.cdiv(n, block)
+    meta = dict(BLOCK=block, CHUNKS=chunks, num_warps=8 if block >= 4096 else 4)
+    _launch_rowwise.launch((m,), (x, y, inv, n, x.stride(0)), meta, meta_key(meta))
+    return y, inv
+
+
+def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wt8, inv): W^T (K, N) in e4m3, one scale for the tensor, from the rows' inverse scales of
+    `rowwise_e4m3(w)`; inv is that one 1/s repeated (1, K), as _scaled_mm takes scale_b."""
+    w = w.contiguous()
+    n, k = w.shape
+    wt = torch.empty((k, n), dtype=E4M3, device=w.device)
+    inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
+    meta = dict(BN=TILE, BK=TILE, num_warps=4)
+    _launch_transposed.launch((triton.cdiv(n, TILE), triton.cdiv(k, TILE)), (w, wt, row_inv.amax(), inv, n, k), meta, meta_key(meta))
+    return wt, inv
+
+
+class Float8RowwiseLinearFunction(torch.autograd.Function):
+    """y = x W^T + b with float8 output and grad-input GEMMs (the module docstring's recipe)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        x8, x_inv = rowwise_e4m3(x2)
+        w8, w_inv = rowwise_e4m3(weight)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.view(1, -1), out_dtype=x.dtype, use_fast_accum=True)
+        if bias is not None:
+            y = y + bias  # _scaled_mm's own bias epilogue is not there for every scaling on every build
+        ctx.save_for_backward(x2, weight, w_inv)
+        ctx.has_bias = bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight, w_inv = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy8, dy_inv = rowwise_e4m3(dy2)
+        wt8, wt_inv = transposed_e4m3(weight, w_inv)
+        dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dy.dtype, use_fast_accum=False)
+        dw = (dy2.t() @ x2.to(dy2.dtype)).to(weight.dtype)
+        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db
+
+
+class Float8RowwiseLinear(nn.Linear):
+    """nn.Linear with the float8 GEMMs above: the same parameters, so state dicts, FSDP2 sharding
+    and checkpoints see the same tensors. Made by swapping an nn.Linear's class (`swap_to_float8`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias)
+
+
+def swap_to_float8(linear: nn.Linear) -> None:
+    """Make `linear` a Float8RowwiseLinear in place (its parameters untouched)."""
+    if type(linear) is not nn.Linear:
+        raise TypeError(f"swap_to_float8 takes a plain nn.Linear, not {type(linear).__name__}")
+    linear.__class__ = Float8RowwiseLinear
+

@@ -1,0 +1,116 @@
+"""kernels/triton/fp8_linear.py: the e4m3 casts bit for bit against torch's cast of the same scaled
+values, and the float8 linear's forward and backward against the recipe computed in torch (Triton's
+interpreter and torch._scaled_mm on a CPU; the same tests on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kernels.triton import fp8_linear  # noqa: E402
+from kernels.triton.fp8_linear import (  # noqa: E402
+    E4M3,
+    Float8RowwiseLinear,
+    Float8RowwiseLinearFunction,
+    rowwise_e4m3,
+    swap_to_float8,
+    transposed_e4m3,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The largest power of two s with amax * s <= 448, by frexp (amax = m * 2**e, m in [0.5, 1))."""
+    mant, exp = torch.frexp(amax.float().clamp(min=1e-12))
+    return torch.exp2((9 - exp - (mant > 0.875).int()).float())
+
+
+def _cast(t: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scales): torch's own cast of t times the recipe's power-of-two scale, a
+    scale a slice along `dim` or one for the tensor."""
+    amax = t.float().abs().amax() if dim is None else t.float().abs().amax(dim=dim, keepdim=True)
+    s = _pow2_scale(amax)
+    return (t.float() * s).to(E4M3), s
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 2, shape[-1])  # columns from 1e-3 to 1e2: subnormals after scaling
+    x[1] = 0  # an all-zero row: amax at the floor, zeros out
+    return x.to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,max_block", [((5, 123), None), ((17, 64), None), ((3, 300), 64)], ids=["5x123", "17x64", "3x300-chunked"])
+def test_rowwise_cast_is_torchs_cast_of_the_scaled_rows(shape, max_block, dtype, monkeypatch):
+    if max_block:
+        monkeypatch.setattr(fp8_linear, "MAX_BLOCK", max_block)  # a row in 5 chunks: the two-pass path
+    x = _inputs(shape, dtype)
+    y8, inv = rowwise_e4m3(x)
+    ref, s = _cast(x, 1)
+    assert y8.dtype == E4M3 and inv.shape == (shape[0], 1)
+    assert torch.equal(_bits(y8), _bits(ref))
+    assert torch.equal(inv, 1 / s)  # powers of two: exact
+    row_amax = y8.float().abs().amax(1)
+    assert row_amax[1] == 0 and (row_amax[torch.arange(shape[0], device=DEVICE) != 1] >= 224).all()  # each nonzero row fills e4m3's upper half
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (70, 33)], ids=["48x80", "70x33-ragged-tiles"])
+def test_transposed_cast_is_torchs_cast_with_one_scale(shape):
+    w = _inputs(shape, torch.bfloat16, seed=1)
+    _, row_inv = rowwise_e4m3(w)
+    wt8, inv = transposed_e4m3(w, row_inv)
+    ref, s = _cast(w, None)
+    assert wt8.shape == (shape[1], shape[0]) and inv.shape == (1, shape[1])
+    assert torch.equal(_bits(wt8), _bits(ref.t().contiguous()))
+    assert torch.equal(inv, (1 / s).expand(1, shape[1]))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_float8_linear_forward_and_backward_follow_the_recipe(bias):
+    """Forward: the output GEMM on the recipe's float8 values (fp32 accumulation, so equal to
+    rounding). Backward: dX from float8 dY (a scale a row) and W (one scale), dW and db in the
+    input's dtype as eager's. Against exact fp32 math dX is within float8's error (< 8%)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 16, 48, generator=g)).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = (torch.randn(80, 48, generator=g) * 0.05).to(DEVICE, torch.bfloat16).requires_grad_()
+    b = (torch.randn(80, generator=g) * 0.1).to(DEVICE, torch.bfloat16).requires_grad_() if bias else None
+    dy = torch.randn(3, 16, 80, generator=g).to(DEVICE, torch.bfloat16)
+
+    y = Float8RowwiseLinearFunction.apply(x, w, b)
+    y.backward(dy)
+
+    x8, sx = _cast(x.detach().reshape(-1, 48), 1)
+    w8, sw = _cast(w.detach(), 1)
+    ref = (x8.float() / sx) @ (w8.float() / sw).t()
+    ref = ref.to(torch.bfloat16) + (b.detach() if bias else 0)
+    torch.testing.assert_close(y.reshape(-1, 80), ref, atol=1e-2, rtol=1e-2)  # fast accumulation on a GPU
+
+    dy8, sdy = _cast(dy.reshape(-1, 80), 1)
+    wt8, swt = _cast(w.detach(), None)
+    dx_ref = ((dy8.float() / sdy) @ (wt8.float() / swt)).to(torch.bfloat16)
+    torch.testing.assert_close(x.grad.reshape(-1, 48), dx_ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(w.grad, (dy.reshape(-1, 80).t() @ x.detach().reshape(-1, 48)), atol=0, rtol=0)
+    if bias:
+        torch.testing.assert_close(b.grad, dy.reshape(-1, 80).sum(0), atol=0, rtol=0)
+
+    exact = dy.float().reshape(-1, 80) @ w.detach().float()
+    assert ((x.grad.float().reshape(-1, 48) - exact).norm() / exact.norm()).item() < 0.08
+
+
+def test_swap_keeps_the_parameters_and_takes_only_a_plain_linear():
+    lin = torch.nn.Linear(32, 16, bias=True, device=DEVICE, dtype=torch.bfloat16)
+    params = dict(lin.named_parameters())
+    swap_to_float8(lin)
+    assert type(lin) is Float8RowwiseLinear and dict(lin.named_parameters()) == params
+    x = torch.randn(16, 32, device=DEVICE, dtype=torch.bfloat16)
+    assert ((lin(x).float() - F.linear(x, lin.weight, lin.bias).float()).norm() / F.linear(x, lin.weight, lin.bias).float().norm()) < 0.08
+    with pytest.raises(TypeError, match="plain nn.Linear, not Float8RowwiseLinear"):
+        swap_to_float8(lin)
