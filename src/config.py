@@ -94,6 +94,7 @@ class Fp8Recipe(StrEnum):
     tensorwise = "tensorwise"
     rowwise = "rowwise"
     rowwise_with_gw_hp = "rowwise_with_gw_hp"
+    rowwise_with_gw_tensorwise = "rowwise_with_gw_tensorwise"
 
 
 class Fp8Impl(StrEnum):
@@ -187,12 +188,13 @@ class PrecisionConfig:
     """float8 GEMMs in the transformer blocks' nn.Linear layers (torchao Float8Linear; not the head); CUDA, capability 8.9+"""
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     """float8 scaling: tensorwise (one scale a tensor, cuBLAS), rowwise (a scale per row, CUTLASS), or
-    rowwise_with_gw_hp (rowwise output and grad-input GEMMs, the grad-weight GEMM in bf16: no transposed casts of activations)"""
+    rowwise_with_gw_hp (rowwise output and grad-input GEMMs, the grad-weight GEMM in bf16: no transposed casts of activations),
+    or rowwise_with_gw_tensorwise (the same with a float8 grad-weight GEMM on tensorwise dY^T and X^T; fp8_impl=triton only)"""
     fp8_all_gather: bool = True
     """tensorwise under FSDP2: all-gather the weights in float8 (half bf16's bytes); rowwise gathers bf16"""
     fp8_impl: Fp8Impl = Fp8Impl.torchao
     """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
-    (kernels/triton/fp8_linear.py: rowwise_with_gw_hp, each operand cast in one pass)"""
+    (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand cast in one pass)"""
 
 
 @dataclass

@@ -47,9 +47,13 @@ def test_fp8_impl_triton_takes_its_one_recipe_and_needs_no_torchao(monkeypatch):
     base = ["precision=fp8", "precision.fp8_impl=triton", "backend=cuda", "dist.nproc=1", "tracking=none"]
     with pytest.raises(ConfigError) as err:
         validate(compose_config(base), cuda_device_count=1, mps_available=False, cuda_capability=H200)
-    assert str(err.value) == ("precision.fp8_impl=triton casts for the rowwise_with_gw_hp recipe only, not precision.fp8_recipe=tensorwise; "
-                              "set precision.fp8_recipe=rowwise_with_gw_hp or precision.fp8_impl=torchao")
-    validate(compose_config([*base, "precision.fp8_recipe=rowwise_with_gw_hp"]), cuda_device_count=1, mps_available=False, cuda_capability=H200)
+    assert str(err.value) == ("precision.fp8_impl=triton casts for rowwise_with_gw_hp or rowwise_with_gw_tensorwise, not precision.fp8_recipe=tensorwise; "
+                              "set one of those or precision.fp8_impl=torchao")
+    for recipe in ("rowwise_with_gw_hp", "rowwise_with_gw_tensorwise"):
+        validate(compose_config([*base, f"precision.fp8_recipe={recipe}"]), cuda_device_count=1, mps_available=False, cuda_capability=H200)
+    torchao = ["precision=fp8", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "backend=cuda", "dist.nproc=1", "tracking=none"]
+    with pytest.raises(ConfigError, match=r"^precision.fp8_recipe=rowwise_with_gw_tensorwise is cast by precision.fp8_impl=triton only"):
+        validate(compose_config(torchao), cuda_device_count=1, mps_available=False, cuda_capability=H200)
     with pytest.raises(ConfigError, match="precision.fp8_impl=gemlite"):
         compose_config([*base, "precision.fp8_impl=gemlite"])
 
@@ -70,7 +74,7 @@ def test_fp8_on_a_cpu_is_refused_before_anything_runs(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # no run directory, no MLflow store
 
 
-def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao") -> list[float]:
+def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao", recipe: str = "rowwise_with_gw_hp") -> list[float]:
     """The worker's order on one gloo rank: meta model, float8 swap, fully_shard (bf16 params,
     fp32 reduce), seeded init, AdamW, and after each update the float8 scale precompute (torchao's
     float8 all-gather; impl=triton keeps plain bf16 weights and real float8 GEMMs)."""
@@ -92,8 +96,9 @@ def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao") -> list[flo
         if float8 and impl == "triton":
             from kernels.triton.fp8_linear import Float8RowwiseLinear
 
-            assert convert_blocks_to_float8(model, "rowwise_with_gw_hp", fsdp_float8_all_gather=False, impl="triton") == 8
+            assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, impl="triton") == 8
             assert type(model.head) is torch.nn.Linear and type(model.layers[1].ffn.down) is Float8RowwiseLinear
+            assert model.layers[1].ffn.down.float8_grad_weight is (recipe == "rowwise_with_gw_tensorwise")
         elif float8:
             assert convert_blocks_to_float8(model, "tensorwise", fsdp_float8_all_gather=True, emulate=True) == 8  # 4 linears x 2 blocks
             assert type(model.head) is torch.nn.Linear and isinstance(model.layers[1].attn.in_proj, Float8Linear)
@@ -133,25 +138,28 @@ def test_float8_plumbing_trains_on_a_cpu_rank_with_emulated_gemms():
     assert fp8[-1] < fp8[0] and fp8 == pytest.approx(bf16, abs=0.02)
 
 
-def test_triton_float8_linears_train_on_a_cpu_rank_with_real_float8_gemms():
+@pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "rowwise_with_gw_tensorwise"])
+def test_triton_float8_linears_train_on_a_cpu_rank_with_real_float8_gemms(recipe):
     """precision.fp8_impl=triton: the casts run in Triton's interpreter and the GEMMs are real
     float8 (torch._scaled_mm runs on a CPU too), under FSDP2 on one gloo rank: the loss falls and
     follows bf16's within 0.05 over 4 steps."""
     bf16 = _train_tiny(float8=False)
-    fp8 = _train_tiny(float8=True, impl="triton")
+    fp8 = _train_tiny(float8=True, impl="triton", recipe=recipe)
     assert fp8[-1] < fp8[0] and fp8 == pytest.approx(bf16, abs=0.05)
     assert fp8 != bf16  # the GEMMs did run in float8
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
-@pytest.mark.parametrize("impl", ["torchao", "triton"])
+@pytest.mark.parametrize("impl", ["torchao", "triton", "triton_gw_tensorwise"])
 def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
     """model=small on data=text, 12 steps under FSDP2 with compiled blocks (torchao: tensorwise,
     float8 all-gather; triton: rowwise_with_gw_hp, its Triton casts traced into the compiled
     blocks): the loss falls and stays within 0.1 of bf16's at every step (same seed, same batches)."""
     n = min(torch.cuda.device_count(), 2)
-    fp8 = {"torchao": ["precision=fp8"], "triton": ["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp"]}[impl]
+    triton = ["precision=fp8", "precision.fp8_impl=triton"]
+    fp8 = {"torchao": ["precision=fp8"], "triton": [*triton, "precision.fp8_recipe=rowwise_with_gw_hp"],
+           "triton_gw_tensorwise": [*triton, "precision.fp8_recipe=rowwise_with_gw_tensorwise"]}[impl]
     losses = {}
     for precision, overrides in (("bf16", ["precision=bf16"]), ("fp8", fp8)):
         cwd = tmp_path / precision
@@ -161,7 +169,8 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         if precision == "fp8":
             expected = {"torchao": "float8 (tensorwise scales, torchao casts): 16 block linears, weights all-gathered in float8",
-                        "triton": "float8 (rowwise_with_gw_hp scales, triton casts): 16 block linears, weights all-gathered in bf16"}[impl]
+                        "triton": "float8 (rowwise_with_gw_hp scales, triton casts): 16 block linears, weights all-gathered in bf16",
+                        "triton_gw_tensorwise": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 16 block linears, weights all-gathered in bf16"}[impl]
             assert expected in proc.stdout
         run_dir = next(cwd.glob("outputs/*/*"))
         losses[precision] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -169,7 +178,7 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
     assert losses["fp8"] == pytest.approx(losses["bf16"], abs=0.1)
 
 
-@pytest.mark.parametrize("recipe", list(Fp8Recipe))
+@pytest.mark.parametrize("recipe", [r for r in Fp8Recipe if r != "rowwise_with_gw_tensorwise"])
 def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
     """The recipe arrives as the config's StrEnum member; torchao matched `type(name) == str` and
     refused rowwise as an unknown recipe on the H200 (2026-11-30)."""

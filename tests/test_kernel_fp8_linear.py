@@ -66,25 +66,27 @@ def test_rowwise_cast_is_torchs_cast_of_the_scaled_rows(shape, max_block, dtype,
 def test_transposed_cast_is_torchs_cast_with_one_scale(shape):
     w = _inputs(shape, torch.bfloat16, seed=1)
     _, row_inv = rowwise_e4m3(w)
-    wt8, inv = transposed_e4m3(w, row_inv)
+    wt8, inv, inv_max = transposed_e4m3(w, row_inv)
     ref, s = _cast(w, None)
     assert wt8.shape == (shape[1], shape[0]) and inv.shape == (1, shape[1])
     assert torch.equal(_bits(wt8), _bits(ref.t().contiguous()))
-    assert torch.equal(inv, (1 / s).expand(1, shape[1]))
+    assert torch.equal(inv, (1 / s).expand(1, shape[1])) and torch.equal(inv_max, 1 / s)
 
 
+@pytest.mark.parametrize("float8_grad_weight", [False, True], ids=["gw_hp", "gw_tensorwise"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_float8_linear_forward_and_backward_follow_the_recipe(bias):
+def test_float8_linear_forward_and_backward_follow_the_recipe(bias, float8_grad_weight):
     """Forward: the output GEMM on the recipe's float8 values (fp32 accumulation, so equal to
-    rounding). Backward: dX from float8 dY (a scale a row) and W (one scale), dW and db in the
-    input's dtype as eager's. Against exact fp32 math dX is within float8's error (< 8%)."""
+    rounding). Backward: dX from float8 dY (a scale a row) and W (one scale); dW in the input's
+    dtype as eager's, or from float8 dY^T and X^T (one scale each); db as eager's. Against exact
+    fp32 math dX and a float8 dW are within float8's error (< 8%)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 16, 48, generator=g)).to(DEVICE, torch.bfloat16).requires_grad_()
     w = (torch.randn(80, 48, generator=g) * 0.05).to(DEVICE, torch.bfloat16).requires_grad_()
     b = (torch.randn(80, generator=g) * 0.1).to(DEVICE, torch.bfloat16).requires_grad_() if bias else None
     dy = torch.randn(3, 16, 80, generator=g).to(DEVICE, torch.bfloat16)
 
-    y = Float8RowwiseLinearFunction.apply(x, w, b)
+    y = Float8RowwiseLinearFunction.apply(x, w, b, float8_grad_weight)
     y.backward(dy)
 
     x8, sx = _cast(x.detach().reshape(-1, 48), 1)
@@ -97,7 +99,15 @@ def test_float8_linear_forward_and_backward_follow_the_recipe(bias):
     wt8, swt = _cast(w.detach(), None)
     dx_ref = ((dy8.float() / sdy) @ (wt8.float() / swt)).to(torch.bfloat16)
     torch.testing.assert_close(x.grad.reshape(-1, 48), dx_ref, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(w.grad, (dy.reshape(-1, 80).t() @ x.detach().reshape(-1, 48)), atol=0, rtol=0)
+    if float8_grad_weight:
+        dyt8, sdyt = _cast(dy.reshape(-1, 80), None)
+        xt8, sxt = _cast(x.detach().reshape(-1, 48), None)
+        dw_ref = ((dyt8.float() / sdyt).t() @ (xt8.float() / sxt)).to(torch.bfloat16)
+        torch.testing.assert_close(w.grad, dw_ref, atol=1e-2, rtol=1e-2)
+        exact_dw = dy.float().reshape(-1, 80).t() @ x.detach().float().reshape(-1, 48)
+        assert ((w.grad.float() - exact_dw).norm() / exact_dw.norm()).item() < 0.08
+    else:
+        torch.testing.assert_close(w.grad, (dy.reshape(-1, 80).t() @ x.detach().reshape(-1, 48)), atol=0, rtol=0)
     if bias:
         torch.testing.assert_close(b.grad, dy.reshape(-1, 80).sum(0), atol=0, rtol=0)
 
@@ -108,8 +118,8 @@ def test_float8_linear_forward_and_backward_follow_the_recipe(bias):
 def test_swap_keeps_the_parameters_and_takes_only_a_plain_linear():
     lin = torch.nn.Linear(32, 16, bias=True, device=DEVICE, dtype=torch.bfloat16)
     params = dict(lin.named_parameters())
-    swap_to_float8(lin)
-    assert type(lin) is Float8RowwiseLinear and dict(lin.named_parameters()) == params
+    swap_to_float8(lin, float8_grad_weight=True)
+    assert type(lin) is Float8RowwiseLinear and dict(lin.named_parameters()) == params and lin.float8_grad_weight
     x = torch.randn(16, 32, device=DEVICE, dtype=torch.bfloat16)
     assert ((lin(x).float() - F.linear(x, lin.weight, lin.bias).float()).norm() / F.linear(x, lin.weight, lin.bias).float().norm()) < 0.08
     with pytest.raises(TypeError, match="plain nn.Linear, not Float8RowwiseLinear"):

@@ -9,8 +9,10 @@ grad-input GEMM without; scales rounded down to powers of two), with the casts w
 - grad input: dX = dY W as `_scaled_mm(dy8, w8t^T)`, dy8 a scale a row of dY, w8t = W^T cast with
   one scale for the whole weight (the largest of its row amaxes, known from the forward's cast),
   tile by tile, transposed in registers.
-- grad weight: dW = dY^T X in the input's dtype: no transposed casts of the activations, which a
-  float8 grad-weight GEMM would need (dY^T and X^T, each scaled along the token axis).
+- grad weight: dW = dY^T X in the input's dtype (`rowwise_with_gw_hp`): no transposed casts of
+  the activations. Or, `rowwise_with_gw_tensorwise`, in float8 as `_scaled_mm(dyt8, xt8^T)` on
+  dY^T and X^T cast with one scale each (the largest of their rows' scales, known from their
+  rowwise casts, so each is one more pass): the forward keeps X^T in float8 for it instead of X.
 
 Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
 scaling is exact and the inverse handed to _scaled_mm is exact too. The cast rounds to nearest,
@@ -121,56 +123,73 @@ def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, inv
 
 
-def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(wt8, inv): W^T (K, N) in e4m3, one scale for the tensor, from the rows' inverse scales of
-    `rowwise_e4m3(w)`; inv is that one 1/s repeated (1, K), as _scaled_mm takes scale_b."""
+def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(wt8, inv, inv_max): W^T (K, N) in e4m3 with one scale for the tensor, from the rows'
+    inverse scales of `rowwise_e4m3(w)` (their largest: the scale of the largest amax). inv is that
+    1/s repeated (1, K), the scale_b of a rowwise _scaled_mm; inv_max the same 1/s as one value,
+    the scale of a tensorwise one."""
     w = w.contiguous()
     n, k = w.shape
     wt = torch.empty((k, n), dtype=E4M3, device=w.device)
     inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
+    inv_max = row_inv.amax()
     meta = dict(BN=TILE, BK=TILE, num_warps=4)
-    _launch_transposed.launch((triton.cdiv(n, TILE), triton.cdiv(k, TILE)), (w, wt, row_inv.amax(), inv, n, k), meta, meta_key(meta))
-    return wt, inv
+    _launch_transposed.launch((triton.cdiv(n, TILE), triton.cdiv(k, TILE)), (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
+    return wt, inv, inv_max
 
 
 class Float8RowwiseLinearFunction(torch.autograd.Function):
-    """y = x W^T + b with float8 output and grad-input GEMMs (the module docstring's recipe)."""
+    """y = x W^T + b with float8 output and grad-input GEMMs (the module docstring's recipe); with
+    `float8_grad_weight` the grad-weight GEMM too, on dY^T and X^T cast tensorwise."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_inv = rowwise_e4m3(x2)
         w8, w_inv = rowwise_e4m3(weight)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.view(1, -1), out_dtype=x.dtype, use_fast_accum=True)
-        if bias is not None:
-            y = y + bias  # _scaled_mm's own bias epilogue is not there for every scaling on every build
-        ctx.save_for_backward(x2, weight, w_inv)
-        ctx.has_bias = bias is not None
+        # the bias added in the GEMM's epilogue (CUTLASS's rowwise kernel takes a bf16 one): a separate
+        # add would read and write the output again, 8192 x 6144 bf16 for qkv (0.2 GB a block)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.view(1, -1), bias=bias, out_dtype=x.dtype, use_fast_accum=True)
+        if float8_grad_weight:
+            # X^T in float8 is what backward needs of X: kept instead of X (1 byte an element, not 2)
+            xt8, _, xt_inv = transposed_e4m3(x2, x_inv)
+            ctx.save_for_backward(xt8, xt_inv, weight, w_inv)
+        else:
+            ctx.save_for_backward(x2, weight, w_inv)
+        ctx.has_bias, ctx.float8_grad_weight = bias is not None, float8_grad_weight
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, weight, w_inv = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dy8, dy_inv = rowwise_e4m3(dy2)
-        wt8, wt_inv = transposed_e4m3(weight, w_inv)
+        if ctx.float8_grad_weight:
+            xt8, xt_inv, weight, w_inv = ctx.saved_tensors
+            dyt8, _, dyt_inv = transposed_e4m3(dy2, dy_inv)
+            dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=False)
+        else:
+            x2, weight, w_inv = ctx.saved_tensors
+            dw = (dy2.t() @ x2.to(dy2.dtype)).to(weight.dtype)
+        wt8, wt_inv, _ = transposed_e4m3(weight, w_inv)
         dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dy.dtype, use_fast_accum=False)
-        dw = (dy2.t() @ x2.to(dy2.dtype)).to(weight.dtype)
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db
+        return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db, None
 
 
 class Float8RowwiseLinear(nn.Linear):
     """nn.Linear with the float8 GEMMs above: the same parameters, so state dicts, FSDP2 sharding
     and checkpoints see the same tensors. Made by swapping an nn.Linear's class (`swap_to_float8`)."""
 
+    float8_grad_weight = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias)
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight)
 
 
-def swap_to_float8(linear: nn.Linear) -> None:
-    """Make `linear` a Float8RowwiseLinear in place (its parameters untouched)."""
+def swap_to_float8(linear: nn.Linear, float8_grad_weight: bool = False) -> None:
+    """Make `linear` a Float8RowwiseLinear in place (its parameters untouched); `float8_grad_weight`
+    runs its grad-weight GEMM in float8 too."""
     if type(linear) is not nn.Linear:
         raise TypeError(f"swap_to_float8 takes a plain nn.Linear, not {type(linear).__name__}")
     linear.__class__ = Float8RowwiseLinear
-
+    linear.float8_grad_weight = float8_grad_weight

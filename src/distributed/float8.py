@@ -23,7 +23,9 @@ import torch.nn as nn
 TORCHAO_INSTALL = "pip install torchao==0.17.0 (or pip install -e \".[fp8]\")"
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 _ALIGN = 16  # torch._scaled_mm needs every GEMM dimension a multiple of 16
-TRITON_RECIPE = "rowwise_with_gw_hp"  # the one recipe kernels/triton/fp8_linear.py casts for
+# the recipes kernels/triton/fp8_linear.py casts for, and whether each runs the grad-weight GEMM in float8
+TRITON_RECIPES = {"rowwise_with_gw_hp": False, "rowwise_with_gw_tensorwise": True}
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def float8_dims(model_cfg, data_cfg) -> dict[str, int]:
@@ -47,11 +49,14 @@ def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name
     if capability is not None and capability < MIN_CAPABILITY:
         return (f"precision=fp8 needs compute capability 8.9+ for float8 tensor cores; {device_name} is "
                 f"{capability[0]}.{capability[1]}: use precision=bf16")
-    if impl == "triton" and recipe != TRITON_RECIPE:
-        return (f"precision.fp8_impl=triton casts for the {TRITON_RECIPE} recipe only, not precision.fp8_recipe={recipe}; "
-                f"set precision.fp8_recipe={TRITON_RECIPE} or precision.fp8_impl=torchao")
+    if impl == "triton" and recipe not in TRITON_RECIPES:
+        return (f"precision.fp8_impl=triton casts for {' or '.join(TRITON_RECIPES)}, not precision.fp8_recipe={recipe}; "
+                f"set one of those or precision.fp8_impl=torchao")
+    if impl == "torchao" and recipe not in TORCHAO_RECIPES:
+        return f"precision.fp8_recipe={recipe} is cast by precision.fp8_impl=triton only; set that, or a recipe of torchao's ({', '.join(TORCHAO_RECIPES)})"
     if impl == "torchao" and importlib.util.find_spec("torchao") is None:
-        return f"precision=fp8 trains through torchao's float8, which is not installed: {TORCHAO_INSTALL} (or precision.fp8_impl=triton precision.fp8_recipe={TRITON_RECIPE})"
+        return (f"precision=fp8 trains through torchao's float8, which is not installed: {TORCHAO_INSTALL} "
+                "(or precision.fp8_impl=triton precision.fp8_recipe=rowwise_with_gw_hp)")
     for what, size in dims.items():
         if size % _ALIGN:
             return (f"precision=fp8: {what} is {size}, not a multiple of {_ALIGN} (float8 GEMMs need every dimension a multiple of 16); "
@@ -82,11 +87,11 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     if impl == "triton":
         from kernels.triton.fp8_linear import swap_to_float8
 
-        if str(recipe) != TRITON_RECIPE:
-            raise ValueError(f"precision.fp8_impl=triton casts for {TRITON_RECIPE} only, not {recipe}")
+        if str(recipe) not in TRITON_RECIPES:
+            raise ValueError(f"precision.fp8_impl=triton casts for {' or '.join(TRITON_RECIPES)}, not {recipe}")
         linears = [m for fqn, m in model.named_modules() if is_block_linear(m, fqn)]
         for m in linears:
-            swap_to_float8(m)
+            swap_to_float8(m, float8_grad_weight=TRITON_RECIPES[str(recipe)])
         return len(linears)
     import dataclasses
 
