@@ -21,8 +21,10 @@ interpreter converts float32 to e4m3 with ties away from zero and a wrong carry 
 on Triton 3.6); on a GPU the result is the same bits as the hardware's rounding.
 
 On an H200 (src/bench/fp8_gemms.py, docs/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
-this way against 3.48 in bf16; torchao's casts compiled by Inductor gave back all but 1.7 ms of the
-11.6 ms a step this saves.
+this way against 3.48 in bf16 (11.6 ms a step). torchao's casts for the same recipe, compiled by
+Inductor, gave back all but 1.7 ms of it; with these the seed's compiled step takes 61.5 ms against
+bf16's 68.6 (docs/PERFORMANCE.md section 7). Eager blocks launch the casts from Python, about 12
+launches a linear, and are host-bound: use compiled ones.
 """
 from __future__ import annotations
 

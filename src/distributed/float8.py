@@ -1,4 +1,5 @@
-"""precision=fp8: float8 training through torchao (`torchao.float8`), the way torchtitan applies it.
+"""precision=fp8: float8 training through torchao (`torchao.float8`), the way torchtitan applies it,
+or (precision.fp8_impl=triton) through kernels/triton/fp8_linear.py's casts.
 
 Order (torchtitan's parallelize_llama): convert the plain model (on the meta device) first, then
 torch.compile each block, then fully_shard. `convert_to_float8_training` swaps the transformer
