@@ -36,7 +36,7 @@ import triton.language as tl
 from kernels.triton.launch import Launcher, meta_key
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+E4M3_MAX = 448.0  # e4m3's largest finite value; pow2_scale's bit constants encode it as 1.75 * 2**8
 # A row of more than this many elements is cast in chunks (two passes: its amax, then the cast)
 # instead of held in registers; 8192 (mini_llm's MLP width) is one pass.
 MAX_BLOCK = 8192

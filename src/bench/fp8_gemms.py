@@ -25,10 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.triton.fp8_linear import E4M3, E4M3_MAX
 from src.fusion.timing import median_ms
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max
 
 
 def block_linears(dim: int, hidden: int) -> list[tuple[str, int, int]]:
