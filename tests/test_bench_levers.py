@@ -79,3 +79,36 @@ def test_variant_names_and_the_fp8_loss_gap():
     assert curve["steps_compared"] == 4 and curve["max_abs_gap"] == pytest.approx(0.0, abs=1e-9)
     assert curve["max_abs_step_gap"] == pytest.approx(0.2) and curve["window"] == 2
     assert compare(bf16, [x + 0.1 for x in bf16], last=4, window=3)["mean_gap"] == pytest.approx(0.1)
+
+
+def test_fp8_loss_compares_every_variant_and_control_with_one_bf16_run(tmp_path, capsys):
+    """One bf16 reference for all the float8 variants; a control (bf16, last bits changed) is
+    reported beside them and never fails the bench; a variant past the tolerance does (exit 1)."""
+    from src.bench import fp8_loss
+
+    base = [3.0 - 0.01 * i for i in range(30)]
+    offsets = {"bf16": 0.0, "gw_hp": 0.02, "gw_tw": 0.08, "compiled": 0.07}
+    seen = []
+
+    def runner(name, overrides, args):
+        seen.append((name, overrides))
+        return [x + offsets[name] for x in base]
+
+    argv = ["--steps", "30", "--last", "10", "--window", "5", "--tol", "0.05", "--out", str(tmp_path),
+            "--variant", "gw_hp=precision=fp8 precision.fp8_recipe=rowwise_with_gw_hp", "--control", "compiled=kernels=compile"]
+    results = fp8_loss.main(argv, runner=runner)
+    assert seen == [("bf16", []), ("gw_hp", ["precision=fp8", "precision.fp8_recipe=rowwise_with_gw_hp"]), ("compiled", ["kernels=compile"])]
+    assert results["gw_hp"]["passed"] and results["gw_hp"]["max_abs_gap"] == pytest.approx(0.02)
+    assert results["compiled"]["role"] == "control" and not results["compiled"]["passed"]  # past the tolerance, yet no exit 1
+    saved = json.loads((tmp_path / "fp8_loss.json").read_text())
+    assert set(saved["losses"]) == {"bf16", "gw_hp", "compiled"} and saved["results"]["gw_hp"]["overrides"][0] == "precision=fp8"
+    assert "rounding alone" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as failed:
+        fp8_loss.main([*argv[:10], "--variant", "gw_tw=precision=fp8"], runner=runner)
+    assert failed.value.code == 1
+    assert [name for name, _ in seen[3:]] == ["bf16", "gw_tw"]
+    fp8_loss.main(argv[:10], runner=lambda name, overrides, args: seen.append((name, overrides)) or base)
+    assert seen[-1] == ("fp8", ["precision=fp8"])  # no --variant: torchao's tensorwise float8
+    with pytest.raises(SystemExit) as clash:
+        fp8_loss.main([*argv[:10], "--variant", "bf16=precision=fp8"], runner=runner)
+    assert clash.value.code == 2

@@ -234,6 +234,47 @@ def test_auto_picks_by_gpu_time_and_records_each_candidates_host_time_beside_it(
     assert norm.pick == "triton" and norm.host_ms == {"eager": None, "compile": None, "triton": None}
 
 
+def test_a_block_is_charged_the_larger_of_its_gpu_and_host_time():
+    """The blocks are most of the step: a block whose host path outlasts its kernels (float8's eager
+    casts, about 12 launches a linear from Python) makes the step wait on the host, so compile wins
+    there even at equal GPU time; where both queue faster than they run, GPU time decides alone."""
+    from src.fusion.measure import block_paid_ms, chosen, measure
+
+    cfg = _seed_cfg(precision="fp8", **{"precision.fp8_impl": "triton", "precision.fp8_recipe": "rowwise_with_gw_hp"})
+    norms = {("rms_norm", "eager"): (0.10, 0.15), ("add_rms_norm", "eager"): (0.15, 0.20)}
+    host_bound, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 5.40), ("block", "compile"): (4.25, 1.60)})
+    _, block = measure(["rms_norm"], cfg, host_bound)
+    assert block_paid_ms(block) == {"picked": pytest.approx(12 * 5.40), "compile": pytest.approx(12 * 4.25)}
+    assert block.pick == "compile" and chosen([block])[2] is True
+    gpu_bound, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 3.90), ("block", "compile"): (4.25, 1.60)})
+    _, block = measure(["rms_norm"], cfg, gpu_bound)
+    assert block_paid_ms(block)["picked"] == pytest.approx(12 * 4.30) and block.pick == "picked"  # 1% apart: inside the noise
+    # a host time not taken (a GPU-only timer) leaves GPU time alone to decide; a failed candidate stays None
+    gpu_only, _ = _stub_timer({("rms_norm", "eager"): 0.1, ("add_rms_norm", "eager"): 0.15, ("block", "picked"): 4.3})
+    _, block = measure(["rms_norm"], cfg, gpu_only)
+    assert block_paid_ms(block) == {"picked": pytest.approx(12 * 4.3), "compile": None} and block.pick == "picked"
+
+
+@pytest.mark.parametrize("recipe, grad_weight_in_float8", [("rowwise_with_gw_hp", False), ("rowwise_with_gw_tensorwise", True)])
+def test_the_timed_block_has_the_runs_float8_linears(recipe, grad_weight_in_float8):
+    """kernels=auto times a block as the run will train it: with precision=fp8 its four linears are
+    the run's float8 ones (the casts are part of what a candidate costs); in bf16 they stay nn.Linear."""
+    import torch
+
+    from kernels.triton.fp8_linear import Float8RowwiseLinear
+    from src.fusion.measure import build_block
+
+    fp8 = _seed_cfg(precision="fp8", **{"precision.fp8_impl": "triton", "precision.fp8_recipe": recipe, "model": "tiny"})
+    block = build_block(fp8.model, fp8.precision, torch.bfloat16, torch.device("cpu"))
+    linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 and all(type(m) is Float8RowwiseLinear for m in linears)
+    assert all(m.float8_grad_weight is grad_weight_in_float8 for m in linears)
+    assert all(p.dtype == torch.bfloat16 for p in block.parameters())
+    bf16 = _seed_cfg(model="tiny")
+    assert all(type(m) is torch.nn.Linear for m in build_block(bf16.model, bf16.precision, torch.bfloat16, torch.device("cpu")).modules()
+               if isinstance(m, torch.nn.Linear))
+
+
 def test_auto_times_adamw_against_the_triton_optimizer_where_the_step_only_reports_the_norm():
     """The diagnosis calls AdamW's kernels latency-limited: with optim.impl left to auto and no
     clipping, the optimizer is timed over this rank's parameter shards (half of each dim 0 on two

@@ -1,7 +1,16 @@
-"""Does float8 training follow bf16's loss? The same run (model, data=text, seed, batches) twice,
-precision=bf16 then precision=fp8, and the gap between the two loss curves over the last steps.
+"""Does float8 training follow bf16's loss? The same run (model, data=text, seed, batches) in
+precision=bf16, then once per float8 variant, and the gap between each variant's loss curve and
+bf16's over the last steps.
 
     python -m src.bench.fp8_loss --steps 240 --last 50 --window 10 --tol 0.05 --out bench_out/fp8_loss
+    python -m src.bench.fp8_loss --variant gw_hp="precision=fp8 precision.fp8_impl=triton precision.fp8_recipe=rowwise_with_gw_hp" \
+        --control compiled="kernels=compile"
+
+Without --variant the one variant is `fp8` (precision=fp8, torchao tensorwise). Every variant is
+compared with the one bf16 run. A --control is a bf16 run changed only in its last bits (compiled
+kernels round their fused elementwise work differently): its gap is how far two runs that differ
+in nothing but rounding drift apart on this model, the floor under any float8 gap. It is reported
+beside the variants and never fails the bench.
 
 Default: model=mini_llm (the seed's model, 735M parameters) on one GPU, batch 8 x 1024 tokens of the
 byte-level text corpus, eager kernels (float8's numerics do not depend on compile; eager spares two
@@ -12,7 +21,8 @@ the last bits answer the same batch differently by more than their curves differ
 2026-11-30: single steps up to 0.17 nats apart while the 10-step curves stayed within 0.03), so the
 per-step gap measures that spread, not a drift. The tolerance, 0.05 nats on any point of the curve
 over the last --last steps, is a threshold we set: torchao reports tensorwise float8 training
-tracking bf16's loss curve, and a larger gap is a numerics problem to look at. Exit code 1 past it.
+tracking bf16's loss curve, and a larger gap is a numerics problem to look at. Exit code 1 when a
+variant is past it.
 """
 from __future__ import annotations
 
@@ -31,16 +41,17 @@ from pathlib import Path
 RECIPE = ["optim.schedule=cosine", "optim.warmup_steps=40", "optim.betas=[0.9,0.95]"]
 
 
-def run(precision: str, args: argparse.Namespace) -> list[float]:
-    run_dir = args.out / precision
+def run(name: str, overrides: list[str], args: argparse.Namespace) -> list[float]:
+    """One training run of the bench's recipe with `overrides` (after --extra); its per-step losses."""
+    run_dir = args.out / name
     cmd = [sys.executable, "-m", "src.run", f"model={args.model}", "backend=cuda", "data=text", f"dist.nproc={args.nproc}",
-           f"train.steps={args.steps}", f"precision={precision}", "tracking=none", "train.progress=false",
-           f"train.seed={args.seed}", f"hydra.run.dir={run_dir}", *RECIPE, *args.extra]
+           f"train.steps={args.steps}", "tracking=none", "train.progress=false", "train.log_every=1",  # every step's loss
+           f"train.seed={args.seed}", f"hydra.run.dir={run_dir}", *RECIPE, *args.extra, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"precision={precision} failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+        raise SystemExit(f"{name} ({' '.join(overrides)}) failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    print(f"precision={precision}: final loss {summary['final_loss']:.4f}, step {1e3 * summary['step_time_s']:.1f} ms, "
+    print(f"{name}: final loss {summary['final_loss']:.4f}, step {1e3 * summary['step_time_s']:.1f} ms, "
           f"MFU {summary['mfu'] if summary['mfu'] is None else round(summary['mfu'], 1)}%", flush=True)
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -60,7 +71,9 @@ def compare(bf16: list[float], fp8: list[float], last: int, window: int = 1) -> 
             "bf16_mean_loss": sum(bf16[-last:]) / len(bf16[-last:]), "steps_compared": len(curve), "window": window}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
+    from src.bench.fsdp_vs_seed import parse_variant
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--last", type=int, default=50, help="steps at the end whose losses are compared")
@@ -70,20 +83,40 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench_out/fp8_loss"))
-    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for both runs (e.g. kernels=compile)")
-    args = ap.parse_args()
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run (e.g. kernels=compile)")
+    ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="a float8 run to compare with bf16's, e.g. gw_hp=\"precision=fp8 precision.fp8_recipe=rowwise_with_gw_hp\" "
+                         "(repeatable; default: fp8=precision=fp8)")
+    ap.add_argument("--control", type=parse_variant, action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="a bf16 run changed in its last bits only (e.g. compiled=kernels=compile): the drift of rounding alone, reported, never failed")
+    args = ap.parse_args(argv)
     if args.steps < args.last + args.window - 1 or args.window < 1:
         ap.error(f"--steps {args.steps} must be at least --last {args.last} + --window {args.window} - 1 (window >= 1)")
+    variants = args.variant or [("fp8", ["precision=fp8"])]
+    names = [name for name, _ in variants + args.control]
+    if "bf16" in names or len(set(names)) != len(names):
+        ap.error(f"--variant/--control names must be distinct and not bf16 (the reference): {names}")
     args.out.mkdir(parents=True, exist_ok=True)
-    bf16, fp8 = run("bf16", args), run("fp8", args)
-    result = {**compare(bf16, fp8, args.last, args.window), "tol": args.tol, "steps": args.steps, "model": args.model}
-    result["passed"] = result["max_abs_gap"] <= args.tol
-    (args.out / "fp8_loss.json").write_text(json.dumps({**result, "bf16": bf16, "fp8": fp8}, indent=2))
-    print(f"last {result['steps_compared']} of {args.steps} steps, {args.window}-step curves: max |fp8 - bf16| = {result['max_abs_gap']:.4f} "
-          f"(tolerance {args.tol}), mean gap {result['mean_gap']:+.4f}, largest single step {result['max_abs_step_gap']:.4f}, "
-          f"on a bf16 loss of {result['bf16_mean_loss']:.4f}: "
-          f"{'within' if result['passed'] else 'OUTSIDE'} tolerance")
-    sys.exit(0 if result["passed"] else 1)
+    bf16 = runner("bf16", [], args)  # precision=bf16 is the config's default
+    results: dict[str, dict] = {}
+    curves = {"bf16": bf16}
+    for role, runs in (("variant", variants), ("control", args.control)):
+        for name, overrides in runs:
+            losses = runner(name, overrides, args)
+            curves[name] = losses
+            gap = compare(bf16, losses, args.last, args.window)
+            results[name] = {**gap, "role": role, "overrides": overrides, "passed": gap["max_abs_gap"] <= args.tol}
+    (args.out / "fp8_loss.json").write_text(json.dumps({"tol": args.tol, "steps": args.steps, "model": args.model, "last": args.last,
+                                                        "results": results, "losses": curves}, indent=2))
+    print(f"last {args.last} of {args.steps} steps, {args.window}-step curves against bf16 (mean loss "
+          f"{next(iter(results.values()))['bf16_mean_loss']:.4f}); tolerance {args.tol} nats")
+    print(f"{'run':<24} {'role':<8} {'max |gap|':>9} {'mean gap':>9} {'max step':>9}  verdict")
+    for name, r in results.items():
+        verdict = "rounding alone" if r["role"] == "control" else ("within" if r["passed"] else "OUTSIDE")
+        print(f"{name:<24} {r['role']:<8} {r['max_abs_gap']:>9.4f} {r['mean_gap']:>+9.4f} {r['max_abs_step_gap']:>9.4f}  {verdict}")
+    if any(r["role"] == "variant" and not r["passed"] for r in results.values()):
+        sys.exit(1)
+    return results
 
 
 if __name__ == "__main__":

@@ -79,18 +79,20 @@ def is_block_linear(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear) and fqn.startswith("layers.")
 
 
-def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: bool, emulate: bool = False, impl: str = "torchao") -> int:
+def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: bool, emulate: bool = False, impl: str = "torchao",
+                             module_filter: Callable[[nn.Module, str], bool] = is_block_linear) -> int:
     """Swap the blocks' nn.Linear for a float8 linear in place; returns how many were swapped.
     impl=torchao: torchao's Float8Linear, where `emulate` runs the float8 GEMMs as casts + a
     high-precision matmul (tests on a CPU only). impl=triton: kernels/triton/fp8_linear.py's
     Float8RowwiseLinear (its class swapped in, the parameters kept), whose GEMMs are real float8
-    wherever torch._scaled_mm runs (CUDA 8.9+, and a CPU)."""
+    wherever torch._scaled_mm runs (CUDA 8.9+, and a CPU). `module_filter(module, fqn)` picks the
+    linears: those under `layers.` of the model; kernels=auto's timed block takes all of its own."""
     if impl == "triton":
         from kernels.triton.fp8_linear import swap_to_float8
 
         if str(recipe) not in TRITON_RECIPES:
             raise ValueError(f"precision.fp8_impl=triton casts for {' or '.join(TRITON_RECIPES)}, not {recipe}")
-        linears = [m for fqn, m in model.named_modules() if is_block_linear(m, fqn)]
+        linears = [m for fqn, m in model.named_modules() if module_filter(m, fqn)]
         for m in linears:
             swap_to_float8(m, float8_grad_weight=TRITON_RECIPES[str(recipe)])
         return len(linears)
@@ -110,7 +112,7 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = True
-    convert_to_float8_training(model, module_filter_fn=is_block_linear, config=config)
+    convert_to_float8_training(model, module_filter_fn=module_filter, config=config)
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 
 

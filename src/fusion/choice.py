@@ -129,7 +129,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         measured = {t.op: {**{k: v for k, v in t.ms.items() if v is not None},
                            **{f"{k}.host": v for k, v in t.host_ms.items() if v is not None}} for t in timings}
         for t in timings:
-            log.info("  %s (GPU ms a step, host ahead; host ms): %s -> %s", t.op, ", ".join(
+            log.info("  %s (GPU ms a step, host ahead; host ms%s): %s -> %s", t.op, "; charged the larger" if t.op == "block" else "", ", ".join(
                 f"{k} {v:.3f} ({t.host_ms[k]:.2f})" if v is not None and t.host_ms.get(k) is not None else f"{k} {v:.3f}" if v is not None else f"{k} failed"
                 for k, v in t.ms.items()), t.pick)
     else:

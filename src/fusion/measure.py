@@ -27,8 +27,15 @@ optim.impl is left to auto.
 Then the block as a whole: the ops inside a transformer block (norms, the MLP's activation) are
 also what Inductor fuses when it compiles the block (`kernels.compile`), with the residual adds and
 casts no per-op swap reaches. One block, forward and backward, is timed as the per-op picks would
-run it and under torch.compile; compile is used where it beats the picks by more than the noise,
-and it then subsumes the in-block picks (the loss, outside the blocks, keeps its own).
+run it and under torch.compile, with the run's precision (precision=fp8: its linears swapped for
+float8 ones, as the run swaps them); compile is used where it beats the picks by more than the
+noise, and it then subsumes the in-block picks (the loss, outside the blocks, keeps its own).
+The blocks are most of the step, so a block is charged the larger of its GPU time and its host
+time: where queuing a block takes longer than running it, the GPU waits on the host whatever the
+kernels cost. In bf16 that changes nothing (the seed's eager block queues in less than it runs);
+with float8's Triton casts each eager linear launches about 12 kernels from Python, and an eager
+step of float8 blocks took 70.7 ms of host to queue 74.3 ms of GPU work (docs/PERFORMANCE.md
+section 7, "float8 with Triton casts"), where compiled blocks queued theirs in 53.
 """
 from __future__ import annotations
 
@@ -164,7 +171,15 @@ def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTim
     than the noise."""
     m = cfg.model
     use = Use(BLOCK, [cfg.data.batch_size, cfg.data.seq_len, m.dim], m.n_layers, dict(picks))
-    return _timed(BLOCK, [use], ("picked", "compile"), timer, base="picked")
+    timing = _timed(BLOCK, [use], ("picked", "compile"), timer, base="picked")
+    timing.pick = pick(block_paid_ms(timing), base="picked")
+    return timing
+
+
+def block_paid_ms(timing: OpTiming) -> dict[str, float | None]:
+    """What the step pays for each block candidate: the larger of its GPU and host ms (GPU alone
+    where the host was not timed; None where the candidate failed)."""
+    return {c: None if gpu is None else max(gpu, timing.host_ms.get(c) or 0.0) for c, gpu in timing.ms.items()}
 
 
 def _timed(op: str, op_uses: list[Use], candidates: tuple[str, ...], timer: Timer, base: str = "eager") -> OpTiming:
@@ -243,17 +258,32 @@ def _head_loss(candidate: str, loss_fp32: bool) -> Callable:
     return fused_linear_cross_entropy
 
 
-def _time_block(use: Use, candidate: str, model_cfg: DictConfig, dtype: torch.dtype, device: torch.device) -> float:
-    """One block of this model in the compute dtype (FSDP2 gathers the blocks' parameters in it),
-    forward and backward with its weight gradients: "picked" with the per-op swaps, "compile"
-    under torch.compile (compiled once before timing)."""
-    from src.fusion.compiled import apply_compiled
-    from src.fusion.registry import apply_fused
+def build_block(model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """One transformer block of this model as the run's blocks are before compile and sharding: in
+    the compute dtype (FSDP2 gathers the blocks' parameters in it), and with precision=fp8 its
+    linears swapped for the run's float8 ones (impl and recipe), so the casts are timed too."""
     from src.models.mini_llm import TransformerBlock
 
     m = model_cfg
+    block = TransformerBlock(m.dim, m.n_heads, m.ffn_hidden or m.dim * m.ffn_mult, m.causal, m.norm_eps, str(m.mlp)).to(device, dtype)
+    if precision_cfg is not None and precision_cfg.float8:
+        from src.distributed.float8 import convert_blocks_to_float8
+
+        # not under FSDP2 here, so no float8 all-gather; every linear of the block is a block linear
+        convert_blocks_to_float8(block, str(precision_cfg.fp8_recipe), False, impl=str(precision_cfg.fp8_impl),
+                                 module_filter=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    return block
+
+
+def _time_block(use: Use, candidate: str, model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: torch.dtype,
+                device: torch.device) -> tuple[float, float]:
+    """One block of this model (build_block), forward and backward with its weight gradients:
+    "picked" with the per-op swaps, "compile" under torch.compile (compiled once before timing)."""
+    from src.fusion.compiled import apply_compiled
+    from src.fusion.registry import apply_fused
+
     batch, seq, dim = use.shape
-    block = TransformerBlock(dim, m.n_heads, m.ffn_hidden or dim * m.ffn_mult, m.causal, m.norm_eps, str(m.mlp)).to(device, dtype)
+    block = build_block(model_cfg, precision_cfg, dtype, device)
     if candidate == "compile":
         fn = torch.compile(block, dynamic=False)
     else:
@@ -280,17 +310,18 @@ def _gpu_and_host(step: Callable[[], None], device: torch.device) -> tuple[float
 
 
 def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None = None, optim_cfg: DictConfig | None = None,
-              log_every: int = 1) -> Timer:
+              log_every: int = 1, precision_cfg: DictConfig | None = None) -> Timer:
     """GPU time of forward + backward with the host ahead (queued_ms), as a step that never syncs
-    pays it, and the host time to issue it. `model_cfg`: the model whose block is timed;
-    `optim_cfg` and `log_every`: the optimizer's settings and how often the loop reads the norm."""
+    pays it, and the host time to issue it. `model_cfg` and `precision_cfg`: the model whose block
+    is timed, and its precision (float8 linears or not); `optim_cfg` and `log_every`: the
+    optimizer's settings and how often the loop reads the norm."""
     from src.fusion.cases import forward_backward, make_case, seed, variant
 
     device = torch.device("cuda", torch.cuda.current_device())
 
     def time_one(use: Use, candidate: str) -> float:
         if use.case == BLOCK:
-            return _time_block(use, candidate, model_cfg, dtype, device)
+            return _time_block(use, candidate, model_cfg, precision_cfg, dtype, device)
         if use.case == OPTIMIZER:
             return _time_optimizer(use, candidate, optim_cfg, log_every, device)
         case = make_case("linear_cross_entropy" if use.case == "head_loss" else use.case, use.shape)
@@ -310,7 +341,7 @@ def _measure_in_child(ops: list[str], cfg_yaml: str) -> list[dict]:
 
     cfg = OmegaConf.create(cfg_yaml)
     torch.cuda.set_device(0)
-    timer = gpu_timer(torch_dtype(cfg.precision.param_dtype), cfg.train.loss_fp32, cfg.model, cfg.optim, cfg.train.log_every)
+    timer = gpu_timer(torch_dtype(cfg.precision.param_dtype), cfg.train.loss_fp32, cfg.model, cfg.optim, cfg.train.log_every, cfg.precision)
     return [asdict(t) for t in measure(ops, cfg, timer)]
 
 
