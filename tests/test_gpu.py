@@ -291,6 +291,28 @@ def test_queued_timing_gives_a_copys_gpu_time_without_its_host_path():
     assert kernels < host, f"60 tiny kernels: {kernels:.4f} ms queued, {host:.4f} ms of host"
 
 
+def test_host_time_grows_with_launches_past_the_streams_queue():
+    """src.fusion.timing.host_us_per_call and queued_ms on calls of 60 and 300 tiny kernels: 30 of
+    either per batch would queue more than the ~1000 launches a stream holds, and the host would
+    wait on the spin (60: about 50 ms / 30 a call, whatever the launches cost). Batched within the
+    queue, five times the launches cost about five times the host, and the queued GPU time stays
+    under the host time (the kernels are ~2 us, their launches several)."""
+    from src.fusion.timing import host_us_per_call, queued_ms
+
+    device = torch.device("cuda")
+    tiny = torch.zeros(16, device=device)
+
+    def launches(n):
+        def call():
+            for _ in range(n):
+                tiny.add_(1)
+        return call
+
+    few, many = host_us_per_call(launches(60), device), host_us_per_call(launches(300), device)
+    assert 3.5 < many / few < 6.5, f"60 launches {few:.0f} us of host, 300 launches {many:.0f} us"
+    assert queued_ms(launches(300), device) < many / 1e3
+
+
 def test_chained_copies_stream_faster_than_copies_after_do_benchs_flush():
     """src.fusion.timing.chain_ms: 64 MB copies over distinct buffers back to back from one graph
     are not charged do_bench's flush (its 256 MB write leaves L2 dirty, and each timed call pays the

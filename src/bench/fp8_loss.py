@@ -9,8 +9,12 @@ bf16's over the last steps.
 Without --variant the one variant is `fp8` (precision=fp8, torchao tensorwise). Every variant is
 compared with the one bf16 run. A --control is a bf16 run changed only in its last bits (compiled
 kernels round their fused elementwise work differently): its gap is how far two runs that differ
-in nothing but rounding drift apart on this model, the floor under any float8 gap. It is reported
-beside the variants and never fails the bench.
+in nothing but rounding drift apart on this model, the floor under any float8 gap. With controls,
+a variant passes within the larger of --tol and the largest control's gap: a float8 curve no
+further from bf16's than bf16's own under other rounding is following it. mini_llm spikes early
+in every precision (loss 10 -> 15-20 over steps 10-60 before it falls, on the H200 2026-12-02),
+and from there rounding alone sent a compiled bf16 run 0.139 nats from the eager one (10-step
+curves, last 50 of 240 steps), past the fixed 0.05.
 
 Default: model=mini_llm (the seed's model, 735M parameters) on one GPU, batch 8 x 1024 tokens of the
 byte-level text corpus, eager kernels (float8's numerics do not depend on compile; eager spares two
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
                     help="a float8 run to compare with bf16's, e.g. gw_hp=\"precision=fp8 precision.fp8_recipe=rowwise_with_gw_hp\" "
                          "(repeatable; default: fp8=precision=fp8)")
     ap.add_argument("--control", type=parse_variant, action="append", default=[], metavar="NAME=OVERRIDES",
-                    help="a bf16 run changed in its last bits only (e.g. compiled=kernels=compile): the drift of rounding alone, reported, never failed")
+                    help="a bf16 run changed in its last bits only (e.g. compiled=kernels=compile): the drift of rounding alone, "
+                         "which raises the tolerance to its gap where larger; never failed itself")
     args = ap.parse_args(argv)
     if args.steps < args.last + args.window - 1 or args.window < 1:
         ap.error(f"--steps {args.steps} must be at least --last {args.last} + --window {args.window} - 1 (window >= 1)")
@@ -104,12 +109,16 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
         for name, overrides in runs:
             losses = runner(name, overrides, args)
             curves[name] = losses
-            gap = compare(bf16, losses, args.last, args.window)
-            results[name] = {**gap, "role": role, "overrides": overrides, "passed": gap["max_abs_gap"] <= args.tol}
-    (args.out / "fp8_loss.json").write_text(json.dumps({"tol": args.tol, "steps": args.steps, "model": args.model, "last": args.last,
-                                                        "results": results, "losses": curves}, indent=2))
+            results[name] = {**compare(bf16, losses, args.last, args.window), "role": role, "overrides": overrides}
+    floor = max((r["max_abs_gap"] for r in results.values() if r["role"] == "control"), default=0.0)
+    limit = max(args.tol, floor)
+    for r in results.values():
+        r["passed"] = r["max_abs_gap"] <= limit
+    (args.out / "fp8_loss.json").write_text(json.dumps({"tol": args.tol, "control_floor": floor, "limit": limit, "steps": args.steps,
+                                                        "model": args.model, "last": args.last, "results": results, "losses": curves}, indent=2))
     print(f"last {args.last} of {args.steps} steps, {args.window}-step curves against bf16 (mean loss "
-          f"{next(iter(results.values()))['bf16_mean_loss']:.4f}); tolerance {args.tol} nats")
+          f"{next(iter(results.values()))['bf16_mean_loss']:.4f}); tolerance {args.tol} nats"
+          + (f", the controls' rounding drift {floor:.4f}: limit {limit:.4f}" if args.control else ""))
     print(f"{'run':<24} {'role':<8} {'max |gap|':>9} {'mean gap':>9} {'max step':>9}  verdict")
     for name, r in results.items():
         verdict = "rounding alone" if r["role"] == "control" else ("within" if r["passed"] else "OUTSIDE")

@@ -45,22 +45,49 @@ def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, r
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
+# A CUDA stream holds about 1000 launches pending; past that each launch blocks until a kernel
+# ends (measured on CUDA 10 and since: 4-5 us a launch for the first ~1000, then the kernel's own
+# time). A timed batch must queue fewer or its host time waits on the GPU and its "host ahead"
+# never is: a transformer block's forward + backward is 100-250 launches, and 20-30 of them behind
+# one spin read their GPU time as host time (kernels=auto measured an eager float8 block's host at
+# 45 ms a step, level with its GPU time, where the training step took 76 ms to queue). A batch of
+# at most QUEUE_HOST_US of host is at most ~300 launches at >= 3 us of host each.
+QUEUE_HOST_US = 1000.0
+
+
+def _calls_within_queue(fn: Callable[[], object], device: torch.device, calls: int) -> int:
+    """How many calls of `fn` one timed batch may queue: `calls`, fewer where one call's host path
+    is long enough that `calls` of them would fill the stream's launch queue (QUEUE_HOST_US)."""
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(20_000_000)  # ~10 ms: the one call queues behind it, never waiting on a kernel
+    t0 = time.perf_counter()
+    fn()
+    one_us = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize(device)
+    return max(1, min(calls, int(QUEUE_HOST_US // max(one_us, 1.0))))
+
+
 def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 30, batches: int = 5) -> float:
     """CPU microseconds to issue one call, with the GPU kept busy so the host never waits for it
     (torch.cuda._sleep queues a spin of ~50 ms ahead of each batch of calls): the median over
     `batches` batches, since one batch of 30 calls varied by 1.5x between two readings of the same
-    op on an H200's host. Where this exceeds the call's GPU time, the op is host-bound: the GPU
-    idles between its kernels unless a CUDA graph replays them."""
+    op on an H200's host. A call whose host path is long is issued fewer times a batch (at most
+    QUEUE_HOST_US of host, so the stream's launch queue never fills), over more batches. Where this
+    exceeds the call's GPU time, the op is host-bound: the GPU idles between its kernels unless a
+    CUDA graph replays them."""
     fn()
     means = []
     if device.type != "cuda":
         # on a CPU the call is its own host time, kernels included: one short batch says it (30 calls
         # of a Triton kernel in the interpreter took most of a CPU kernel bench's time)
         batches, calls = 1, min(calls, 3)
+    else:
+        fewer = _calls_within_queue(fn, device, calls)
+        batches, calls = (batches if fewer == calls else max(batches, 9)), fewer
     for _ in range(batches):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than `calls` host paths of 1 ms
+            torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than a batch's QUEUE_HOST_US of host
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -76,14 +103,17 @@ def queued_ms(fn: Callable[[], object], device: torch.device, calls: int = 20, b
     `calls` calls are queued before the device reaches them, and CUDA events after the spin and
     after the last call time the kernels with no host path between them. Unlike a CUDA graph it
     takes any op (eager RMSNorm's backward cannot be captured on torch 2.11); unlike do_bench it
-    leaves L2 as the previous call left it, as consecutive layers do. A batch whose queuing outlasted
-    the spin (the device reached the first call before the host issued the last) is run again with a
-    spin four times longer. Off CUDA: median_ms."""
+    leaves L2 as the previous call left it, as consecutive layers do. A call with a long host path
+    is queued fewer times a batch, so the stream's launch queue never fills (QUEUE_HOST_US). A batch
+    whose queuing outlasted the spin (the device reached the first call before the host issued the
+    last) is run again with a spin four times longer. Off CUDA: median_ms."""
     if device.type != "cuda":
         return median_ms(fn, device)
     for _ in range(3):  # compilation, autotuning, the allocator's first blocks
         fn()
-    per_call, spin = [], 100_000_000  # ~50 ms at 2 GHz: longer than 20 host paths of a block's 2 ms
+    fewer = _calls_within_queue(fn, device, calls)
+    batches, calls = (batches if fewer == calls else max(batches, 9)), fewer
+    per_call, spin = [], 100_000_000  # ~50 ms at 2 GHz: longer than a batch's QUEUE_HOST_US of host
     while len(per_call) < batches:
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
