@@ -24,7 +24,8 @@ On an H200 (src/bench/fp8_gemms.py, docs/PERFORMANCE.md) the block's GEMMs of mi
 this way against 3.48 in bf16 (11.6 ms a step). torchao's casts for the same recipe, compiled by
 Inductor, gave back all but 1.7 ms of it; with these the seed's compiled step takes 61.5 ms against
 bf16's 68.6 (docs/PERFORMANCE.md section 7). Eager blocks launch the casts from Python, about 12
-launches a linear, and are host-bound: use compiled ones.
+launches a linear, and are host-bound: use compiled ones (kernels=compile; kernels=auto times the
+float8 block both ways and compiles it).
 """
 from __future__ import annotations
 
