@@ -32,10 +32,11 @@ float8 ones, as the run swaps them); compile is used where it beats the picks by
 noise, and it then subsumes the in-block picks (the loss, outside the blocks, keeps its own).
 The blocks are most of the step, so a block is charged the larger of its GPU time and its host
 time: where queuing a block takes longer than running it, the GPU waits on the host whatever the
-kernels cost. In bf16 that changes nothing (the seed's eager block queues in less than it runs);
-with float8's Triton casts each eager linear launches about 12 kernels from Python, and an eager
-step of float8 blocks took 70.7 ms of host to queue 74.3 ms of GPU work (docs/PERFORMANCE.md
-section 7, "float8 with Triton casts"), where compiled blocks queued theirs in 53.
+kernels cost. In bf16 the two blocks queue in about what they run (48 ms of GPU a step on an H200,
+44-57 of host either way, docs/PERFORMANCE.md section 7's "kernels=auto with float8"), and the
+per-op picks stay; with float8's Triton casts each eager linear launches about 12 kernels from
+Python, so eager float8 blocks took 65-86 ms of host a step against 42 of GPU there, and compiled
+ones 54-60: auto compiles them.
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, r
 # never is: a transformer block's forward + backward is 100-250 launches, and 20-30 of them behind
 # one spin read their GPU time as host time (kernels=auto measured an eager float8 block's host at
 # 45 ms a step, level with its GPU time, where the training step took 76 ms to queue). A batch of
-# at most QUEUE_HOST_US of host is at most ~300 launches at >= 3 us of host each.
+# at most QUEUE_HOST_US of host is at most ~300 launches at >= 3 us of host each (and one untimed
+# call leads each batch, so a block's batch is two calls, 500 launches at most).
 QUEUE_HOST_US = 1000.0
 
 
@@ -59,7 +60,8 @@ def _calls_within_queue(fn: Callable[[], object], device: torch.device, calls: i
     """How many calls of `fn` one timed batch may queue: `calls`, fewer where one call's host path
     is long enough that `calls` of them would fill the stream's launch queue (QUEUE_HOST_US)."""
     torch.cuda.synchronize(device)
-    torch.cuda._sleep(20_000_000)  # ~10 ms: the one call queues behind it, never waiting on a kernel
+    torch.cuda._sleep(40_000_000)  # ~20 ms: both calls queue behind it, never waiting on a kernel
+    fn()  # the host's wake-up after the sync
     t0 = time.perf_counter()
     fn()
     one_us = (time.perf_counter() - t0) * 1e6
@@ -88,6 +90,7 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than a batch's QUEUE_HOST_US of host
+            fn()  # untimed: the first call after a sync pays the host's wake-up, which a step's calls do not
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -118,6 +121,7 @@ def queued_ms(fn: Callable[[], object], device: torch.device, calls: int = 20, b
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(spin)
+        fn()  # untimed, as in host_us_per_call: the host's wake-up after the sync is not the call's
         start.record()
         for _ in range(calls):
             fn()
