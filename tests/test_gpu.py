@@ -243,6 +243,29 @@ def test_kernels_auto_tries_the_fused_loss_against_eagers_in_the_run(tmp_path: P
     assert "kernels=auto loss trial, steps 2-5" in proc.stdout + proc.stderr
 
 
+def test_kernels_auto_times_the_float8_block_and_compiles_it(tmp_path: Path):
+    """kernels=auto with precision=fp8 (Triton casts) on the seed's step: the block is timed with
+    the run's float8 linears (about 42 ms of GPU a step where bf16's is 48), eager and compiled,
+    both recorded; the run trains with compiled blocks, and the log says why where the eager block
+    timed faster alone (src/fusion/measure.py FLOAT8_EAGER_BLOCKS)."""
+    from src.fusion.measure import FLOAT8_EAGER_BLOCKS, NOISE, OpTiming, block_paid_ms
+
+    proc = run_cli(["+exp=fsdp4", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={REPO / 'tests/fixtures/mini_llm_h200_diagnosis.json'}",
+                    "precision=fp8", "precision.reduce_dtype=bfloat16", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp",
+                    "train.steps=4", "tracking=none"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (auto,) = list(tmp_path.glob("outputs/*/*/kernels_auto.json"))
+    record = json.loads(auto.read_text())
+    block = record["measured"]["block"]
+    assert set(block) == {"picked", "compile", "picked.host", "compile.host"} and 20 < block["picked"] < 60, block
+    assert record["compile"] is True
+    log = proc.stdout + proc.stderr
+    timing = OpTiming("block", {c: block[c] for c in ("picked", "compile")}, {c: block[f"{c}.host"] for c in ("picked", "compile")})
+    paid = block_paid_ms(timing)
+    assert (FLOAT8_EAGER_BLOCKS in log) == (paid["compile"] >= paid["picked"] * (1 - NOISE)), log[-3000:]
+    assert "float8 (rowwise_with_gw_hp scales, triton casts): 48 block linears" in log
+
+
 def test_a_logged_steps_readback_is_queued_without_a_host_sync():
     """Readback's copy of a logged step's figures to the host: nothing torch counts as a sync (the
     host memory figures go up from pinned memory, non_blocking), and read() returns them all."""

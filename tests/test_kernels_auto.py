@@ -235,12 +235,12 @@ def test_auto_picks_by_gpu_time_and_records_each_candidates_host_time_beside_it(
 
 
 def test_a_block_is_charged_the_larger_of_its_gpu_and_host_time():
-    """The blocks are most of the step: a block whose host path outlasts its kernels (float8's eager
-    casts, about 12 launches a linear from Python) makes the step wait on the host, so compile wins
-    there even at equal GPU time; where both queue faster than they run, GPU time decides alone."""
+    """The blocks are most of the step: a block whose host path outlasts its kernels makes the step
+    wait on the host, so compile wins there even at equal GPU time; where both queue faster than
+    they run, GPU time decides alone."""
     from src.fusion.measure import block_paid_ms, chosen, measure
 
-    cfg = _seed_cfg(precision="fp8", **{"precision.fp8_impl": "triton", "precision.fp8_recipe": "rowwise_with_gw_hp"})
+    cfg = _seed_cfg()
     norms = {("rms_norm", "eager"): (0.10, 0.15), ("add_rms_norm", "eager"): (0.15, 0.20)}
     host_bound, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 5.40), ("block", "compile"): (4.25, 1.60)})
     _, block = measure(["rms_norm"], cfg, host_bound)
@@ -253,6 +253,27 @@ def test_a_block_is_charged_the_larger_of_its_gpu_and_host_time():
     gpu_only, _ = _stub_timer({("rms_norm", "eager"): 0.1, ("add_rms_norm", "eager"): 0.15, ("block", "picked"): 4.3})
     _, block = measure(["rms_norm"], cfg, gpu_only)
     assert block_paid_ms(block) == {"picked": pytest.approx(12 * 4.3), "compile": None} and block.pick == "picked"
+
+
+def test_float8_blocks_are_compiled_whenever_they_compile():
+    """With precision=fp8 the block timings are taken and recorded, and compiled blocks are used
+    even where the eager block timed faster alone (its casts' Python launches cost the step more
+    than a block alone shows); a compile that fails leaves the eager blocks."""
+    from src.fusion.measure import FLOAT8_EAGER_BLOCKS, block_paid_ms, chosen, measure
+
+    cfg = _seed_cfg(precision="fp8", **{"precision.fp8_impl": "triton", "precision.fp8_recipe": "rowwise_with_gw_hp"})
+    norms = {("rms_norm", "eager"): (0.10, 0.15), ("add_rms_norm", "eager"): (0.15, 0.20)}
+    timer, _ = _stub_timer({**norms, ("block", "picked"): (4.20, 3.10), ("block", "compile"): (4.35, 3.60)})
+    _, block = measure(["rms_norm"], cfg, timer)
+    assert block_paid_ms(block) == {"picked": pytest.approx(12 * 4.20), "compile": pytest.approx(12 * 4.35)}
+    assert block.pick == "compile" and block.why == FLOAT8_EAGER_BLOCKS and chosen([block])[2] is True
+    broken, _ = _stub_timer({**norms, ("block", "picked"): (4.20, 3.10)})
+    _, block = measure(["rms_norm"], cfg, broken)
+    assert block.pick == "picked" and block.why == "" and chosen([block])[2] is False
+    # where compile wins on its timings there is nothing to explain
+    faster, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 5.40), ("block", "compile"): (4.25, 1.60)})
+    _, block = measure(["rms_norm"], cfg, faster)
+    assert block.pick == "compile" and block.why == ""
 
 
 @pytest.mark.parametrize("recipe, grad_weight_in_float8", [("rowwise_with_gw_hp", False), ("rowwise_with_gw_tensorwise", True)])

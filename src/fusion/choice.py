@@ -131,7 +131,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         for t in timings:
             log.info("  %s (GPU ms a step, host ahead; host ms%s): %s -> %s", t.op, "; charged the larger" if t.op == "block" else "", ", ".join(
                 f"{k} {v:.3f} ({t.host_ms[k]:.2f})" if v is not None and t.host_ms.get(k) is not None else f"{k} {v:.3f}" if v is not None else f"{k} failed"
-                for k, v in t.ms.items()), t.pick)
+                for k, v in t.ms.items()), f"{t.pick} ({t.why})" if t.why else t.pick)
     else:
         why = "no GPU here" if measure else "under an external launcher each rank would time on its own"
         log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s%s", why, ", ".join(module_ops) or "nothing",

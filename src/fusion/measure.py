@@ -33,10 +33,10 @@ noise, and it then subsumes the in-block picks (the loss, outside the blocks, ke
 The blocks are most of the step, so a block is charged the larger of its GPU time and its host
 time: where queuing a block takes longer than running it, the GPU waits on the host whatever the
 kernels cost. In bf16 the two blocks queue in about what they run (48 ms of GPU a step on an H200,
-44-57 of host either way, docs/PERFORMANCE.md section 7's "kernels=auto with float8"), and the
-per-op picks stay; with float8's Triton casts each eager linear launches about 12 kernels from
-Python, so eager float8 blocks took 65-86 ms of host a step against 42 of GPU there, and compiled
-ones 54-60: auto compiles them.
+30-57 of host either way, docs/PERFORMANCE.md section 7's "kernels=auto with float8"), and the
+per-op picks stay. Float8 blocks are compiled whenever they compile (FLOAT8_EAGER_BLOCKS): each
+eager float8 linear launches about 12 kernels from Python, and the step pays more for that than a
+block timed alone shows.
 """
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ class OpTiming:
     """candidate -> host ms per step to issue those calls (None: not timed, or failed)"""
     pick: str = "eager"
     """eager, compile, triton, or linear_cross_entropy (the loss only)"""
+    why: str = ""
+    """where the pick is not the fastest timing's: the reason (the float8 block)"""
 
 
 def uses(cfg: DictConfig) -> dict[str, list[Use]]:
@@ -174,7 +176,18 @@ def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTim
     use = Use(BLOCK, [cfg.data.batch_size, cfg.data.seq_len, m.dim], m.n_layers, dict(picks))
     timing = _timed(BLOCK, [use], ("picked", "compile"), timer, base="picked")
     timing.pick = pick(block_paid_ms(timing), base="picked")
+    if cfg.precision.float8 and timing.ms.get("compile") is not None and timing.pick != "compile":
+        timing.pick, timing.why = "compile", FLOAT8_EAGER_BLOCKS
     return timing
+
+
+FLOAT8_EAGER_BLOCKS = ("float8 blocks are compiled whenever they compile: eager ones launch every cast from Python, "
+                       "and a block timed alone does not show what that costs in the step")
+"""Why auto compiles float8 blocks whatever the block's timings say. In the seed's step on an H200,
+eager float8 blocks were host-bound in every run (74.3 ms a step with 70.7 of host, 77.5 with
+76.1) where compiled ones ran 59.2-65.6 ms; alone, the eager float8 block's host read 37.5-86 ms a
+step on four machines, once under its 42.7 ms of GPU (docs/PERFORMANCE.md section 7): inside the
+step its host cost is higher than alone, by more than the timings can be trusted to show."""
 
 
 def block_paid_ms(timing: OpTiming) -> dict[str, float | None]:
