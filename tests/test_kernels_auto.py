@@ -276,6 +276,36 @@ def test_float8_blocks_are_compiled_whenever_they_compile():
     assert block.pick == "compile" and block.why == ""
 
 
+def test_auto_writes_each_measured_choice_and_its_reason_into_the_config(tmp_path, monkeypatch):
+    """apply_auto_choice on a GPU (here: the timings from a stub timer in place of the spawned GPU
+    child): the picks become kernels.fused / compile / optim.impl, the timings kernels.measured, and
+    a pick that is not the fastest timing's says why in kernels.reasons (the float8 block)."""
+    import src.fusion.choice as choice_mod
+    import src.fusion.measure as measure_mod
+    from src.fusion.choice import apply_auto_choice
+    from src.fusion.measure import FLOAT8_EAGER_BLOCKS, measure
+
+    timer, _ = _stub_timer({
+        ("rms_norm", "eager"): (0.10, 0.15), ("rms_norm", "compile"): (0.11, 0.6), ("rms_norm", "triton"): (0.06, 0.35),
+        ("add_rms_norm", "eager"): (0.15, 0.20), ("add_rms_norm", "compile"): (0.15, 0.65), ("add_rms_norm", "triton"): (0.08, 0.45),
+        ("head_loss", "eager"): (5.4, 0.3), ("head_loss", "compile"): (4.9, 0.9), ("head_loss", "triton"): (4.7, 0.8),
+        ("head_loss", "linear_cross_entropy"): (4.9, 2.2), ("adamw", "eager"): (6.8, 2.0), ("adamw", "triton"): (5.3, 2.8),
+        ("block", "picked"): (3.55, 3.1), ("block", "compile"): (3.6, 3.2),  # the eager float8 block timed faster alone
+    })
+    monkeypatch.setattr(choice_mod, "_gpu_present", lambda: True)
+    monkeypatch.setattr(measure_mod, "measure_on_gpu", lambda ops, cfg: measure(ops, cfg, timer))
+    cfg = _seed_cfg(precision="fp8", backend="cuda", **{"kernels": "auto", "kernels.diagnosis": str(FIXTURE), "precision.fp8_impl": "triton",
+                                                        "precision.fp8_recipe": "rowwise_with_gw_hp"})
+    apply_auto_choice(cfg, tmp_path)
+    k = cfg.kernels
+    assert list(k.fused) == ["cross_entropy"] and k.compile is True and str(cfg.optim.impl) == "triton"  # compiled blocks drop the Triton norms
+    assert dict(k.reasons) == {"block": FLOAT8_EAGER_BLOCKS}
+    assert k.measured["block"]["picked"] == pytest.approx(12 * 3.55) and k.measured["block"]["compile.host"] == pytest.approx(12 * 3.2)
+    bf16 = _seed_cfg(backend="cuda", **{"kernels": "auto", "kernels.diagnosis": str(FIXTURE)})
+    apply_auto_choice(bf16, tmp_path)
+    assert bf16.kernels.compile is False and dict(bf16.kernels.reasons) == {} and list(bf16.kernels.fused) == ["rms_norm", "cross_entropy"]
+
+
 @pytest.mark.parametrize("recipe, grad_weight_in_float8", [("rowwise_with_gw_hp", False), ("rowwise_with_gw_tensorwise", True)])
 def test_the_timed_block_has_the_runs_float8_linears(recipe, grad_weight_in_float8):
     """kernels=auto times a block as the run will train it: with precision=fp8 its four linears are

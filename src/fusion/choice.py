@@ -111,7 +111,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
     if choice is None:
         return None
     module_ops = [op for op in choice.ops if op in REGISTRY]
-    fused, compiled, measured, compile_blocks, optimizer = module_ops, [], {}, bool(cfg.kernels.compile), None
+    fused, compiled, measured, compile_blocks, optimizer, reasons = module_ops, [], {}, bool(cfg.kernels.compile), None, {}
     if OPTIMIZER in choice.ops:
         from src.fusion.measure import optimizer_swappable
 
@@ -128,6 +128,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         # GPU ms a step per candidate, and beside it ("CANDIDATE.host") the host ms to issue it
         measured = {t.op: {**{k: v for k, v in t.ms.items() if v is not None},
                            **{f"{k}.host": v for k, v in t.host_ms.items() if v is not None}} for t in timings}
+        reasons = {t.op: t.why for t in timings if t.why}
         for t in timings:
             log.info("  %s (GPU ms a step, host ahead; host ms%s): %s -> %s", t.op, "; charged the larger" if t.op == "block" else "", ", ".join(
                 f"{k} {v:.3f} ({t.host_ms[k]:.2f})" if v is not None and t.host_ms.get(k) is not None else f"{k} {v:.3f}" if v is not None else f"{k} failed"
@@ -143,6 +144,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         cfg.kernels.compiled = compiled
         cfg.kernels.compile = compile_blocks
         cfg.kernels.measured = measured
+        cfg.kernels.reasons = reasons
         cfg.kernels.diagnosis = choice.diagnosis
     return choice
 

@@ -38,11 +38,14 @@ def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, 
             note = "" if kernels.swapped.get(op, 1) else "  (this model has none to swap)"
         log.info("  %s%s <- %s", op, note, "; ".join(reasons))
     for op, ms in cfg.kernels.measured.items():
-        log.info("  measured %s: %s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
+        log.info("  measured %s: %s%s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
+                 f"; {cfg.kernels.reasons[op]}" if op in cfg.kernels.reasons else "")
     tracker.set_tags({
         "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis,
         "kernels.auto.fused": ",".join(cfg.kernels.fused) or "none", "kernels.auto.compiled": ",".join(cfg.kernels.compiled) or "none",
+        "kernels.auto.compile_blocks": str(bool(cfg.kernels.compile)).lower(),
         "kernels.auto.decided_by": "measurement" if cfg.kernels.measured else "diagnosis", "kernels.auto.optimizer": str(cfg.optim.impl),
+        **{f"kernels.auto.why.{op}": why for op, why in cfg.kernels.reasons.items()},
     })
     # the timings also travel as params (the flattened config): kernels.measured.OP.CANDIDATE
     if run_dir is not None:
