@@ -236,8 +236,8 @@ class KernelsConfig:
     """kernels=auto on a GPU: op -> candidate -> GPU ms per step, forward and backward, the host
     ahead; CANDIDATE.host: the host ms to issue them (filled in before the ranks start)"""
     reasons: dict[str, str] = field(default_factory=dict)
-    """kernels=auto on a GPU: op -> why its pick is not the fastest of its timings (the float8 block:
-    compiled whenever it compiles); filled in with `measured`"""
+    """kernels=auto on a GPU: op -> the rule that picked it where GPU time alone would not have (the
+    block: charged its host time, or float8 blocks compiled whenever they compile); filled in with `measured`"""
     loss_trial: int = 0
     """kernels=auto on a GPU with a fused loss picked: n > 0 runs eager's loss once (step 1, untimed), then alternates the two
     over n pairs of steps, each timed by CUDA events; the fused loss stays only where its median step is no more than 0.5%

@@ -118,3 +118,6 @@ def test_fp8_loss_compares_every_variant_and_control_with_one_bf16_run(tmp_path,
     with pytest.raises(SystemExit) as clash:
         fp8_loss.main([*argv[:10], "--variant", "bf16=precision=fp8"], runner=runner)
     assert clash.value.code == 2
+    with pytest.raises(SystemExit) as not_bf16:  # a float8 "control" would raise the limit to float8's own gap
+        fp8_loss.main([*argv[:10], "--control", "c=precision=fp8 kernels=compile"], runner=runner)
+    assert not_bf16.value.code == 2

@@ -238,17 +238,17 @@ def test_a_block_is_charged_the_larger_of_its_gpu_and_host_time():
     """The blocks are most of the step: a block whose host path outlasts its kernels makes the step
     wait on the host, so compile wins there even at equal GPU time; where both queue faster than
     they run, GPU time decides alone."""
-    from src.fusion.measure import block_paid_ms, chosen, measure
+    from src.fusion.measure import HOST_CHARGED, block_paid_ms, chosen, measure
 
     cfg = _seed_cfg()
     norms = {("rms_norm", "eager"): (0.10, 0.15), ("add_rms_norm", "eager"): (0.15, 0.20)}
     host_bound, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 5.40), ("block", "compile"): (4.25, 1.60)})
     _, block = measure(["rms_norm"], cfg, host_bound)
     assert block_paid_ms(block) == {"picked": pytest.approx(12 * 5.40), "compile": pytest.approx(12 * 4.25)}
-    assert block.pick == "compile" and chosen([block])[2] is True
+    assert block.pick == "compile" and chosen([block])[2] is True and block.why == HOST_CHARGED  # GPU time alone: 1% apart, picked
     gpu_bound, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 3.90), ("block", "compile"): (4.25, 1.60)})
     _, block = measure(["rms_norm"], cfg, gpu_bound)
-    assert block_paid_ms(block)["picked"] == pytest.approx(12 * 4.30) and block.pick == "picked"  # 1% apart: inside the noise
+    assert block_paid_ms(block)["picked"] == pytest.approx(12 * 4.30) and block.pick == "picked" and block.why == ""  # inside the noise
     # a host time not taken (a GPU-only timer) leaves GPU time alone to decide; a failed candidate stays None
     gpu_only, _ = _stub_timer({("rms_norm", "eager"): 0.1, ("add_rms_norm", "eager"): 0.15, ("block", "picked"): 4.3})
     _, block = measure(["rms_norm"], cfg, gpu_only)
@@ -270,10 +270,16 @@ def test_float8_blocks_are_compiled_whenever_they_compile():
     broken, _ = _stub_timer({**norms, ("block", "picked"): (4.20, 3.10)})
     _, block = measure(["rms_norm"], cfg, broken)
     assert block.pick == "picked" and block.why == "" and chosen([block])[2] is False
-    # where compile wins on its timings there is nothing to explain
-    faster, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 5.40), ("block", "compile"): (4.25, 1.60)})
+    # where compile wins on GPU time there is nothing to explain
+    faster, _ = _stub_timer({**norms, ("block", "picked"): (4.30, 5.40), ("block", "compile"): (3.90, 1.60)})
     _, block = measure(["rms_norm"], cfg, faster)
     assert block.pick == "compile" and block.why == ""
+    # a diagnosis that names no in-block op still has the float8 block weighed (and compiled), as picked: eager
+    loss_only, calls = _stub_timer({("head_loss", c): (5.0, 0.5) for c in ("eager", "compile", "triton", "linear_cross_entropy")}
+                                   | {("block", "picked"): (4.20, 3.10), ("block", "compile"): (4.35, 3.60)})
+    _, block = measure(["cross_entropy"], cfg, loss_only)
+    assert ("block", (8, 1024, 2048), 12, "picked") in calls and block.pick == "compile" and chosen([block])[2] is True
+    assert measure(["cross_entropy"], _seed_cfg(), loss_only)[-1].op == "cross_entropy"  # bf16: no in-block op, no block
 
 
 def test_auto_writes_each_measured_choice_and_its_reason_into_the_config(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ the last bits answer the same batch differently by more than their curves differ
 per-step gap measures that spread, not a drift. The tolerance, 0.05 nats on any point of the curve
 over the last --last steps, is a threshold we set: torchao reports tensorwise float8 training
 tracking bf16's loss curve, and a larger gap is a numerics problem to look at. Exit code 1 when a
-variant is past it.
+variant is past it (or past the controls' drift, where that is larger).
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--last", type=int, default=50, help="steps at the end whose losses are compared")
     ap.add_argument("--window", type=int, default=10, help="steps averaged into each point of the curves compared")
-    ap.add_argument("--tol", type=float, default=0.05, help="largest |gap| allowed between the curves on any compared step, in nats")
+    ap.add_argument("--tol", type=float, default=0.05, help="largest |gap| allowed between the curves on any compared step, in nats "
+                                                              "(raised to the controls' largest gap where that is larger)")
     ap.add_argument("--model", default="mini_llm")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
     names = [name for name, _ in variants + args.control]
     if "bf16" in names or len(set(names)) != len(names):
         ap.error(f"--variant/--control names must be distinct and not bf16 (the reference): {names}")
+    for name, overrides in args.control:
+        if any(o.startswith("precision=") and o != "precision=bf16" for o in overrides):
+            ap.error(f"--control {name}: a control is the bf16 run changed in its last bits; drop its precision= override (or make it a --variant)")
     args.out.mkdir(parents=True, exist_ok=True)
     bf16 = runner("bf16", [], args)  # precision=bf16 is the config's default
     results: dict[str, dict] = {}

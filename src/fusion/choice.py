@@ -118,10 +118,11 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         why_not = optimizer_swappable(cfg)
         if why_not:
             log.info("kernels=auto: the diagnosis calls for AdamW's kernels, and they stay: %s", why_not)
-    if measure and choice.ops and cfg.backend.name == "cuda" and _gpu_present():
+    if measure and (choice.ops or cfg.precision.float8) and cfg.backend.name == "cuda" and _gpu_present():
         from src.fusion.measure import chosen, measure_on_gpu, optimizer_chosen
 
-        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked and compiled", ", ".join(choice.ops))
+        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked and compiled",
+                 ", ".join(choice.ops) or "no diagnosed op")
         timings = measure_on_gpu(list(choice.ops), cfg)
         fused, compiled, compile_blocks = chosen(timings)
         optimizer = optimizer_chosen(timings)

@@ -82,7 +82,7 @@ class OpTiming:
     pick: str = "eager"
     """eager, compile, triton, or linear_cross_entropy (the loss only)"""
     why: str = ""
-    """where the pick is not the fastest timing's: the reason (the float8 block)"""
+    """where the pick is not GPU time's: the rule that decided (the block: HOST_CHARGED, FLOAT8_EAGER_BLOCKS)"""
 
 
 def uses(cfg: DictConfig) -> dict[str, list[Use]]:
@@ -163,22 +163,29 @@ def measure(ops: list[str], cfg: DictConfig, timer: Timer) -> list[OpTiming]:
         candidates = ("eager", "triton") if op == OPTIMIZER else CANDIDATES + (("linear_cross_entropy",) if op == "cross_entropy" else ())
         results.append(_timed(op, plan[op], candidates, timer))
     in_block = {t.op: t.pick for t in results if t.op in BLOCK_OPS}
-    if in_block:
+    if in_block or cfg.precision.float8:  # float8 blocks are weighed whatever the diagnosis names (FLOAT8_EAGER_BLOCKS)
         results.append(measure_block(cfg, timer, in_block))
     return results
 
 
 def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTiming:
     """One transformer block, forward and backward, as the per-op `picks` run it ("picked") and
-    under torch.compile ("compile"), times the blocks a step; compile must beat the picks by more
-    than the noise."""
+    under torch.compile ("compile"), times the blocks a step. Each is charged the larger of its GPU
+    and host time (block_paid_ms), and compile must beat the picks by more than the noise; with
+    float8 linears compile is used whenever it ran (FLOAT8_EAGER_BLOCKS). `why` says which rule
+    decided where the pick is not GPU time's."""
     m = cfg.model
     use = Use(BLOCK, [cfg.data.batch_size, cfg.data.seq_len, m.dim], m.n_layers, dict(picks))
     timing = _timed(BLOCK, [use], ("picked", "compile"), timer, base="picked")
     timing.pick = pick(block_paid_ms(timing), base="picked")
+    if timing.pick != pick(timing.ms, base="picked"):
+        timing.why = HOST_CHARGED
     if cfg.precision.float8 and timing.ms.get("compile") is not None and timing.pick != "compile":
         timing.pick, timing.why = "compile", FLOAT8_EAGER_BLOCKS
     return timing
+
+
+HOST_CHARGED = "charged the larger of GPU and host time: a block that queues slower than it runs makes the step wait on the host"
 
 
 FLOAT8_EAGER_BLOCKS = ("float8 blocks are compiled whenever they compile: eager ones launch every cast from Python, "
@@ -333,7 +340,7 @@ def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None 
 
     device = torch.device("cuda", torch.cuda.current_device())
 
-    def time_one(use: Use, candidate: str) -> float:
+    def time_one(use: Use, candidate: str) -> tuple[float, float]:
         if use.case == BLOCK:
             return _time_block(use, candidate, model_cfg, precision_cfg, dtype, device)
         if use.case == OPTIMIZER:

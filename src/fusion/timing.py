@@ -51,22 +51,28 @@ def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, r
 # never is: a transformer block's forward + backward is 100-250 launches, and 20-30 of them behind
 # one spin read their GPU time as host time (kernels=auto measured an eager float8 block's host at
 # 45 ms a step, level with its GPU time, where the training step took 76 ms to queue). A batch of
-# at most QUEUE_HOST_US of host is at most ~300 launches at >= 3 us of host each (and one untimed
-# call leads each batch, so a block's batch is two calls, 500 launches at most).
+# at most QUEUE_HOST_US of host is at most ~300 launches at >= 3 us of host each. A call longer than
+# that is queued alone (a block: 100-250 launches); the untimed call that leads each batch is issued
+# before the spin, so its launches have drained by the time the timed ones queue.
 QUEUE_HOST_US = 1000.0
 
 
 def _calls_within_queue(fn: Callable[[], object], device: torch.device, calls: int) -> int:
     """How many calls of `fn` one timed batch may queue: `calls`, fewer where one call's host path
-    is long enough that `calls` of them would fill the stream's launch queue (QUEUE_HOST_US)."""
+    is long enough that `calls` of them would fill the stream's launch queue (QUEUE_HOST_US); never
+    fewer than one, so a single call must stay under the queue's ~1000 launches (a block's forward
+    + backward is 100-250). One call's host time is the median of three, so one slow call (a
+    collection, a late autotune) does not shrink every batch."""
     torch.cuda.synchronize(device)
-    torch.cuda._sleep(40_000_000)  # ~20 ms: both calls queue behind it, never waiting on a kernel
-    fn()  # the host's wake-up after the sync
-    t0 = time.perf_counter()
-    fn()
-    one_us = (time.perf_counter() - t0) * 1e6
+    fn()  # the host's wake-up after the sync, before the spin: its launches drain while the spin queues
+    torch.cuda._sleep(100_000_000)  # ~50 ms: the three calls queue behind it, never waiting on a kernel
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize(device)
-    return max(1, min(calls, int(QUEUE_HOST_US // max(one_us, 1.0))))
+    return max(1, min(calls, int(QUEUE_HOST_US // max(statistics.median(times), 1.0))))
 
 
 def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 30, batches: int = 5) -> float:
@@ -89,8 +95,8 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int 
     for _ in range(batches):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            fn()  # untimed, ahead of the spin: the first call after a sync pays the host's wake-up, which a step's calls do not
             torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: longer than a batch's QUEUE_HOST_US of host
-            fn()  # untimed: the first call after a sync pays the host's wake-up, which a step's calls do not
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -120,8 +126,8 @@ def queued_ms(fn: Callable[[], object], device: torch.device, calls: int = 20, b
     while len(per_call) < batches:
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()  # untimed, ahead of the spin, as in host_us_per_call: the host's wake-up after the sync is not the call's
         torch.cuda._sleep(spin)
-        fn()  # untimed, as in host_us_per_call: the host's wake-up after the sync is not the call's
         start.record()
         for _ in range(calls):
             fn()
