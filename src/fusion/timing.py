@@ -57,12 +57,13 @@ def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, r
 QUEUE_HOST_US = 1000.0
 
 
-def _calls_within_queue(fn: Callable[[], object], device: torch.device, calls: int) -> int:
-    """How many calls of `fn` one timed batch may queue: `calls`, fewer where one call's host path
-    is long enough that `calls` of them would fill the stream's launch queue (QUEUE_HOST_US); never
-    fewer than one, so a single call must stay under the queue's ~1000 launches (a block's forward
-    + backward is 100-250). One call's host time is the median of three, so one slow call (a
-    collection, a late autotune) does not shrink every batch."""
+def _batching(fn: Callable[[], object], device: torch.device, calls: int, batches: int) -> tuple[int, int]:
+    """(calls a timed batch may queue, batches): `calls`, fewer where one call's host path is long
+    enough that `calls` of them would fill the stream's launch queue (QUEUE_HOST_US), and then at
+    least 9 batches so the median still has enough of them; never fewer than one call, so a single
+    call must stay under the queue's ~1000 launches (a block's forward + backward is 100-250). One
+    call's host time is the median of three, so one slow call (a collection, a late autotune) does
+    not shrink every batch."""
     torch.cuda.synchronize(device)
     fn()  # the host's wake-up after the sync, before the spin: its launches drain while the spin queues
     torch.cuda._sleep(100_000_000)  # ~50 ms: the three calls queue behind it, never waiting on a kernel
@@ -72,7 +73,8 @@ def _calls_within_queue(fn: Callable[[], object], device: torch.device, calls: i
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize(device)
-    return max(1, min(calls, int(QUEUE_HOST_US // max(statistics.median(times), 1.0))))
+    fewer = max(1, min(calls, int(QUEUE_HOST_US // max(statistics.median(times), 1.0))))
+    return fewer, batches if fewer == calls else max(batches, 9)
 
 
 def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 30, batches: int = 5) -> float:
@@ -90,8 +92,7 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int 
         # of a Triton kernel in the interpreter took most of a CPU kernel bench's time)
         batches, calls = 1, min(calls, 3)
     else:
-        fewer = _calls_within_queue(fn, device, calls)
-        batches, calls = (batches if fewer == calls else max(batches, 9)), fewer
+        calls, batches = _batching(fn, device, calls, batches)
     for _ in range(batches):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -120,8 +121,7 @@ def queued_ms(fn: Callable[[], object], device: torch.device, calls: int = 20, b
         return median_ms(fn, device)
     for _ in range(3):  # compilation, autotuning, the allocator's first blocks
         fn()
-    fewer = _calls_within_queue(fn, device, calls)
-    batches, calls = (batches if fewer == calls else max(batches, 9)), fewer
+    calls, batches = _batching(fn, device, calls, batches)
     per_call, spin = [], 100_000_000  # ~50 ms at 2 GHz: longer than a batch's QUEUE_HOST_US of host
     while len(per_call) < batches:
         torch.cuda.synchronize(device)
