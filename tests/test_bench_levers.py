@@ -121,3 +121,29 @@ def test_fp8_loss_compares_every_variant_and_control_with_one_bf16_run(tmp_path,
     with pytest.raises(SystemExit) as not_bf16:  # a float8 "control" would raise the limit to float8's own gap
         fp8_loss.main([*argv[:10], "--control", "c=precision=fp8 kernels=compile"], runner=runner)
     assert not_bf16.value.code == 2
+
+
+def test_fp8_gemms_times_every_gemm_of_a_block_with_its_host_cost():
+    """src/bench/fp8_gemms.py on the CPU (torch._scaled_mm runs there too): every GEMM of a block's
+    four linears in bf16 and the three float8 scalings, each with GPU-side ms and host us a call,
+    and the block's sums; the float8 operands dequantize to the bf16 ones within e4m3's rounding."""
+    import torch
+
+    from src.bench import fp8_gemms
+
+    device = torch.device("cpu")
+    rows = fp8_gemms.measure(32, 32, 64, device)
+    assert [(r["linear"], r["gemm"]) for r in rows][:3] == [("qkv", "output"), ("qkv", "grad input"), ("qkv", "grad weight")]
+    assert [(r["M"], r["K"], r["N"]) for r in rows if r["linear"] == "down"] == [(32, 64, 32), (32, 32, 64), (32, 32, 64)]
+    for r in rows:
+        for p in fp8_gemms.PROVIDERS:
+            assert r[p]["ms"] > 0 and r[p]["host_us"] > 0 and r[p]["tflops"] > 0
+    text = fp8_gemms.table(rows)
+    assert "bf16 ms (TFLOP/s), host us" in text and "| fp8 rowwise, grad weight bf16 |" in text
+    assert text.count("\n| ") == len(rows) + 4 + 1  # a row a GEMM, a line a block sum, the sums' header
+    ops = fp8_gemms.operands(32, 64, 48, device)
+    ref = ops["a"].float() @ ops["b"].float()
+    for key in ("tensorwise", "rowwise"):
+        a8, b8, sa, sb = ops[key]
+        out = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        assert (out - ref).abs().max() <= 0.15 * ref.abs().max(), key  # e4m3 keeps 3 mantissa bits: ~6% an operand

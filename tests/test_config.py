@@ -60,6 +60,18 @@ def test_fsdp4_tuned_is_the_seeds_run_with_the_measured_levers():
     assert compose_config(["+exp=fsdp4_tuned", "sharding.reshard_after_forward=true"]).sharding.reshard_after_forward
 
 
+def test_fsdp4_fp8_is_the_tuned_run_with_float8_blocks_and_one_launch_adamw():
+    tuned, fp8 = compose_config(["+exp=fsdp4_tuned"]), compose_config(["+exp=fsdp4_fp8"])
+    for group in ("model", "data", "dist", "backend", "sharding", "kernels", "train"):
+        assert fp8[group] == tuned[group], group
+    p = fp8.precision
+    assert (p.name, p.float8, p.fp8_impl, p.fp8_recipe) == ("fp8", True, "triton", "rowwise_with_gw_tensorwise")
+    assert (p.param_dtype, p.reduce_dtype) == ("bfloat16", "bfloat16")
+    assert fp8.optim.impl == "triton" and fp8.optim.lr == tuned.optim.lr and fp8.exp == "fsdp4_fp8"
+    # the recipe is an override of its own
+    assert compose_config(["+exp=fsdp4_fp8", "precision.fp8_recipe=rowwise_with_gw_hp"]).precision.fp8_recipe == "rowwise_with_gw_hp"
+
+
 BAD_OVERRIDES = [
     (["precision=fp9"], "precision=fp9: no such option in group 'precision'; use one of: bf16, fp32"),
     (["model.dimm=3"], "model.dimm=3: unknown key 'model.dimm'; valid keys in model: vocab_size, dim,"),
@@ -83,7 +95,7 @@ BAD_OVERRIDES = [
     (["kernels.attention=cudn"], "kernels.attention=cudn: not a choice of kernels.attention; use one of: default, flash, efficient, cudnn"),
     (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
     (["data=text", "data.text_path=/dev"], "data.text_path=/dev: not a regular file"),
-    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, fsdp4_tuned, kernels, kernels_cpu, profile"),
+    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, fsdp4_fp8, fsdp4_tuned, kernels, kernels_cpu, profile"),
     # issue 14: each of these used to fail inside a rank, or train nonsense, or make folders
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
     (["kernels.loss_trial=-1"], "kernels.loss_trial=-1: must be 0 (no trial) or more pairs of steps"),

@@ -13,7 +13,9 @@ would have cast them (W^T, dY^T and X^T copies for the two gradient GEMMs).
 
 Times are GPU times after do_bench's L2 flush (src/fusion/timing.py median_ms); the casts that
 produce the float8 operands are not timed here: the table says what they may cost at most for
-float8 to pay. A block's sums at the end: all in bf16, the output and grad-input GEMMs in float8
+float8 to pay. Beside each, the host's microseconds to issue one call with the GPU kept busy
+(timing.host_us_per_call): a step issues 96 float8 GEMMs and 48 bf16 ones for mini_llm's 12 blocks,
+so tens of microseconds a call are milliseconds a step of host that must stay under the GPU's. A block's sums at the end: all in bf16, the output and grad-input GEMMs in float8
 with the grad weight kept in bf16 (the recipe that keeps weight gradients in high precision), and
 all three in float8.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kernels.triton.fp8_linear import E4M3, E4M3_MAX
-from src.fusion.timing import median_ms
+from src.fusion.timing import host_us_per_call, median_ms
 
 
 def block_linears(dim: int, hidden: int) -> list[tuple[str, int, int]]:
@@ -82,7 +84,7 @@ def measure(tokens: int, dim: int, hidden: int, device: torch.device) -> list[di
             row = {"linear": name, "gemm": gemm, "M": m, "K": k, "N": n}
             for provider, fn in gemm_fns(ops).items():
                 ms = median_ms(fn, device)
-                row[provider] = {"ms": ms, "tflops": flop / ms / 1e9}
+                row[provider] = {"ms": ms, "tflops": flop / ms / 1e9, "host_us": host_us_per_call(fn, device)}
             rows.append(row)
             del ops
     return rows
@@ -104,10 +106,10 @@ def block_sums(rows: list[dict]) -> dict[str, float]:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| linear | GEMM | M x K x N | " + " | ".join(f"{p} ms (TFLOP/s)" for p in PROVIDERS) + " | best fp8 / bf16 |"
+    head = "| linear | GEMM | M x K x N | " + " | ".join(f"{p} ms (TFLOP/s), host us" for p in PROVIDERS) + " | best fp8 / bf16 |"
     lines = [head, "|" + "---|" * (4 + len(PROVIDERS))]
     for r in rows:
-        cells = [f"{r[p]['ms']:.4f} ({r[p]['tflops']:.0f})" for p in PROVIDERS]
+        cells = [f"{r[p]['ms']:.4f} ({r[p]['tflops']:.0f}), {r[p]['host_us']:.1f}" for p in PROVIDERS]
         best = min(r[p]["ms"] for p in PROVIDERS[1:])
         lines.append(f"| {r['linear']} | {r['gemm']} | {r['M']}x{r['K']}x{r['N']} | " + " | ".join(cells) + f" | {best / r['bf16']['ms']:.2f} |")
     sums = block_sums(rows)
