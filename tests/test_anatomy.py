@@ -91,6 +91,8 @@ def test_a_gpu_trace_ties_kernels_to_the_fsdp_and_optimizer_ranges_they_were_lau
     assert cats["gemm"] == pytest.approx(0.220) and cats["communication"] == pytest.approx(0.060)
     assert a["communication_exposed_ms"] == pytest.approx(0.0)  # [120, 180) lies under the GEMM and the copy
     assert a["step_ms"] == pytest.approx(0.300) and a["idle_ms"] == pytest.approx(0.020)  # [340, 360)
+    # the kernel after the gap was launched at 310-312, before the device went idle at 340: queued
+    assert (a["idle"]["queued_ms"], a["idle"]["host_ms"]) == (pytest.approx(0.020), 0.0)
     assert a["gemm_floor_ms"] == pytest.approx(0.200) and a["step_over_floor"] == pytest.approx(1.5)
     table = format_table(a)
     assert "FSDP2 copy-in/out" in table and "communication exposed" in table and "GEMM floor @790 TFLOP/s" in table
@@ -118,3 +120,30 @@ def test_top_kernels_name_what_each_category_is_made_of():
     assert a["top_kernels"]["gemm"] == [{"kernel": "nvjet_tst_gemm", "ms": pytest.approx(25e-3), "calls": 0.5}]
     table = format_table({**a, "profiled_steps": 2, "source": "device kernels", "gemm_floor_ms": None})
     assert "longest kernels per category" in table and "CopyFunctor<>" in table and "    0.5x  nvjet_tst_gemm" in table
+
+
+def test_idle_gaps_split_by_whether_the_host_had_launched_the_next_kernel():
+    """Two steps of: GEMM [0, 10), then a gap the host causes (the norm's launch returns at 14,
+    after the device idled at 10) to [15, 20), then a gap with the next kernel queued since 5 (it
+    waits on another stream's event) to [23, 30); the second step the same, 100 us later, and one
+    kernel whose launch the trace lacks."""
+    ks = []
+    for base in (0, 100):
+        ks += [Kernel("gemm_a", base, 10, 7, "gemm", launched=base - 70.0),
+               Kernel("rms_norm", base + 15, 5, 7, "norm_elementwise_cast", launched=base + 14.0),
+               Kernel("adamw", base + 23, 7, 8, "optimizer", launched=base + 5.0)]
+    ks.append(Kernel("copy", 40, 2, 7, "other"))  # [30, 40) before it, its launch unknown
+    a = device_anatomy(ks, steps=2)
+    idle = a["idle"]
+    # [42, 100): the next step's GEMM was launched at 30, before the device idled at 42: queued
+    assert idle["host_ms"] == pytest.approx(2 * 5e-3 / 2) and idle["queued_ms"] == pytest.approx((2 * 3 + 58) * 1e-3 / 2)
+    assert idle["unknown_ms"] == pytest.approx(10e-3 / 2)
+    assert a["idle_ms"] == pytest.approx((5 + 3 + 10 + 58 + 5 + 3) * 1e-3 / 2)
+    longest = idle["longest"]
+    assert longest[0] == {"cause": "queued", "before": "copy", "after": "gemm_a", "ms": pytest.approx(58e-3 / 2), "count": 0.5}
+    host = [g for g in longest if g["cause"] == "host"]
+    assert host == [{"cause": "host", "before": "gemm_a", "after": "rms_norm", "ms": pytest.approx(5e-3), "count": 1.0}]
+    table = format_table({**a, "profiled_steps": 2, "source": "device kernels", "gemm_floor_ms": None})
+    assert "  host late" in table and "  queued (not on a kernel)" in table and "  launch not traced" in table
+    assert "longest idle gaps" in table and "host    gemm_a -> rms_norm" in table
+    assert metrics(a)["anatomy.idle_host_late_ms"] == pytest.approx(5e-3)

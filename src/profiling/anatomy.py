@@ -2,11 +2,18 @@
 
 Per profiled step (averaged): device time by category (GEMM, attention, norm/elementwise/cast,
 optimizer, FSDP2's copy-in/out, communication, other), the communication that nothing hides
-(NCCL kernel time while no other kernel runs on any stream), idle time (no kernel at all), the
-step's device time, and the GEMM floor: model FLOPs per step at a stated GEMM rate (790 TFLOP/s,
+(NCCL kernel time while no other kernel runs on any stream), idle time (no kernel at all) split by
+what the device waited for, the step's device time, and the GEMM floor: model FLOPs per step at a stated GEMM rate (790 TFLOP/s,
 bf16 dense GEMMs measured on an H200), the time the step would take if it were only its GEMMs at
 full speed. Category times overlap (NCCL runs beside compute), so they add up to more than the
-step. On a CPU there are no device kernels: the same categories are CPU-op self time, and the
+step.
+
+Idle time is split at each gap by the kernel that ends it: if the host's call that launched it
+returned after the device had gone idle, the device waited for the host (`host late`: the step is
+host-bound there); if it was launched before, it sat queued behind something other than a kernel
+(`queued`: another stream's event, a copy, a wait). The longest recurring gaps are listed with the
+kernels either side. The profiler lengthens the host's path (a few us a launch with CPU activity
+on), so host-late idle in a profiled step is an upper bound on the unprofiled step's. On a CPU there are no device kernels: the same categories are CPU-op self time, and the
 device figures are absent.
 
     python -m src.profiling.anatomy outputs/DATE/TIME/profile/trace_rank0.json --flops-per-step 5.9e13
@@ -110,9 +117,12 @@ class Kernel:
     dur: float
     stream: int = 0
     category: str = ""
+    launched: float | None = None
+    """when the host's launch call (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync) returned, microseconds; None: not in the trace"""
 
 
 TOP_PER_CATEGORY = 5  # enough to name what a category is made of; the full list is key_averages.txt
+TOP_GAPS = 8  # the idle stretches listed: a block's repeating gap shows once, with its count a step
 
 
 def kernel_family(name: str) -> str:
@@ -156,6 +166,32 @@ def top_kernels(kernels: list[Kernel], steps: int, per_category: int = TOP_PER_C
     return out
 
 
+def idle_gaps(kernels: list[Kernel], busy: list[tuple[float, float]], steps: int, top: int = TOP_GAPS) -> dict[str, Any]:
+    """The idle time between busy stretches, split by what ended each gap (see the module's
+    docstring), ms a step: `host_ms` where the next kernel's launch returned after the device went
+    idle, `queued_ms` where it had been launched before, `unknown_ms` where its launch is not in the
+    trace; and the longest gaps grouped by (cause, kernel before, kernel after), per step."""
+    starts = sorted(kernels, key=lambda k: k.ts)
+    ends = sorted(kernels, key=lambda k: k.ts + k.dur)
+    start_ts = [k.ts for k in starts]
+    end_ts = [k.ts + k.dur for k in ends]
+    split = {"host": 0.0, "queued": 0.0, "unknown": 0.0}
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
+        after = starts[bisect.bisect_left(start_ts, gap_end)]
+        before = ends[bisect.bisect_right(end_ts, gap_start) - 1]
+        cause = "unknown" if after.launched is None else "host" if after.launched > gap_start else "queued"
+        split[cause] += gap_end - gap_start
+        g = groups[cause, kernel_family(before.name), kernel_family(after.name)]
+        g[0] += gap_end - gap_start
+        g[1] += 1
+    longest = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "host_ms": split["host"] * 1e-3 / steps, "queued_ms": split["queued"] * 1e-3 / steps, "unknown_ms": split["unknown"] * 1e-3 / steps,
+        "longest": [{"cause": c, "before": b, "after": a, "ms": us * 1e-3 / steps, "count": n / steps} for (c, b, a), (us, n) in longest],
+    }
+
+
 def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
     """Per-step device figures from one device's kernels (each with its category set)."""
     steps = max(steps, 1)
@@ -171,6 +207,7 @@ def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
         "categories_ms": {c: by_cat.get(c, 0.0) * ms for c in CATEGORIES},
         "communication_exposed_ms": (length(comm) - overlap(comm, compute)) * ms,
         "idle_ms": (window - length(busy)) * ms,
+        "idle": idle_gaps(kernels, busy, steps),
         "busy_ms": length(busy) * ms,
         "step_ms": window * ms,
         "top_kernels": top_kernels(kernels, steps),
@@ -223,7 +260,8 @@ def anatomy_from_trace(trace: dict, flops_per_step: float | None = None, gemm_pe
             launch = launches.get(args.get("correlation"))
             tid, ts = (launch["tid"], launch["ts"]) if launch is not None else (None, 0.0)
             kernels.append(Kernel(e["name"], e["ts"], e["dur"], args.get("stream", 0),
-                                  category(e["name"], _inside(fsdp.get(tid, []), ts), _inside(optim.get(tid, []), ts))))
+                                  category(e["name"], _inside(fsdp.get(tid, []), ts), _inside(optim.get(tid, []), ts)),
+                                  launched=launch["ts"] + launch["dur"] if launch is not None else None))
         out.update(source="device kernels", **device_anatomy(kernels, steps))
     else:
         comm = _ranges(events, COMM_RANGE)
@@ -264,8 +302,13 @@ def format_table(a: dict[str, Any]) -> str:
 
     lines = [f"step anatomy: {a['profiled_steps']} profiled steps, {a['source']}; ms per step", f"{'':<28} {'ms':>9} {'% step':>7}"]
     lines += [row(LABELS[c], a["categories_ms"][c]) for c in CATEGORIES]
-    lines += [row("  communication exposed", a["communication_exposed_ms"]), row("idle (no kernel)", a["idle_ms"]),
-              row("step" + (" (device)" if a["idle_ms"] is not None else " (CPU)"), step)]
+    lines += [row("  communication exposed", a["communication_exposed_ms"]), row("idle (no kernel)", a["idle_ms"])]
+    idle = a.get("idle")
+    if idle:
+        lines += [row("  host late", idle["host_ms"]), row("  queued (not on a kernel)", idle["queued_ms"])]
+        if idle["unknown_ms"]:
+            lines.append(row("  launch not traced", idle["unknown_ms"]))
+    lines.append(row("step" + (" (device)" if a["idle_ms"] is not None else " (CPU)"), step))
     if a["gemm_floor_ms"] is not None:
         ratio = f"   step = {a['step_over_floor']:.2f}x floor" if a["step_over_floor"] else ""
         lines.append(row(f"GEMM floor @{a['gemm_peak_tflops']:g} TFLOP/s", a["gemm_floor_ms"]) + ratio)
@@ -277,6 +320,10 @@ def format_table(a: dict[str, Any]) -> str:
         for c in CATEGORIES:
             for i, k in enumerate(top.get(c, [])):
                 lines.append(f"  {LABELS[c] if i == 0 else '':<26} {k['ms']:9.2f} {k['calls']:7.1f}x  {short_kernel_name(k['kernel'])}")
+    if idle and idle["longest"]:
+        lines.append("longest idle gaps: ms and gaps per step, what ended them, the kernels before -> after")
+        for g in idle["longest"]:
+            lines.append(f"  {g['ms']:9.2f} {g['count']:7.1f}x  {g['cause']:<7} {short_kernel_name(g['before'], 60)} -> {short_kernel_name(g['after'], 60)}")
     return "\n".join(lines)
 
 
@@ -286,6 +333,8 @@ def metrics(a: dict[str, Any]) -> dict[str, float]:
     for key in ("communication_exposed_ms", "idle_ms", "step_ms", "gemm_floor_ms", "step_over_floor"):
         if a.get(key) is not None:
             flat[f"anatomy.{key}"] = a[key]
+    if a.get("idle"):
+        flat["anatomy.idle_host_late_ms"], flat["anatomy.idle_queued_ms"] = a["idle"]["host_ms"], a["idle"]["queued_ms"]
     return flat
 
 
