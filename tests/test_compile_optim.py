@@ -72,12 +72,18 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
         return inductor.max_autotune, inductor.cpp_wrapper, getattr(inductor.triton, "enable_persistent_tma_matmul", True)
 
     before = settings()  # whatever the environment set (TORCHINDUCTOR_MAX_AUTOTUNE=1 included)
+    static_before = inductor.static_launch_user_defined_triton_kernels
     cfg = compose_config(["kernels=compile", "kernels.max_autotune=true", "kernels.cpp_wrapper=true"])
     with inductor_config(cfg):
         assert settings() == (True, True, True)
+        assert inductor.static_launch_user_defined_triton_kernels == static_before  # C++ launch code has no Python launcher to skip
     assert settings() == before
     with inductor_config(compose_config(["kernels=compile"])):
         assert settings() == before
+        assert inductor.static_launch_user_defined_triton_kernels  # kernels.static_launch, on by default
+    with inductor_config(compose_config(["kernels=compile", "kernels.static_launch=false"])):
+        assert inductor.static_launch_user_defined_triton_kernels == static_before
+    assert inductor.static_launch_user_defined_triton_kernels == static_before
 
 
 def test_optimizer_impl_chooses_the_adamw_kernels():

@@ -178,6 +178,28 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
     assert losses["fp8"] == pytest.approx(losses["bf16"], abs=0.1)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
+def test_the_float8_casts_launch_statically_inside_compiled_blocks(tmp_path: Path):
+    """kernels.static_launch (on by default): Inductor launches the Triton casts inside the compiled
+    blocks with its static launcher. Under TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER=1 any kernel
+    that would bypass it fails the run, so a clean run says every kernel was launched statically.
+    Off, the same 6 steps (model=small, +exp=fsdp4_fp8's precision) give the same losses: the same
+    kernels with the same arguments; the tolerance is for cuDNN attention's backward, a wrongly
+    passed argument to a cast would move the loss by far more."""
+    base = ["backend=cuda", "model=small", "data=text", "dist.nproc=1", "data.seq_len=512", "train.steps=6", "tracking=none", "kernels=compile",
+            "precision=fp8", "precision.reduce_dtype=bfloat16", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
+    losses = {}
+    for name, extra, env in (("static", [], {"TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER": "1"}), ("triton", ["kernels.static_launch=false"], {})):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = run_cli([*base, *extra], cwd=cwd, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        run_dir = next(cwd.glob("outputs/*/*"))
+        losses[name] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["static"]) == 6 and losses["static"] == pytest.approx(losses["triton"], abs=1e-3)
+
+
 @pytest.mark.parametrize("recipe", [r for r in Fp8Recipe if r != "rowwise_with_gw_tensorwise"])
 def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
     """The recipe arrives as the config's StrEnum member; torchao matched `type(name) == str` and

@@ -152,8 +152,9 @@ class Parallelized:
 
 
 def inductor_config(cfg) -> contextlib.AbstractContextManager:
-    """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code and
-    kernels.max_autotune's GEMM autotuning. Set for the run, not passed to torch.compile(options=...):
+    """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code,
+    kernels.static_launch's static launcher for user-defined Triton kernels and kernels.max_autotune's
+    GEMM autotuning. Set for the run, not passed to torch.compile(options=...):
     each block's backward graph is compiled lazily at the first backward, after compile's own options
     have been restored, and on torch 2.11 cpp_wrapper then fails there ("CudaKernelParamCache not
     populated", pytorch/pytorch#178845, fixed in 2.12)."""
@@ -162,6 +163,8 @@ def inductor_config(cfg) -> contextlib.AbstractContextManager:
     settings = {}
     if cfg.kernels.cpp_wrapper:
         settings["cpp_wrapper"] = True
+    elif cfg.kernels.static_launch and hasattr(inductor, "static_launch_user_defined_triton_kernels"):  # torch 2.8+
+        settings["static_launch_user_defined_triton_kernels"] = True
     if cfg.kernels.max_autotune:
         settings["max_autotune"] = True
         if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
