@@ -140,10 +140,10 @@ def test_idle_gaps_split_by_whether_the_host_had_launched_the_next_kernel():
     assert idle["unknown_ms"] == pytest.approx(10e-3 / 2)
     assert a["idle_ms"] == pytest.approx((5 + 3 + 10 + 58 + 5 + 3) * 1e-3 / 2)
     longest = idle["longest"]
-    assert longest[0] == {"cause": "queued", "before": "copy", "after": "gemm_a", "ms": pytest.approx(58e-3 / 2), "count": 0.5}
+    assert longest[0] == {"cause": "queued", "before": "copy", "after": "gemm_a", "ms": pytest.approx(58e-3 / 2), "count": 0.5, "max_ms": pytest.approx(58e-3)}
     host = [g for g in longest if g["cause"] == "host"]
-    assert host == [{"cause": "host", "before": "gemm_a", "after": "rms_norm", "ms": pytest.approx(5e-3), "count": 1.0}]
+    assert host == [{"cause": "host", "before": "gemm_a", "after": "rms_norm", "ms": pytest.approx(5e-3), "count": 1.0, "max_ms": pytest.approx(5e-3)}]
     table = format_table({**a, "profiled_steps": 2, "source": "device kernels", "gemm_floor_ms": None})
     assert "  host late" in table and "  queued (not on a kernel)" in table and "  launch not traced" in table
-    assert "longest idle gaps" in table and "host    gemm_a -> rms_norm" in table
+    assert "longest idle gaps" in table and "max     0.01  host    gemm_a -> rms_norm" in table
     assert metrics(a)["anatomy.idle_host_late_ms"] == pytest.approx(5e-3)

@@ -99,3 +99,14 @@ def test_diagnose_an_existing_report_through_the_run(workdir: Path):
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.metrics["summary.share_memory_bound"] > 0.1
     assert {a.path for a in client.list_artifacts(run.info.run_id, "diagnose")} == {"diagnose/diagnosis.json", "diagnose/roofline.png", "diagnose/top_ops.md"}
+
+
+def test_the_first_logged_step_among_the_recorded_ones_is_named():
+    """train.log_every=10 reads the loss and grad norm first at step 9; profile.wait=6 warmup=1
+    active=3 records steps 7-9, so step 9's one-off work would be in the trace."""
+    from src.train.trainer import first_read_recorded
+
+    assert first_read_recorded(6, 1, 3, 10) == 9
+    assert first_read_recorded(9, 1, 3, 10) is None  # records 10-12: after it
+    assert first_read_recorded(1, 1, 3, 1) is None  # every step reads: none is the odd one
+    assert first_read_recorded(1, 1, 3, 4) == 3

@@ -170,13 +170,14 @@ def idle_gaps(kernels: list[Kernel], busy: list[tuple[float, float]], steps: int
     """The idle time between busy stretches, split by what ended each gap (see the module's
     docstring), ms a step: `host_ms` where the next kernel's launch returned after the device went
     idle, `queued_ms` where it had been launched before, `unknown_ms` where its launch is not in the
-    trace; and the longest gaps grouped by (cause, kernel before, kernel after), per step."""
+    trace; and the longest gaps grouped by (cause, kernel before, kernel after), per step, each
+    group with its longest single gap."""
     starts = sorted(kernels, key=lambda k: k.ts)
     ends = sorted(kernels, key=lambda k: k.ts + k.dur)
     start_ts = [k.ts for k in starts]
     end_ts = [k.ts + k.dur for k in ends]
     split = {"host": 0.0, "queued": 0.0, "unknown": 0.0}
-    groups: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0, 0.0])  # us, gaps, the longest one
     for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
         after = starts[bisect.bisect_left(start_ts, gap_end)]
         before = ends[bisect.bisect_right(end_ts, gap_start) - 1]
@@ -185,10 +186,14 @@ def idle_gaps(kernels: list[Kernel], busy: list[tuple[float, float]], steps: int
         g = groups[cause, kernel_family(before.name), kernel_family(after.name)]
         g[0] += gap_end - gap_start
         g[1] += 1
+        g[2] = max(g[2], gap_end - gap_start)
     longest = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "host_ms": split["host"] * 1e-3 / steps, "queued_ms": split["queued"] * 1e-3 / steps, "unknown_ms": split["unknown"] * 1e-3 / steps,
-        "longest": [{"cause": c, "before": b, "after": a, "ms": us * 1e-3 / steps, "count": n / steps} for (c, b, a), (us, n) in longest],
+        # `max_ms`: the group's longest single gap, which tells a one-off (a compile, a first
+        # allocation in the profiled window) from a gap every step pays
+        "longest": [{"cause": c, "before": b, "after": a, "ms": us * 1e-3 / steps, "count": n / steps, "max_ms": most * 1e-3}
+                    for (c, b, a), (us, n, most) in longest],
     }
 
 
@@ -321,9 +326,10 @@ def format_table(a: dict[str, Any]) -> str:
             for i, k in enumerate(top.get(c, [])):
                 lines.append(f"  {LABELS[c] if i == 0 else '':<26} {k['ms']:9.2f} {k['calls']:7.1f}x  {short_kernel_name(k['kernel'])}")
     if idle and idle["longest"]:
-        lines.append("longest idle gaps: ms and gaps per step, what ended them, the kernels before -> after")
+        lines.append("longest idle gaps: ms and gaps per step, the longest one, what ended them, the kernels before -> after")
         for g in idle["longest"]:
-            lines.append(f"  {g['ms']:9.2f} {g['count']:7.1f}x  {g['cause']:<7} {short_kernel_name(g['before'], 60)} -> {short_kernel_name(g['after'], 60)}")
+            lines.append(f"  {g['ms']:9.2f} {g['count']:7.1f}x  max {g['max_ms']:8.2f}  {g['cause']:<7} "
+                         f"{short_kernel_name(g['before'], 60)} -> {short_kernel_name(g['after'], 60)}")
     return "\n".join(lines)
 
 
