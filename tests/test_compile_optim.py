@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
     blocks' backward graphs compile lazily, inside it) and nothing after."""
     import torch._inductor.config as inductor
 
-    from src.distributed.parallelize import inductor_config
+    from src.distributed.parallelize import STATIC_LAUNCH_ENV, inductor_config
 
     def settings() -> tuple:
         return inductor.max_autotune, inductor.cpp_wrapper, getattr(inductor.triton, "enable_persistent_tma_matmul", True)
@@ -78,12 +79,14 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
         assert settings() == (True, True, True)
         assert inductor.static_launch_user_defined_triton_kernels == static_before  # C++ launch code has no Python launcher to skip
     assert settings() == before
+    env_before = os.environ.get(STATIC_LAUNCH_ENV)
     with inductor_config(compose_config(["kernels=compile"])):
         assert settings() == before
-        assert inductor.static_launch_user_defined_triton_kernels  # kernels.static_launch, on by default
+        # kernels.static_launch, on by default: in this process and for the compile workers it starts
+        assert inductor.static_launch_user_defined_triton_kernels and os.environ[STATIC_LAUNCH_ENV] == "1"
     with inductor_config(compose_config(["kernels=compile", "kernels.static_launch=false"])):
-        assert inductor.static_launch_user_defined_triton_kernels == static_before
-    assert inductor.static_launch_user_defined_triton_kernels == static_before
+        assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
+    assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
 
 
 def test_optimizer_impl_chooses_the_adamw_kernels():

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -151,6 +153,9 @@ class Parallelized:
     """float8 all-gather: the next step's weight scales, after each optimizer step"""
 
 
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
 def inductor_config(cfg) -> contextlib.AbstractContextManager:
     """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code,
     kernels.static_launch's static launcher for user-defined Triton kernels and kernels.max_autotune's
@@ -160,16 +165,25 @@ def inductor_config(cfg) -> contextlib.AbstractContextManager:
     populated", pytorch/pytorch#178845, fixed in 2.12)."""
     import torch._inductor.config as inductor
 
-    settings = {}
+    settings, env = {}, {}
     if cfg.kernels.cpp_wrapper:
         settings["cpp_wrapper"] = True
     elif cfg.kernels.static_launch and hasattr(inductor, "static_launch_user_defined_triton_kernels"):  # torch 2.8+
         settings["static_launch_user_defined_triton_kernels"] = True
+        # Inductor's compile workers decide whether a kernel launches statically, and read this
+        # from their environment when they start (at the run's first compile): the parent's config
+        # patch does not reach them (torch 2.11 hands them use_static_triton_launcher alone)
+        env[STATIC_LAUNCH_ENV] = "1"
     if cfg.kernels.max_autotune:
         settings["max_autotune"] = True
         if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
             settings["triton.enable_persistent_tma_matmul"] = True
-    return inductor.patch(settings) if settings else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    if env:
+        stack.enter_context(mock.patch.dict(os.environ, env))
+    if settings:
+        stack.enter_context(inductor.patch(settings))
+    return stack
 
 
 def _route(setting: str, wanted: bool, use, restore, main: bool, routed: str | None, missing: str) -> bool:
