@@ -217,12 +217,13 @@ class KernelsConfig:
     """inductor: the launch code of every graph the run compiles in C++ instead of Python (Inductor's cpp_wrapper, set for the whole run):
     less host time per kernel launched, for steps the host cannot queue as fast as the GPUs run them
     (float8's casts add hundreds of launches a step); compiles longer"""
-    static_launch: bool = True
+    static_launch: bool = False
     """inductor: this project's Triton kernels inside compiled graphs (float8's casts, fused norms, cross-entropy)
     launched by Inductor's static CUDA launcher, as Inductor's own kernels are, instead of through Triton's Python
     launcher, which builds each launch's metadata (Inductor's static_launch_user_defined_triton_kernels, off in
     torch 2.11); float8's casts are ~290 launches a step. A kernel the static launcher cannot take (one launched
-    with PDL) keeps Triton's"""
+    with PDL) keeps Triton's. Off by default: on +exp=fsdp4_fp8 on one H200 the step was level within the run-to-run
+    spread (docs/PERFORMANCE.md section 7)"""
     max_autotune: bool = False
     """inductor: each GEMM of the run's compiled graphs timed at its shape against Inductor's Triton templates (persistent TMA
     ones on Hopper), which can take the pointwise work after it (bias, SiLU, the residual add) into the GEMM; the fastest is

@@ -80,11 +80,11 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
         assert inductor.static_launch_user_defined_triton_kernels == static_before  # C++ launch code has no Python launcher to skip
     assert settings() == before
     env_before = os.environ.get(STATIC_LAUNCH_ENV)
-    with inductor_config(compose_config(["kernels=compile"])):
+    with inductor_config(compose_config(["kernels=compile", "kernels.static_launch=true"])):
         assert settings() == before
-        # kernels.static_launch, on by default: in this process and for the compile workers it starts
+        # kernels.static_launch: in this process and for the compile workers it starts
         assert inductor.static_launch_user_defined_triton_kernels and os.environ[STATIC_LAUNCH_ENV] == "1"
-    with inductor_config(compose_config(["kernels=compile", "kernels.static_launch=false"])):
+    with inductor_config(compose_config(["kernels=compile"])):  # off by default
         assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
     assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
 

@@ -181,8 +181,8 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
 def test_the_float8_casts_launch_statically_inside_compiled_blocks(tmp_path: Path):
-    """kernels.static_launch (on by default): Inductor launches the Triton casts inside the compiled
-    blocks with its static launcher. Under TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER=1 any kernel
+    """kernels.static_launch=true: Inductor launches the Triton casts inside the compiled blocks
+    with its static launcher. Under TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER=1 any kernel
     that would bypass it fails the run, so a clean run says every kernel was launched statically.
     Off, the same 6 steps (model=small, +exp=fsdp4_fp8's precision) give the same losses: the same
     kernels with the same arguments; the tolerance is for cuDNN attention's backward, a wrongly
@@ -190,7 +190,7 @@ def test_the_float8_casts_launch_statically_inside_compiled_blocks(tmp_path: Pat
     base = ["backend=cuda", "model=small", "data=text", "dist.nproc=1", "data.seq_len=512", "train.steps=6", "tracking=none", "kernels=compile",
             "precision=fp8", "precision.reduce_dtype=bfloat16", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
     losses = {}
-    for name, extra, env in (("static", [], {"TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER": "1"}), ("triton", ["kernels.static_launch=false"], {})):
+    for name, extra, env in (("static", ["kernels.static_launch=true"], {"TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER": "1"}), ("triton", [], {})):
         cwd = tmp_path / name
         cwd.mkdir()
         proc = run_cli([*base, *extra], cwd=cwd, timeout=600, env=env)
