@@ -218,7 +218,7 @@ class KernelsConfig:
     less host time per kernel launched, for steps the host cannot queue as fast as the GPUs run them
     (float8's casts add hundreds of launches a step); compiles longer"""
     static_launch: bool = False
-    """inductor: this project's Triton kernels inside compiled graphs (float8's casts, fused norms, cross-entropy)
+    """inductor: this project's Triton kernels inside compiled graphs (float8's casts; the fused norms where the blocks are compiled)
     launched by Inductor's static CUDA launcher, as Inductor's own kernels are, instead of through Triton's Python
     launcher, which builds each launch's metadata (Inductor's static_launch_user_defined_triton_kernels, off in
     torch 2.11); float8's casts are ~290 launches a step. A kernel the static launcher cannot take (one launched

@@ -36,7 +36,8 @@ def pytest_collection_modifyitems(config, items):
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, module: str = "src.run", launcher: list[str] | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m module args` in `cwd` with this checkout importable; `env`: variables set on top of this process's."""
-    env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("HYDRA_FULL_ERROR", None)
     cmd = [sys.executable, *(launcher or []), "-m", module, *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

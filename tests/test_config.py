@@ -87,6 +87,8 @@ BAD_OVERRIDES = [
     (["sharding=none", "sharding.split_root=true"], "sharding.split_root=true shards the embedding and head apart, and sharding=none does not shard; use sharding=fsdp2 or hsdp"),
     (["kernels=compile", "kernels.compile_backend=aot_eager", "kernels.cpp_wrapper=true"], "compiles none with Inductor; set kernels.compile_backend=inductor"),
     (["kernels.cpp_wrapper=true"], "kernels.cpp_wrapper=true writes Inductor's launch code in C++ for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
+    (["kernels.static_launch=true"], "kernels.static_launch=true launches this project's Triton kernels through Inductor's static launcher for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
+    (["kernels=compile", "kernels.static_launch=true", "kernels.cpp_wrapper=true"], "kernels.static_launch=true replaces Triton's Python launcher, and kernels.cpp_wrapper=true launches every kernel from C++ code with none; drop one of them"),
     (["kernels.max_autotune=true"], "kernels.max_autotune=true autotunes Inductor's GEMMs for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
     (["sharding.forward_prefetch=-1"], "sharding.forward_prefetch=-1: the number of units to prefetch must be 0 (FSDP2's own order) or more"),
     (["sharding=none", "sharding.backward_prefetch=2"], "sharding.backward_prefetch=2 prefetches FSDP2's all-gathers, and sharding=none gathers nothing; use sharding=fsdp2 or hsdp"),

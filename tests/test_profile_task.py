@@ -103,10 +103,29 @@ def test_diagnose_an_existing_report_through_the_run(workdir: Path):
 
 def test_the_first_logged_step_among_the_recorded_ones_is_named():
     """train.log_every=10 reads the loss and grad norm first at step 9; profile.wait=6 warmup=1
-    active=3 records steps 7-9, so step 9's one-off work would be in the trace."""
+    active=3 records steps 7-9, so step 9's one-off work would be in the trace. A 5-step run reads
+    its last step, 4, first."""
     from src.train.trainer import first_read_recorded
 
-    assert first_read_recorded(6, 1, 3, 10) == 9
-    assert first_read_recorded(9, 1, 3, 10) is None  # records 10-12: after it
-    assert first_read_recorded(1, 1, 3, 1) is None  # every step reads: none is the odd one
-    assert first_read_recorded(1, 1, 3, 4) == 3
+    assert first_read_recorded(6, 1, 3, 10, 12) == 9
+    assert first_read_recorded(9, 1, 3, 10, 14) is None  # records 10-12: after it
+    assert first_read_recorded(1, 1, 3, 1, 6) is None  # every step reads: none is the odd one
+    assert first_read_recorded(1, 1, 3, 4, 20) == 3
+    assert first_read_recorded(1, 1, 3, 10, 5) == 4  # +exp=fsdp4_fp8 task=profile: steps 2-4 recorded, 4 the last
+
+
+def test_profile_names_the_compile_in_its_window_only_where_one_happens(caplog):
+    from src.compose import compose_config
+    from src.train.trainer import profile_session
+
+    base = ["task=profile", "train.log_every=10", "train.steps=12", "profile.wait=6"]
+    for overrides, warned in ((["optim.impl=triton", "optim.grad_clip=0"], True),
+                              (["optim.impl=triton", "optim.grad_clip=1.0"], False),  # clipping computes the norm every step
+                              (["optim.impl=fused", "optim.grad_clip=0"], False)):   # an eager norm: nothing compiles
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="src.train"):
+            profile_session(compose_config([*base, *overrides]), 1.0)
+        lines = [r.getMessage() for r in caplog.records if "first to read the loss" in r.getMessage()]
+        assert bool(lines) == warned, overrides
+        if warned:
+            assert "step 9" in lines[0] and "profile.wait=9 train.steps=13" in lines[0]

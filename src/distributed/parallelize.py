@@ -16,7 +16,6 @@ import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -159,31 +158,61 @@ STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 def inductor_config(cfg) -> contextlib.AbstractContextManager:
     """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code,
     kernels.static_launch's static launcher for user-defined Triton kernels and kernels.max_autotune's
-    GEMM autotuning. Set for the run, not passed to torch.compile(options=...):
-    each block's backward graph is compiled lazily at the first backward, after compile's own options
-    have been restored, and on torch 2.11 cpp_wrapper then fails there ("CudaKernelParamCache not
-    populated", pytorch/pytorch#178845, fixed in 2.12)."""
+    GEMM autotuning. Set for the run, not passed to torch.compile(options=...): each block's backward
+    graph is compiled lazily at the first backward, after compile's own options have been restored,
+    and on torch 2.11 cpp_wrapper then fails there ("CudaKernelParamCache not populated",
+    pytorch/pytorch#178845, fixed in 2.12)."""
     import torch._inductor.config as inductor
 
-    settings, env = {}, {}
+    settings = {}
+    static = False
     if cfg.kernels.cpp_wrapper:
         settings["cpp_wrapper"] = True
-    elif cfg.kernels.static_launch and hasattr(inductor, "static_launch_user_defined_triton_kernels"):  # torch 2.8+
-        settings["static_launch_user_defined_triton_kernels"] = True
-        # Inductor's compile workers decide whether a kernel launches statically, and read this
-        # from their environment when they start (at the run's first compile): the parent's config
-        # patch does not reach them (torch 2.11 hands them use_static_triton_launcher alone)
-        env[STATIC_LAUNCH_ENV] = "1"
+    elif cfg.kernels.static_launch:
+        if hasattr(inductor, "static_launch_user_defined_triton_kernels"):  # torch 2.8+
+            settings["static_launch_user_defined_triton_kernels"] = static = True
+        else:
+            log.warning("kernels.static_launch: this torch's Inductor cannot launch user-defined Triton kernels statically; they keep Triton's launcher")
     if cfg.kernels.max_autotune:
         settings["max_autotune"] = True
         if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
             settings["triton.enable_persistent_tma_matmul"] = True
-    stack = contextlib.ExitStack()
-    if env:
-        stack.enter_context(mock.patch.dict(os.environ, env))
-    if settings:
-        stack.enter_context(inductor.patch(settings))
-    return stack
+    return _inductor_settings(settings, static)
+
+
+@contextlib.contextmanager
+def _inductor_settings(settings: dict, static_launch: bool):
+    import torch._inductor.config as inductor
+
+    with contextlib.ExitStack() as stack:
+        if static_launch:
+            stack.enter_context(_compile_workers_static_launch())
+        if settings:
+            stack.enter_context(inductor.patch(settings))
+        yield
+
+
+@contextlib.contextmanager
+def _compile_workers_static_launch():
+    """Inductor's compile workers decide whether a kernel launches statically, and read that from
+    their environment when they start: torch 2.11 hands them use_static_triton_launcher alone, not
+    the parent's static_launch_user_defined_triton_kernels. So the variable is set for the run, and
+    the process's worker pool (one a process, kept between runs: a sweep's in-process jobs share
+    it) is shut down on the way in and out, so that this run's workers start with it and the next
+    run's without it."""
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    before = os.environ.get(STATIC_LAUNCH_ENV)
+    shutdown_compile_workers()
+    os.environ[STATIC_LAUNCH_ENV] = "1"
+    try:
+        yield
+    finally:
+        shutdown_compile_workers()
+        if before is None:
+            os.environ.pop(STATIC_LAUNCH_ENV, None)
+        else:
+            os.environ[STATIC_LAUNCH_ENV] = before
 
 
 def _route(setting: str, wanted: bool, use, restore, main: bool, routed: str | None, missing: str) -> bool:

@@ -11,10 +11,13 @@ step.
 Idle time is split at each gap by the kernel that ends it: if the host's call that launched it
 returned after the device had gone idle, the device waited for the host (`host late`: the step is
 host-bound there); if it was launched before, it sat queued behind something other than a kernel
-(`queued`: another stream's event, a copy, a wait). The longest recurring gaps are listed with the
-kernels either side. The profiler lengthens the host's path (a few us a launch with CPU activity
-on), so host-late idle in a profiled step is an upper bound on the unprofiled step's. On a CPU there are no device kernels: the same categories are CPU-op self time, and the
-device figures are absent.
+(`queued`: another stream's event, a copy, a wait). The gaps that cost the most a step are
+listed, grouped by the kernels either side, each group with its longest single gap (a one-off
+shows there). The profiler lengthens the host's path (a few us a launch with CPU activity on), so
+host-late idle in a profiled step is an upper bound on the unprofiled step's.
+
+On a CPU there are no device kernels: the same categories are CPU-op self time, and the device
+figures are absent.
 
     python -m src.profiling.anatomy outputs/DATE/TIME/profile/trace_rank0.json --flops-per-step 5.9e13
 """
