@@ -116,7 +116,7 @@ def test_the_first_logged_step_among_the_recorded_ones_is_named():
 
 def test_profile_names_the_compile_in_its_window_only_where_one_happens(caplog):
     from src.compose import compose_config
-    from src.train.trainer import profile_session
+    from src.train.trainer import first_read_recorded, profile_session
 
     base = ["task=profile", "train.log_every=10", "train.steps=12", "profile.wait=6"]
     for overrides, warned in ((["optim.impl=triton", "optim.grad_clip=0"], True),
@@ -129,3 +129,11 @@ def test_profile_names_the_compile_in_its_window_only_where_one_happens(caplog):
         assert bool(lines) == warned, overrides
         if warned:
             assert "step 9" in lines[0] and "profile.wait=9 train.steps=13" in lines[0]
+    # a short run reads its last step first; the advice records after step 9 on a longer run
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="src.train"):
+        profile_session(compose_config(["task=profile", "train.log_every=10", "train.steps=5", "optim.impl=triton", "optim.grad_clip=0"]), 1.0)
+    (line,) = [r.getMessage() for r in caplog.records if "first to read the loss" in r.getMessage()]
+    assert "step 4" in line and "profile.wait=9 train.steps=13" in line
+    advice = compose_config(["task=profile", "train.log_every=10", "train.steps=13", "profile.wait=9"]).profile
+    assert first_read_recorded(advice.wait, advice.warmup, advice.active, 10, 13) is None

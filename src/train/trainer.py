@@ -68,10 +68,11 @@ def profile_session(cfg: DictConfig, flops_per_step: float, main: bool = True) -
     norm_compiles_late = cfg.optim.impl == "triton" and cfg.optim.grad_clip <= 0 and cfg.train.nonfinite != "skip"
     step = first_read_recorded(p.wait, p.warmup, p.active, cfg.train.log_every, cfg.train.steps) if norm_compiles_late else None
     if step is not None and main:
-        wait = step + 1 - p.warmup
+        # record from step log_every on, after the first periodic read, with the run long enough to reach it
+        wait = cfg.train.log_every - p.warmup
         log.warning("profile: step %d, the first to read the loss and grad norm (train.log_every=%d), is among the recorded steps, and "
                     "AdamW's norm-summing variant compiles there, inside the trace; profile.wait=%d train.steps=%d record after it",
-                    step, cfg.train.log_every, wait, max(cfg.train.steps, wait + p.warmup + p.active))
+                    step, cfg.train.log_every, wait, max(cfg.train.steps, cfg.train.log_every + p.active))
     return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit,
                                flops_per_step, p.gemm_peak_tflops)
 
