@@ -55,9 +55,10 @@ def first_read_recorded(wait: int, warmup: int, active: int, log_every: int, ste
     """The run's first step that reads the loss and grad norm (step log_every - 1, or the last step
     if it comes first: train_loop reads both) if the profiler records it, else None. Where the
     optimizer sums the norm in its own update (TritonAdamW) and nothing else computes it every step,
-    that step compiles the update's summed-squares variant, and the compile lands in the trace
-    (~0.5 s in a 3-step trace of the seed's step on an H200, read as 174 ms of host-late idle a
-    step). Profiler step k is training step k (the session starts before step 0)."""
+    that step compiles the update's summed-squares variant, and the compile lands in the trace (in
+    a 3-step trace of the seed's float8 step on an H200, 521 ms of host-late idle before the update's
+    kernel: 174 ms a step in the anatomy). Profiler step k is training step k (the session starts
+    before step 0)."""
     first = min(log_every - 1, steps - 1)
     return first if log_every > 1 and wait + warmup <= first < wait + warmup + active else None
 
