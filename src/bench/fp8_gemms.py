@@ -14,11 +14,11 @@ would have cast them (W^T, dY^T and X^T copies for the two gradient GEMMs).
 Times are GPU times after do_bench's L2 flush (src/fusion/timing.py median_ms); the casts that
 produce the float8 operands are not timed here: the table says what they may cost at most for
 float8 to pay. Beside each, the host's microseconds to issue one call with the GPU kept busy
-(timing.host_us_per_call): a step of mini_llm's 12 blocks issues 96 float8 GEMMs and 48 bf16 ones under
-rowwise_with_gw_hp (144 float8 ones under rowwise_with_gw_tensorwise),
-so tens of microseconds a call are milliseconds a step of host that must stay under the GPU's. A block's sums at the end: all in bf16, the output and grad-input GEMMs in float8
-with the grad weight kept in bf16 (the recipe that keeps weight gradients in high precision), and
-all three in float8.
+(timing.host_us_per_call): a step of mini_llm's 12 blocks issues 96 float8 GEMMs and 48 bf16 ones
+under rowwise_with_gw_hp (144 float8 ones under rowwise_with_gw_tensorwise), so tens of
+microseconds a call are milliseconds a step of host that must stay under the GPU's. A block's sums
+at the end: all in bf16, the output and grad-input GEMMs in float8 with the grad weight kept in
+bf16 (the recipe that keeps weight gradients in high precision), and all three in float8.
 """
 from __future__ import annotations
 

@@ -155,7 +155,8 @@ class Parallelized:
 STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 
-def inductor_config(cfg) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def inductor_config(cfg):
     """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code,
     kernels.static_launch's static launcher for user-defined Triton kernels and kernels.max_autotune's
     GEMM autotuning. Set for the run, not passed to torch.compile(options=...): each block's backward
@@ -177,15 +178,8 @@ def inductor_config(cfg) -> contextlib.AbstractContextManager:
         settings["max_autotune"] = True
         if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
             settings["triton.enable_persistent_tma_matmul"] = True
-    return _inductor_settings(settings, static)
-
-
-@contextlib.contextmanager
-def _inductor_settings(settings: dict, static_launch: bool):
-    import torch._inductor.config as inductor
-
     with contextlib.ExitStack() as stack:
-        if static_launch:
+        if static:
             stack.enter_context(_compile_workers_static_launch())
         if settings:
             stack.enter_context(inductor.patch(settings))
