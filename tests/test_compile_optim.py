@@ -63,7 +63,7 @@ def test_inductor_with_its_cpp_wrapper_gives_the_eager_fp32_losses(tmp_path: Pat
 
 
 def test_inductor_settings_hold_for_the_run_and_are_put_back():
-    """kernels.cpp_wrapper and kernels.max_autotune are Inductor config while the run trains (its
+    """kernels.cpp_wrapper, max_autotune, static_launch and cudagraphs are Inductor config while the run trains (its
     blocks' backward graphs compile lazily, inside it) and nothing after."""
     import torch._inductor.config as inductor
 
@@ -85,6 +85,10 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
         assert inductor.static_launch_user_defined_triton_kernels and os.environ[STATIC_LAUNCH_ENV] == "1"
     with inductor_config(compose_config(["kernels=compile"])):  # off by default
         assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
+    graphs_before = inductor.triton.cudagraphs
+    with inductor_config(compose_config(["kernels=compile", "kernels.cudagraphs=true"])):
+        assert inductor.triton.cudagraphs and settings() == before
+    assert inductor.triton.cudagraphs == graphs_before
     assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
 
 

@@ -60,10 +60,13 @@ def test_fsdp4_tuned_is_the_seeds_run_with_the_measured_levers():
     assert compose_config(["+exp=fsdp4_tuned", "sharding.reshard_after_forward=true"]).sharding.reshard_after_forward
 
 
-def test_fsdp4_fp8_is_the_tuned_run_with_float8_blocks_and_one_launch_adamw():
+def test_fsdp4_fp8_is_the_tuned_run_with_float8_blocks_one_launch_adamw_and_graphs():
     tuned, fp8 = compose_config(["+exp=fsdp4_tuned"]), compose_config(["+exp=fsdp4_fp8"])
-    for group in ("model", "data", "dist", "backend", "sharding", "kernels", "train"):
+    for group in ("model", "data", "dist", "backend", "sharding", "train"):
         assert fp8[group] == tuned[group], group
+    assert fp8.kernels.cudagraphs and not tuned.kernels.cudagraphs
+    assert {**fp8.kernels, "cudagraphs": False} == {**tuned.kernels}
+    assert not compose_config(["+exp=fsdp4_fp8", "kernels.cudagraphs=false"]).kernels.cudagraphs
     p = fp8.precision
     assert (p.name, p.float8, p.fp8_impl, p.fp8_recipe) == ("fp8", True, "triton", "rowwise_with_gw_tensorwise")
     assert (p.param_dtype, p.reduce_dtype) == ("bfloat16", "bfloat16")
@@ -89,6 +92,8 @@ BAD_OVERRIDES = [
     (["kernels.cpp_wrapper=true"], "kernels.cpp_wrapper=true writes Inductor's launch code in C++ for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
     (["kernels.static_launch=true"], "kernels.static_launch=true launches this project's Triton kernels through Inductor's static launcher for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
     (["kernels=compile", "kernels.static_launch=true", "kernels.cpp_wrapper=true"], "kernels.static_launch=true replaces Triton's Python launcher, and kernels.cpp_wrapper=true launches every kernel from C++ code with none; drop one of them"),
+    (["kernels.cudagraphs=true"], "kernels.cudagraphs=true replays Inductor's graphs from CUDA graphs for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
+    (["kernels=compile", "kernels.cudagraphs=true"], "kernels.cudagraphs=true replays the compiled blocks from CUDA graphs, and backend=cpu has none; use backend=cuda or drop the override"),
     (["kernels.max_autotune=true"], "kernels.max_autotune=true autotunes Inductor's GEMMs for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
     (["sharding.forward_prefetch=-1"], "sharding.forward_prefetch=-1: the number of units to prefetch must be 0 (FSDP2's own order) or more"),
     (["sharding=none", "sharding.backward_prefetch=2"], "sharding.backward_prefetch=2 prefetches FSDP2's all-gathers, and sharding=none gathers nothing; use sharding=fsdp2 or hsdp"),

@@ -200,6 +200,33 @@ def test_the_float8_casts_launch_statically_inside_compiled_blocks(tmp_path: Pat
     assert len(losses["static"]) == 6 and losses["static"] == pytest.approx(losses["triton"], abs=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path, precision: str):
+    """kernels.cudagraphs=true: the compiled blocks' forward and backward replayed from CUDA graphs
+    give the losses of the same run with every kernel launched, over 8 steps of model=small (the
+    first step warms the trees up, the second records the graphs, the rest replay them), with
+    TritonAdamW writing the unsharded parameters the graphs read in place (optim.cast_in_step, one
+    rank) and no graph left to run launched. The tolerance is for cuDNN attention's backward: a
+    graph replayed over a tensor still in use would move the loss by far more."""
+    base = ["backend=cuda", "model=small", "data=text", "dist.nproc=1", "data.seq_len=512", "train.steps=8", "train.log_every=1",
+            "tracking=none", "kernels=compile", "optim.impl=triton", "precision.reduce_dtype=bfloat16"]
+    if precision == "fp8":
+        base += ["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
+    losses = {}
+    for name, extra in (("graphs", ["kernels.cudagraphs=true"]), ("launched", [])):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = run_cli([*base, *extra], cwd=cwd, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        run_dir = next(cwd.glob("outputs/*/*"))
+        losses[name] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["graphs"]) == 8 and losses["graphs"] == pytest.approx(losses["launched"], abs=1e-3)
+    assert losses["graphs"][-1] < losses["graphs"][0]
+    assert json.loads(next((tmp_path / "graphs").glob("outputs/*/*/summary.json")).read_text())["cudagraph_skips"] == 0
+
+
 @pytest.mark.parametrize("recipe", [r for r in Fp8Recipe if r != "rowwise_with_gw_tensorwise"])
 def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
     """The recipe arrives as the config's StrEnum member; torchao matched `type(name) == str` and

@@ -158,8 +158,8 @@ STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 @contextlib.contextmanager
 def inductor_config(cfg):
     """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code,
-    kernels.static_launch's static launcher for user-defined Triton kernels and kernels.max_autotune's
-    GEMM autotuning. Set for the run, not passed to torch.compile(options=...): each block's backward
+    kernels.static_launch's static launcher for user-defined Triton kernels, kernels.cudagraphs' CUDA
+    graphs and kernels.max_autotune's GEMM autotuning. Set for the run, not passed to torch.compile(options=...): each block's backward
     graph is compiled lazily at the first backward, after compile's own options have been restored,
     and on torch 2.11 cpp_wrapper then fails there ("CudaKernelParamCache not populated",
     pytorch/pytorch#178845, fixed in 2.12)."""
@@ -174,6 +174,8 @@ def inductor_config(cfg):
             settings["static_launch_user_defined_triton_kernels"] = static = True
         else:
             log.warning("kernels.static_launch: this torch's Inductor cannot launch user-defined Triton kernels statically; they keep Triton's launcher")
+    if cfg.kernels.cudagraphs:
+        settings["triton.cudagraphs"] = True
     if cfg.kernels.max_autotune:
         settings["max_autotune"] = True
         if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
@@ -184,6 +186,23 @@ def inductor_config(cfg):
         if settings:
             stack.enter_context(inductor.patch(settings))
         yield
+
+
+def cudagraph_skips() -> int:
+    """Compiled graphs Inductor ran without a CUDA graph so far in this process (kernels.cudagraphs:
+    a mutated input, a CPU tensor, too many re-recordings; each reason is logged as it happens)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def release_cuda_graphs() -> None:
+    """Free kernels.cudagraphs' graphs and their memory pool: before the process group goes (graphs
+    that hold NCCL buffers hang its teardown, torchtitan's finding), and between an in-process
+    sweep's jobs."""
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
 
 
 @contextlib.contextmanager

@@ -146,11 +146,15 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if cfg.kernels.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
     for option, what in (("cpp_wrapper", "writes Inductor's launch code in C++"), ("max_autotune", "autotunes Inductor's GEMMs"),
-                         ("static_launch", "launches this project's Triton kernels through Inductor's static launcher")):
+                         ("static_launch", "launches this project's Triton kernels through Inductor's static launcher"),
+                         ("cudagraphs", "replays Inductor's graphs from CUDA graphs")):
         if cfg.kernels[option] and not (cfg.kernels.compile and cfg.kernels.compile_backend == "inductor"):
             fix = "set kernels.compile_backend=inductor" if cfg.kernels.compile else "add kernels=compile"
             raise ConfigError(f"kernels.{option}=true {what} for the run's compiled graphs, and kernels={cfg.kernels.name} "
                               f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; {fix}")
+    if cfg.kernels.cudagraphs and backend != "cuda":
+        raise ConfigError(f"kernels.cudagraphs=true replays the compiled blocks from CUDA graphs, and backend={backend} has none; "
+                          "use backend=cuda or drop the override")
     if cfg.kernels.static_launch and cfg.kernels.cpp_wrapper:
         raise ConfigError("kernels.static_launch=true replaces Triton's Python launcher, and kernels.cpp_wrapper=true launches every kernel "
                           "from C++ code with none; drop one of them")

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
-from src.distributed.parallelize import parallelize
+from src.distributed.parallelize import cudagraph_skips, parallelize
 from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.fusion.trial import LossTrial
@@ -91,6 +91,7 @@ class Trainer:
             dist.broadcast_object_list(shared, src=0)
             ctx = replace(ctx, run_dir=shared[0])
         self.cfg, self.ctx = cfg, ctx
+        self.graph_skips_before = cudagraph_skips() if cfg.kernels.cudagraphs else None
         self.run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
         if ctx.run_dir:  # a note left by this rank's previous attempt (an elastic restart) is stale
             (Path(ctx.run_dir) / ERROR_NOTE.format(rank=env.rank)).unlink(missing_ok=True)
@@ -297,6 +298,9 @@ class Trainer:
         float8's scales); returns (loss, global grad norm) as device tensors, not yet synced; the
         norm None when `need_norm` is false and neither clipping nor skipping needs it."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.kernels.cudagraphs:
+            # the trees' outputs of the last step are dead from here: its graphs may be replayed over them
+            torch.compiler.cudagraph_mark_step_begin()
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
                               self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm,
@@ -362,6 +366,9 @@ class Trainer:
             "checkpoint_load_s": checkpointer.load_s if checkpointer is not None else None,
             "mlflow_run_id": tracker.run_id,
         }
+        if self.graph_skips_before is not None:
+            # kernels.cudagraphs: compiled graphs that ran launched, not replayed (this process, this run)
+            summary["cudagraph_skips"] = cudagraph_skips() - self.graph_skips_before
         if session is not None and env.is_main:
             summary["profile"] = session.results
             for artifact in session.artifacts:
@@ -378,6 +385,9 @@ class Trainer:
         if env.is_main:
             if summary["skipped_steps"]:
                 log.info("train.nonfinite=skip dropped the optimizer update of %d step(s): %s", summary["skipped_steps"], summary["skipped_at"])
+            if summary.get("cudagraph_skips"):
+                log.warning("kernels.cudagraphs: %d compiled graph(s) ran their kernels launched one by one instead of replayed "
+                            "from a CUDA graph; Inductor logged why above ('skipping cudagraphs due to ...')", summary["cudagraph_skips"])
             if summary["steps"] == 0:
                 log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
             else:

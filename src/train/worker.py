@@ -7,7 +7,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import shutdown
-from src.distributed.parallelize import inductor_config
+from src.distributed.parallelize import inductor_config, release_cuda_graphs
 from src.runtime import RunContext
 from src.train.trainer import Trainer
 
@@ -22,6 +22,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             trainer.record_failure(exc)
             raise
         finally:
+            if cfg.kernels.cudagraphs:
+                release_cuda_graphs()
             shutdown()
 
 
