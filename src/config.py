@@ -228,9 +228,11 @@ class KernelsConfig:
     """inductor: each compiled block's forward and backward replayed from a CUDA graph (Inductor's cudagraph trees,
     torch.compile's mode="reduce-overhead"): one launch a graph instead of one a kernel, for steps whose host cannot queue
     the kernels as fast as the GPU runs them. Each training step marks a new step for the trees
-    (torch.compiler.cudagraph_mark_step_begin); summary.json's cudagraph_skips counts graphs that ran launched instead
-    (Inductor logs why). On in +exp=fsdp4_fp8: on one H200 its host ~10 ms a step shorter (44 against 51-55 ms), the
-    step 58.4-59.2 ms (docs/PERFORMANCE.md section 7); on two or more GPUs not yet measured"""
+    (torch.compiler.cudagraph_mark_step_begin); summary.json counts the graphs held (cudagraphs), recorded again because
+    a weight moved (cudagraph_rerecords) and run launched instead (cudagraph_skips; Inductor logs why). On in
+    +exp=fsdp4_fp8: on one H200 its host 5-16 ms a step shorter (44 against 50-60 ms in the same calls), the step
+    58.4-59.2 ms (docs/PERFORMANCE.md section 7); on two or more GPUs not yet measured. Under kernels=auto it applies
+    to whatever auto compiles (the blocks, or single ops where those were picked)"""
     max_autotune: bool = False
     """inductor: each GEMM of the run's compiled graphs timed at its shape against Inductor's Triton templates (persistent TMA
     ones on Hopper), which can take the pointwise work after it (bias, SiLU, the residual add) into the GEMM; the fastest is

@@ -85,10 +85,10 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
         assert inductor.static_launch_user_defined_triton_kernels and os.environ[STATIC_LAUNCH_ENV] == "1"
     with inductor_config(compose_config(["kernels=compile"])):  # off by default
         assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
-    graphs_before = inductor.triton.cudagraphs
-    with inductor_config(compose_config(["kernels=compile", "kernels.cudagraphs=true"])):
-        assert inductor.triton.cudagraphs and settings() == before
-    assert inductor.triton.cudagraphs == graphs_before
+    with inductor.patch({"triton.cudagraphs": False}):  # whatever TORCHINDUCTOR_CUDAGRAPHS says
+        with inductor_config(compose_config(["kernels=compile", "kernels.cudagraphs=true"])):
+            assert inductor.triton.cudagraphs and settings() == before
+        assert not inductor.triton.cudagraphs
     assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
 
 

@@ -224,7 +224,11 @@ def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path,
         losses[name] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["graphs"]) == 8 and losses["graphs"] == pytest.approx(losses["launched"], abs=1e-3)
     assert losses["graphs"][-1] < losses["graphs"][0]
-    assert json.loads(next((tmp_path / "graphs").glob("outputs/*/*/summary.json")).read_text())["cudagraph_skips"] == 0
+    summary = json.loads(next((tmp_path / "graphs").glob("outputs/*/*/summary.json")).read_text())
+    # graphs held (a block's forward and backward at each place in the step), none recorded twice
+    # (one rank: the weights stay where they are) and none run launched
+    assert summary["cudagraphs"] >= 2 * compose_config(["model=small"]).model.n_layers
+    assert summary["cudagraph_rerecords"] == 0 and summary["cudagraph_skips"] == 0
 
 
 @pytest.mark.parametrize("recipe", [r for r in Fp8Recipe if r != "rowwise_with_gw_tensorwise"])

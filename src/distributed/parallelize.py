@@ -180,6 +180,9 @@ def inductor_config(cfg):
         settings["max_autotune"] = True
         if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
             settings["triton.enable_persistent_tma_matmul"] = True
+    if cfg.kernels.cudagraphs:
+        # code compiled earlier in this process (a sweep's job without graphs) would be reused as it is
+        release_cuda_graphs()
     with contextlib.ExitStack() as stack:
         if static:
             stack.enter_context(_compile_workers_static_launch())
@@ -196,13 +199,34 @@ def cudagraph_skips() -> int:
     return counters["inductor"]["cudagraph_skips"]
 
 
-def release_cuda_graphs() -> None:
-    """Free kernels.cudagraphs' graphs and their memory pool: before the process group goes (graphs
-    that hold NCCL buffers hang its teardown, torchtitan's finding), and between an in-process
-    sweep's jobs."""
-    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+def cudagraph_counts(device: torch.device) -> dict[str, int]:
+    """kernels.cudagraphs on `device`: the CUDA graphs the trees hold (`graphs`: one a compiled block's
+    forward or backward at each place in the step, 24 a step for mini_llm's 12 blocks) and how often
+    one was recorded again because an input it reads in place (a weight) had moved (`rerecords`:
+    under FSDP2 with more than one rank, gathered weights land in new memory unless the allocator
+    hands the same blocks back)."""
+    from torch._inductor.cudagraph_trees import get_manager
 
-    reset_cudagraph_trees()
+    manager = get_manager(device.index if device.index is not None else torch.cuda.current_device(), create_if_none_exists=False)
+    if manager is None or manager.roots is None:
+        return {"graphs": 0, "rerecords": 0}
+    graphs, nodes = 0, [node for roots in manager.roots.values() for node in roots]
+    while nodes:
+        node = nodes.pop()
+        graphs += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return {"graphs": graphs, "rerecords": sum(n for per_node in manager.num_rerecord.values() for n in per_node.values())}
+
+
+def release_cuda_graphs() -> None:
+    """Free kernels.cudagraphs' graphs and their memory pool, and Dynamo's compiled code with them: a
+    compiled block keeps the trees it was first run under, so the next run in this process (an
+    in-process sweep's job) compiles afresh, under its own kernels settings, instead of calling
+    graphs that are gone. Run before the process group goes (torchtitan releases its graphs there,
+    pytorch/torchtitan#2050; these graphs hold no collective, FSDP2's hooks run outside them)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # the trees too (reset_cudagraph_trees)
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
         raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
     for option, what in (("cpp_wrapper", "writes Inductor's launch code in C++"), ("max_autotune", "autotunes Inductor's GEMMs"),
                          ("static_launch", "launches this project's Triton kernels through Inductor's static launcher"),
-                         ("cudagraphs", "replays Inductor's graphs from CUDA graphs")):
+                         ("cudagraphs", "captures Inductor's kernels in CUDA graphs")):
         if cfg.kernels[option] and not (cfg.kernels.compile and cfg.kernels.compile_backend == "inductor"):
             fix = "set kernels.compile_backend=inductor" if cfg.kernels.compile else "add kernels=compile"
             raise ConfigError(f"kernels.{option}=true {what} for the run's compiled graphs, and kernels={cfg.kernels.name} "

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
-from src.distributed.parallelize import cudagraph_skips, parallelize
+from src.distributed.parallelize import cudagraph_counts, cudagraph_skips, parallelize
 from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.fusion.trial import LossTrial
@@ -367,8 +367,11 @@ class Trainer:
             "mlflow_run_id": tracker.run_id,
         }
         if self.graph_skips_before is not None:
-            # kernels.cudagraphs: compiled graphs that ran launched, not replayed (this process, this run)
-            summary["cudagraph_skips"] = cudagraph_skips() - self.graph_skips_before
+            # kernels.cudagraphs: the graphs held and re-recorded, and compiled graphs that ran launched
+            # instead (this process, this run)
+            counts = cudagraph_counts(env.device)
+            summary.update(cudagraphs=counts["graphs"], cudagraph_rerecords=counts["rerecords"],
+                           cudagraph_skips=cudagraph_skips() - self.graph_skips_before)
         if session is not None and env.is_main:
             summary["profile"] = session.results
             for artifact in session.artifacts:
@@ -388,6 +391,10 @@ class Trainer:
             if summary.get("cudagraph_skips"):
                 log.warning("kernels.cudagraphs: %d compiled graph(s) ran their kernels launched one by one instead of replayed "
                             "from a CUDA graph; Inductor logged why above ('skipping cudagraphs due to ...')", summary["cudagraph_skips"])
+            if summary.get("cudagraph_rerecords"):
+                # each re-recording is a step's worth of capture on the host; more than a few per graph cost more than graphs save
+                log.warning("kernels.cudagraphs: %d graph(s) recorded again because a weight they read had moved (%d graphs held); "
+                            "if the steps are slower than with kernels.cudagraphs=false, drop it", summary["cudagraph_rerecords"], summary["cudagraphs"])
             if summary["steps"] == 0:
                 log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
             else:

@@ -22,9 +22,11 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             trainer.record_failure(exc)
             raise
         finally:
-            if cfg.kernels.cudagraphs:
-                release_cuda_graphs()
-            shutdown()
+            try:
+                if cfg.kernels.cudagraphs:
+                    release_cuda_graphs()
+            finally:
+                shutdown()
 
 
 def elastic_entry(cfg_container: dict, ctx_fields: dict) -> dict[str, Any]:
