@@ -149,6 +149,16 @@ def test_triton_float8_linears_train_on_a_cpu_rank_with_real_float8_gemms(recipe
     assert fp8 != bf16  # the GEMMs did run in float8
 
 
+def _train(cwd: Path, args: list[str], env: dict[str, str] | None = None) -> tuple[str, Path, list[float]]:
+    """`python -m src.run args` in a new folder `cwd`, which must succeed: its stdout, run directory
+    and the loss of every step metrics.jsonl holds."""
+    cwd.mkdir()
+    proc = run_cli(args, cwd=cwd, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = next(cwd.glob("outputs/*/*"))
+    return proc.stdout, run_dir, [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
 @pytest.mark.parametrize("impl", ["torchao", "triton", "triton_gw_tensorwise"])
@@ -162,18 +172,13 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
            "triton_gw_tensorwise": [*triton, "precision.fp8_recipe=rowwise_with_gw_tensorwise"]}[impl]
     losses = {}
     for precision, overrides in (("bf16", ["precision=bf16"]), ("fp8", fp8)):
-        cwd = tmp_path / precision
-        cwd.mkdir()
-        proc = run_cli(["backend=cuda", "model=small", "data=text", f"dist.nproc={n}", "data.seq_len=512", "train.steps=12",
-                        *overrides, "kernels=compile", "tracking=none"], cwd=cwd, timeout=600)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        stdout, _, losses[precision] = _train(tmp_path / precision, ["backend=cuda", "model=small", "data=text", f"dist.nproc={n}", "data.seq_len=512",
+                                                                     "train.steps=12", *overrides, "kernels=compile", "tracking=none"])
         if precision == "fp8":
             expected = {"torchao": "float8 (tensorwise scales, torchao casts): 16 block linears, weights all-gathered in float8",
                         "triton": "float8 (rowwise_with_gw_hp scales, triton casts): 16 block linears, weights all-gathered in bf16",
                         "triton_gw_tensorwise": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 16 block linears, weights all-gathered in bf16"}[impl]
-            assert expected in proc.stdout
-        run_dir = next(cwd.glob("outputs/*/*"))
-        losses[precision] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            assert expected in stdout
     assert losses["fp8"][-1] < losses["fp8"][0] - 0.5
     assert losses["fp8"] == pytest.approx(losses["bf16"], abs=0.1)
 
@@ -191,12 +196,7 @@ def test_the_float8_casts_launch_statically_inside_compiled_blocks(tmp_path: Pat
             "precision=fp8", "precision.reduce_dtype=bfloat16", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
     losses = {}
     for name, extra, env in (("static", ["kernels.static_launch=true"], {"TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER": "1"}), ("triton", [], {})):
-        cwd = tmp_path / name
-        cwd.mkdir()
-        proc = run_cli([*base, *extra], cwd=cwd, timeout=600, env=env)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        run_dir = next(cwd.glob("outputs/*/*"))
-        losses[name] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        _, _, losses[name] = _train(tmp_path / name, [*base, *extra], env)
     assert len(losses["static"]) == 6 and losses["static"] == pytest.approx(losses["triton"], abs=1e-3)
 
 
@@ -214,17 +214,11 @@ def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path,
             "tracking=none", "kernels=compile", "optim.impl=triton", "precision.reduce_dtype=bfloat16"]
     if precision == "fp8":
         base += ["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
-    losses = {}
-    for name, extra in (("graphs", ["kernels.cudagraphs=true"]), ("launched", [])):
-        cwd = tmp_path / name
-        cwd.mkdir()
-        proc = run_cli([*base, *extra], cwd=cwd, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        run_dir = next(cwd.glob("outputs/*/*"))
-        losses[name] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses["graphs"]) == 8 and losses["graphs"] == pytest.approx(losses["launched"], abs=1e-3)
-    assert losses["graphs"][-1] < losses["graphs"][0]
-    summary = json.loads(next((tmp_path / "graphs").glob("outputs/*/*/summary.json")).read_text())
+    _, graphs_dir, graphs = _train(tmp_path / "graphs", [*base, "kernels.cudagraphs=true"])
+    _, _, launched = _train(tmp_path / "launched", base)
+    assert len(graphs) == 8 and graphs == pytest.approx(launched, abs=1e-3)
+    assert graphs[-1] < graphs[0]
+    summary = json.loads((graphs_dir / "summary.json").read_text())
     # graphs held (a block's forward and backward at each place in the step), none recorded twice
     # (one rank: the weights stay where they are) and none run launched
     assert summary["cudagraphs"] >= 2 * compose_config(["model=small"]).model.n_layers

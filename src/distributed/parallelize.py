@@ -159,10 +159,10 @@ STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 def inductor_config(cfg):
     """Inductor settings for a whole training run: kernels.cpp_wrapper's C++ launch code,
     kernels.static_launch's static launcher for user-defined Triton kernels, kernels.cudagraphs' CUDA
-    graphs and kernels.max_autotune's GEMM autotuning. Set for the run, not passed to torch.compile(options=...): each block's backward
-    graph is compiled lazily at the first backward, after compile's own options have been restored,
-    and on torch 2.11 cpp_wrapper then fails there ("CudaKernelParamCache not populated",
-    pytorch/pytorch#178845, fixed in 2.12)."""
+    graphs and kernels.max_autotune's GEMM autotuning. Set for the run, not passed to
+    torch.compile(options=...): each block's backward graph is compiled lazily at the first
+    backward, after compile's own options have been restored, and on torch 2.11 cpp_wrapper then
+    fails there ("CudaKernelParamCache not populated", pytorch/pytorch#178845, fixed in 2.12)."""
     import torch._inductor.config as inductor
 
     settings = {}
@@ -176,13 +176,12 @@ def inductor_config(cfg):
             log.warning("kernels.static_launch: this torch's Inductor cannot launch user-defined Triton kernels statically; they keep Triton's launcher")
     if cfg.kernels.cudagraphs:
         settings["triton.cudagraphs"] = True
+        # code compiled earlier in this process (a sweep's job without graphs) would be reused as it is
+        release_cuda_graphs()
     if cfg.kernels.max_autotune:
         settings["max_autotune"] = True
         if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # Hopper's TMA templates among the candidates
             settings["triton.enable_persistent_tma_matmul"] = True
-    if cfg.kernels.cudagraphs:
-        # code compiled earlier in this process (a sweep's job without graphs) would be reused as it is
-        release_cuda_graphs()
     with contextlib.ExitStack() as stack:
         if static:
             stack.enter_context(_compile_workers_static_launch())

@@ -5,8 +5,8 @@ optimizer, FSDP2's copy-in/out, communication, other), the communication that no
 (NCCL kernel time while no other kernel runs on any stream), idle time (no kernel at all) split by
 what the device waited for, the step's device time, and the GEMM floor: model FLOPs per step at a
 stated GEMM rate (790 TFLOP/s, bf16 dense GEMMs measured on an H200), the time the step would take
-if it were only its GEMMs at full speed. Category times overlap (NCCL runs beside compute), so they add up to more than the
-step.
+if it were only its GEMMs at full speed. Category times overlap (NCCL runs beside compute), so they
+add up to more than the step.
 
 Idle time is split at each gap by the kernel that ends it: if the host's call that launched it
 returned after the device had gone idle, the device waited for the host (`host late`: the step is
