@@ -138,6 +138,11 @@ class ShardingConfig:
     """fsdp2 (per-block fully_shard, then the root), hsdp (2-D mesh), ddp-style replication (none)"""
     reshard_after_forward: bool = True
     """free the gathered block after forward (ZeRO-3); false keeps it until backward (ZeRO-2)"""
+    keep_unsharded: bool = False
+    """fsdp2/hsdp: every unit's gathered parameters keep their memory from one step to the next, so each
+    all-gather lands at the same addresses (kernels.cudagraphs' graphs replay with them instead of
+    recording again) and backward gathers nothing (reshard_after_forward is off for every unit); the
+    whole model's param_dtype copy stays on each GPU (1.46 GB for mini_llm in bf16)"""
     replicate: int = 1
     """hsdp only: replica groups on the outer mesh dimension; nproc must be a multiple of it"""
     cpu_offload: bool = False
@@ -231,8 +236,10 @@ class KernelsConfig:
     (torch.compiler.cudagraph_mark_step_begin); summary.json counts the graphs held (cudagraphs), recorded again because
     a weight moved (cudagraph_rerecords) and run launched instead (cudagraph_skips; Inductor logs why). On in
     +exp=fsdp4_fp8: on one H200 its host 5-16 ms a step shorter (44 against 50-60 ms in the same calls), the step
-    58.4-59.2 ms (docs/PERFORMANCE.md section 7); on two or more GPUs not yet measured. Under kernels=auto it applies
-    to whatever auto compiles (the blocks, or single ops where those were picked)"""
+    58.4-59.2 ms (docs/PERFORMANCE.md section 7). Under sharding fsdp2/hsdp it needs sharding.keep_unsharded=true:
+    FSDP2 gathers the weights into new memory each step, and each new address records the graphs again (252 ms a
+    step against 60 launched on one H200). Under kernels=auto it applies to whatever auto compiles (the blocks, or
+    single ops where those were picked)"""
     max_autotune: bool = False
     """inductor: each GEMM of the run's compiled graphs timed at its shape against Inductor's Triton templates (persistent TMA
     ones on Hopper), which can take the pointwise work after it (bias, SiLU, the residual add) into the GEMM; the fastest is

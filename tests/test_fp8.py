@@ -202,16 +202,19 @@ def test_the_float8_casts_launch_statically_inside_compiled_blocks(tmp_path: Pat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path, precision: str):
+@pytest.mark.parametrize("precision,unshard", [("bf16", "direct"), ("fp8", "direct"), ("fp8", "fsdp2")])
+def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path, precision: str, unshard: str):
     """kernels.cudagraphs=true: the compiled blocks' forward and backward replayed from CUDA graphs
     give the losses of the same run with every kernel launched, over 8 steps of model=small (the
     first step warms the trees up, the second records the graphs, the rest replay them), with
     TritonAdamW writing the unsharded parameters the graphs read in place (optim.cast_in_step, one
-    rank) and no graph left to run launched. The tolerance is for cuDNN attention's backward: a
-    graph replayed over a tensor still in use would move the loss by far more."""
+    rank) and no graph left to run launched. unshard=fsdp2: FSDP2's own unshard, which frees and
+    gathers the weights as with two or more ranks, kept in place by sharding.keep_unsharded. The
+    tolerance is for cuDNN attention's backward: a graph replayed over a tensor still in use would
+    move the loss by far more."""
     base = ["backend=cuda", "model=small", "data=text", "dist.nproc=1", "data.seq_len=512", "train.steps=8", "train.log_every=1",
-            "tracking=none", "kernels=compile", "optim.impl=triton", "precision.reduce_dtype=bfloat16"]
+            "tracking=none", "kernels=compile", "optim.impl=triton", "precision.reduce_dtype=bfloat16", "sharding.keep_unsharded=true",
+            f"sharding.one_rank_copies={unshard}"]
     if precision == "fp8":
         base += ["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
     _, graphs_dir, graphs = _train(tmp_path / "graphs", [*base, "kernels.cudagraphs=true"])
@@ -220,7 +223,7 @@ def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path,
     assert graphs[-1] < graphs[0]
     summary = json.loads((graphs_dir / "summary.json").read_text())
     # graphs held (a block's forward and backward at each place in the step), none recorded twice
-    # (one rank: the weights stay where they are) and none run launched
+    # (the weights gathered into the same memory every step) and none run launched
     assert summary["cudagraphs"] >= 2 * compose_config(["model=small"]).model.n_layers
     assert summary["cudagraph_rerecords"] == 0 and summary["cudagraph_skips"] == 0
 

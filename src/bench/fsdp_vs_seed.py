@@ -33,7 +33,9 @@ from pathlib import Path
 
 SEED_SCRIPT = Path(__file__).with_name("seed_fsdp.py")
 ENV_VAR = re.compile(r"^[A-Z][A-Z0-9_]*=")
-FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "host_step_time_s", "final_loss", "host_rss_growth_mb")
+FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "host_step_time_s", "final_loss", "host_rss_growth_mb",
+           # kernels.cudagraphs runs: graphs held, recorded again (a weight moved), run launched instead
+           "cudagraphs", "cudagraph_rerecords", "cudagraph_skips")
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None, clock=time.monotonic) -> list[dict]:
                 (args.out / "rows.json").write_text(json.dumps(rows, indent=2))  # after every run: a cut-off call keeps what ran
                 what = figures.get("error") or (f"{figures['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_fmt(figures.get('mfu'), '.1f')}%, "
                                                 f"step {1e3 * figures['step_time_s']:.1f} ms")
+                if figures.get("cudagraphs") is not None:
+                    what += f", {figures['cudagraphs']} CUDA graphs ({figures['cudagraph_rerecords']} re-recorded, {figures['cudagraph_skips']} skipped)"
                 print(f"{impl:<14} nproc={n} round={r} ({took:.0f} s): {what}", flush=True)
             if stopped:
                 break

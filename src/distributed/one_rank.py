@@ -42,6 +42,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedSt
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from src.distributed.fsdp_patch import CollectivesPatch
+from src.distributed.kept_unshard import FREE, mark_kept, module_groups
 
 _DIRECT = "_direct_all_gather_input"  # an FSDPParam's unsharded storage, already cast, for FSDP2's copy
 _KEPT = "_kept_unsharded"  # an FSDPParam's UnshardedCopy: its unsharded storage is never freed (cast_in_step)
@@ -124,6 +125,7 @@ def _cast_into_unsharded(group, marked: list) -> None:
         if kept is None and _KEEP in group.__dict__:  # its first unshard since cast_in_step: from now on kept
             alloc_storage(out)
             kept = p.__dict__[_KEPT] = UnshardedCopy(out)
+            mark_kept(p)  # FSDP2's free leaves it (kept_unshard.py)
             new.append((p.sharded_param, kept))
         tensors = (p.sharded_param, p._sharded_local_tensor, shard)
         if kept is None or not kept.fresh(out, tensors):
@@ -145,7 +147,7 @@ def _stop_resharding(module: nn.Module) -> None:
     """Once every parameter of `module`'s groups is kept, resharding after forward would free
     nothing (the storage stays) and cost backward an unshard's Python per parameter: the module
     keeps its parameters unsharded from forward to backward."""
-    groups = next(g for m, g in _module_groups(module) if m is module)
+    groups = next(g for m, g in module_groups(module) if m is module)
     if all(_KEPT in p.__dict__ for g in groups for p in g.fsdp_params):
         module.set_reshard_after_forward(False, recurse=False)
 
@@ -172,15 +174,8 @@ def _all_gather_inputs(self) -> list[torch.Tensor]:
     return INPUTS.fsdp2["all_gather_inputs"].fget(self)
 
 
-def _free_unsharded_param(self) -> None:
-    if _KEPT in self.__dict__:
-        return  # kept for the optimizer to write and the next unshard to use
-    return FREE.fsdp2["free_unsharded_param"](self)
-
-
 UNSHARD = CollectivesPatch({"wait_for_unshard": wait_for_unshard}, owner=lambda: FSDPParamGroup)
 INPUTS = CollectivesPatch({"all_gather_inputs": property(_all_gather_inputs)}, owner=lambda: FSDPParam)
-FREE = CollectivesPatch({"free_unsharded_param": _free_unsharded_param}, owner=lambda: FSDPParam)
 
 
 def use_direct_unshard() -> bool:
@@ -227,7 +222,7 @@ def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
         return 0, 0
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     n = nbytes = 0
-    for module, groups in _module_groups(model):
+    for module, groups in module_groups(model):
         kept_all, marked = bool(groups), []
         for group in groups:
             dtype = group.mp_policy.param_dtype
@@ -248,21 +243,9 @@ def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
     return n, nbytes
 
 
-def _module_groups(model: nn.Module):
-    """(FSDP2 module, its parameter groups) for every FSDP2 module of `model` (torch 2.13 can give
-    a module several groups)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            state = m._get_fsdp_state()
-            groups = state._fsdp_param_groups if hasattr(state, "_fsdp_param_groups") else [state._fsdp_param_group]
-            yield m, [g for g in groups if g is not None]
-
-
 def _groups(model: nn.Module):
     """Every FSDP2 parameter group of `model`."""
-    for _, groups in _module_groups(model):
+    for _, groups in module_groups(model):
         yield from groups
 
 

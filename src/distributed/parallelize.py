@@ -324,6 +324,21 @@ def _one_rank_copies(choice: str, model: nn.Module, mesh: DeviceMesh, param_dtyp
             log.info("sharding.one_rank_copies=direct: one rank: %s%d FSDP2 groups reduce with no copy of their gradients", cast, n)
 
 
+def _keep_unsharded(model: nn.Module, param_dtype: str, main: bool) -> None:
+    """sharding.keep_unsharded: FSDP2's unsharded parameters never freed (src/distributed/kept_unshard.py)."""
+    from src.distributed.kept_unshard import keep_unsharded
+
+    n, nbytes = keep_unsharded(model, torch_dtype(param_dtype))
+    if not main:
+        return
+    if n:
+        log.info("sharding.keep_unsharded: %d parameters gathered into the same memory every step (%.2f GB a GPU); "
+                 "no unit reshards after forward", n, nbytes / 1e9)
+    else:
+        log.warning("sharding.keep_unsharded: nothing kept (this torch's FSDPParam has no free_unsharded_param, or other code "
+                    "replaced it); FSDP2 frees and gathers as usual")
+
+
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:
     """float8 -> NVTX ranges -> compile -> fully_shard (mesh given: fsdp2, hsdp) or DDP -> init.
 
@@ -365,6 +380,8 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         _gather_copy_in(cfg.sharding.gather_copy_in, cfg.precision.param_dtype, mesh.size(), main)
         _reduce_copy_in(cfg.sharding.reduce_copy_in, cfg.precision.reduce_dtype, device, main)
         _one_rank_copies(cfg.sharding.one_rank_copies, model, mesh, cfg.precision.param_dtype, cfg.sharding.cpu_offload, main)
+        if cfg.sharding.keep_unsharded:
+            _keep_unsharded(model, cfg.precision.param_dtype, main)
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)
