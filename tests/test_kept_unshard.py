@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from src.compose import compose_config
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh
-from src.distributed.kept_unshard import FREE, KEPT
+from src.distributed.kept_unshard import FREE, KEPT, module_groups
 from src.distributed.parallelize import parallelize
 from src.models import build_model
 from src.train.loop import train_step
@@ -63,10 +63,12 @@ def _rank(rank: int, init_file: str, out: str, overrides: list[str]) -> None:
             storage = param.all_gather_outputs[0].untyped_storage()
             where.append(storage.data_ptr() if storage.size() else 0)  # after the step: 0 if freed
         full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        groups = [g for _, gs in module_groups(model) for g in gs if g.fsdp_params]
         if rank == 0:
             torch.save({"losses": losses, "params": full, "where": where, "gathers": gathers,
                         "kept": [bool(p.__dict__.get(KEPT)) for g in [block._get_fsdp_state()._fsdp_param_group] for p in g.fsdp_params],
-                        "reshards_after_forward": block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None}, out)
+                        "reshards_after_forward": block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None,
+                        "units": len(groups), "resharding_units": sum(g.post_forward_mesh_info is not None for g in groups)}, out)
     finally:
         del model, opt
         gc.collect()
@@ -80,10 +82,16 @@ def _run(tmp_path: Path, name: str, overrides: list[str]) -> dict:
     return torch.load(d / "rank0.pt", weights_only=True)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("kept")
-    return {"fsdp2": _run(tmp, "fsdp2", []), "kept": _run(tmp, "kept", ["sharding.keep_unsharded=true"])}
+LAYOUTS = {"fsdp2": [], "split_root": ["sharding.split_root=true", "precision.reduce_dtype=bfloat16"]}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def runs(request, tmp_path_factory) -> dict[str, dict]:
+    """FSDP2 as it is and kept, in the default layout and in +exp=fsdp4_tuned's (embedding and head
+    as units of their own, bf16 reduction)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    layout = LAYOUTS[request.param]
+    return {"fsdp2": _run(tmp, "fsdp2", layout), "kept": _run(tmp, "kept", [*layout, "sharding.keep_unsharded=true"])}
 
 
 def test_kept_parameters_are_gathered_into_the_same_memory_every_step(runs):
@@ -96,8 +104,10 @@ def test_kept_parameters_are_gathered_into_the_same_memory_every_step(runs):
 def test_kept_units_gather_once_a_step_where_fsdp2_gathers_again_for_backward(runs):
     fsdp2, kept = runs["fsdp2"], runs["kept"]
     assert not kept["reshards_after_forward"] and fsdp2["reshards_after_forward"]
-    # the tiny model's units: 2 blocks and the root; FSDP2 gathers each block again in backward
-    assert fsdp2["gathers"] == [5] * STEPS and kept["gathers"] == [3] * STEPS
+    # kept: each unit gathered once, in forward; FSDP2 gathers the units that reshard after forward
+    # (the 2 blocks, and the embedding where it is a unit of its own) again in backward
+    assert kept["gathers"] == [kept["units"]] * STEPS
+    assert fsdp2["gathers"] == [kept["units"] + fsdp2["resharding_units"]] * STEPS
 
 
 def test_kept_training_is_the_same_bits_as_fsdp2s_own(runs):
