@@ -188,7 +188,8 @@ class PrecisionConfig:
     param_dtype: Dtype = Dtype.float32
     """dtype of the gathered parameters that compute runs in"""
     reduce_dtype: Dtype = Dtype.float32
-    """dtype of the gradient reduce-scatter / all-reduce"""
+    """dtype of the gradient reduce-scatter / all-reduce; on a mesh of one rank, where nothing is reduced, a
+    reduce_dtype equal to param_dtype runs as float32 (the same bits, one cast fewer: src/distributed/parallelize.py)"""
     float8: bool = False
     """float8 GEMMs in the transformer blocks' nn.Linear layers (torchao Float8Linear; not the head); CUDA, capability 8.9+"""
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise

@@ -135,6 +135,30 @@ def _compare(direct: dict, fsdp2: dict) -> None:
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "grads"
 
 
+def test_one_rank_gives_bf16_gradients_the_same_bits_reduced_in_fp32_as_in_bf16(one_rank_group):
+    """What parallelize's _reduce_dtype relies on: one rank reduces nothing, so bf16 gradients cast
+    straight into an fp32 buffer are the bits of FSDP2's bf16 buffer upcast afterwards."""
+    bf16 = _run("direct", "cpu", torch.bfloat16, torch.bfloat16)
+    fp32 = _run("direct", "cpu", torch.bfloat16, torch.float32)
+    _compare(fp32, bf16)
+
+
+@pytest.mark.parametrize("overrides,world,reduced_in", [
+    (["+exp=fsdp4_tuned", "dist.nproc=1"], 1, "float32"),  # bf16 = param_dtype on one rank: fp32, the same bits
+    (["+exp=fsdp4_tuned", "dist.nproc=2"], 2, "bfloat16"),  # two ranks communicate: half the bytes
+    (["+exp=fsdp4_tuned", "dist.nproc=1", "sharding.one_rank_copies=fsdp2"], 1, "bfloat16"),  # FSDP2's own path, as asked
+    (["+exp=fsdp4", "dist.nproc=1", "precision.param_dtype=float32", "precision.reduce_dtype=bfloat16"], 1, "bfloat16"),  # a rounding asked for
+    (["+exp=fsdp4", "dist.nproc=1"], 1, "float32"),  # the seed's own fp32 reduce
+])
+def test_one_rank_reduces_in_fp32_only_where_bf16_would_round_nothing(overrides, world, reduced_in):
+    from types import SimpleNamespace
+
+    from src.compose import compose_config
+    from src.distributed.parallelize import _reduce_dtype
+
+    assert _reduce_dtype(compose_config(overrides), SimpleNamespace(size=lambda: world), main=False) == reduced_in
+
+
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=["fp32-reduce", "bf16-reduce"])
 def test_direct_copies_give_fsdp2s_bits_without_its_casts_and_gradient_copies(one_rank_group, reduce_dtype):
     fsdp2 = _run("fsdp2", "cpu", torch.bfloat16, reduce_dtype)

@@ -324,6 +324,23 @@ def _one_rank_copies(choice: str, model: nn.Module, mesh: DeviceMesh, param_dtyp
             log.info("sharding.one_rank_copies=direct: one rank: %s%d FSDP2 groups reduce with no copy of their gradients", cast, n)
 
 
+def _reduce_dtype(cfg: DictConfig, mesh: DeviceMesh, main: bool) -> str:
+    """precision.reduce_dtype, but float32 where one rank is the whole mesh (sharding.one_rank_copies=direct, no
+    CPU offload) and the gradients would be "reduced" in the dtype they are computed in (reduce_dtype = param_dtype,
+    below the fp32 parameters'). One rank reduces nothing: FSDP2 copies the bf16 gradients into a bf16 buffer,
+    then casts that to fp32 for the parameters, 10 bytes a parameter; cast straight into an fp32 buffer, which is
+    then the fp32 gradient, it is 6, for the same bits (every bf16 value is an fp32 one). On +exp=fsdp4_fp8 on one
+    H200: 0.13 GB less peak, the step level to 0.9 ms faster (docs/PERFORMANCE.md 7)."""
+    reduce_dtype = str(cfg.precision.reduce_dtype)
+    if (mesh.size() == 1 and cfg.sharding.one_rank_copies == "direct" and not cfg.sharding.cpu_offload
+            and reduce_dtype == str(cfg.precision.param_dtype) and torch_dtype(reduce_dtype) != torch.float32):
+        if main:
+            log.info("precision.reduce_dtype=%s: one rank reduces nothing, so its %s gradients are cast straight into the "
+                     "fp32 gradient buffer (the same bits, 4 bytes a parameter fewer)", reduce_dtype, reduce_dtype)
+        return "float32"
+    return reduce_dtype
+
+
 def _keep_unsharded(model: nn.Module, param_dtype: str, main: bool) -> None:
     """sharding.keep_unsharded: FSDP2's unsharded parameters never freed (src/distributed/kept_unshard.py)."""
     from src.distributed.kept_unshard import keep_unsharded
@@ -371,14 +388,15 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
 
     autocast_dtype = None
     if mesh is not None:
+        reduce_dtype = _reduce_dtype(cfg, mesh, main)
         apply_fsdp(
-            model, mesh, mixed_precision_policy(cfg.precision.param_dtype, cfg.precision.reduce_dtype),
+            model, mesh, mixed_precision_policy(cfg.precision.param_dtype, reduce_dtype),
             cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root, cfg.sharding.symm_mem,
             cfg.sharding.forward_prefetch, cfg.sharding.backward_prefetch,
         )
-        _grad_upcast(cfg.sharding.grad_upcast, cfg.precision.reduce_dtype, device, main)
+        _grad_upcast(cfg.sharding.grad_upcast, reduce_dtype, device, main)
         _gather_copy_in(cfg.sharding.gather_copy_in, cfg.precision.param_dtype, mesh.size(), main)
-        _reduce_copy_in(cfg.sharding.reduce_copy_in, cfg.precision.reduce_dtype, device, main)
+        _reduce_copy_in(cfg.sharding.reduce_copy_in, reduce_dtype, device, main)
         _one_rank_copies(cfg.sharding.one_rank_copies, model, mesh, cfg.precision.param_dtype, cfg.sharding.cpu_offload, main)
         if cfg.sharding.keep_unsharded:
             _keep_unsharded(model, cfg.precision.param_dtype, main)
