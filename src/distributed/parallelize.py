@@ -349,8 +349,9 @@ def _keep_unsharded(model: nn.Module, param_dtype: str, main: bool) -> None:
     if not main:
         return
     if n:
-        log.info("sharding.keep_unsharded: %d parameters gathered into the same memory every step (%.2f GB a GPU); "
-                 "no unit reshards after forward", n, nbytes / 1e9)
+        size = f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+        log.info("sharding.keep_unsharded: %d parameters gathered into the same memory every step (%s a rank); "
+                 "no unit reshards after forward", n, size)
     else:
         log.warning("sharding.keep_unsharded: nothing kept (this torch's FSDPParam has no free_unsharded_param, or other code "
                     "replaced it); FSDP2 frees and gathers as usual")
