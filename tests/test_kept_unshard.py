@@ -49,8 +49,8 @@ def _rank(rank: int, init_file: str, out: str, overrides: list[str]) -> None:
         model = parallelize(model, cfg, build_mesh("cpu", WORLD, "fsdp2", replicate=1), torch.device("cpu")).model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         batches = TokenBatches("random", cfg.model.vocab_size, 2, 16, 3, rank, WORLD)
-        block = model.layers[0]
-        param = block._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+        block_group = model.layers[0]._get_fsdp_state()._fsdp_param_group
+        param = block_group.fsdp_params[0]
         calls = _gathers()
         losses, where, gathers = [], [], []
         for _ in range(STEPS):
@@ -66,8 +66,8 @@ def _rank(rank: int, init_file: str, out: str, overrides: list[str]) -> None:
         groups = [g for _, gs in module_groups(model) for g in gs if g.fsdp_params]
         if rank == 0:
             torch.save({"losses": losses, "params": full, "where": where, "gathers": gathers,
-                        "kept": [bool(p.__dict__.get(KEPT)) for g in [block._get_fsdp_state()._fsdp_param_group] for p in g.fsdp_params],
-                        "reshards_after_forward": block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None,
+                        "kept": [bool(p.__dict__.get(KEPT)) for p in block_group.fsdp_params],
+                        "reshards_after_forward": block_group.post_forward_mesh_info is not None,
                         "units": len(groups), "resharding_units": sum(g.post_forward_mesh_info is not None for g in groups)}, out)
     finally:
         del model, opt
