@@ -47,11 +47,13 @@ def _inputs(shape, dtype, seed=0):
     return x.to(device=DEVICE, dtype=dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 4], ids=["row-a-program", "4-rows-a-program"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape,max_block", [((5, 123), None), ((17, 64), None), ((3, 300), 64)], ids=["5x123", "17x64", "3x300-chunked"])
-def test_rowwise_cast_is_torchs_cast_of_the_scaled_rows(shape, max_block, dtype, monkeypatch):
+def test_rowwise_cast_is_torchs_cast_of_the_scaled_rows(shape, max_block, dtype, rows, monkeypatch):
     if max_block:
         monkeypatch.setattr(fp8_linear, "MAX_BLOCK", max_block)  # a row in 5 chunks: the two-pass path
+    monkeypatch.setattr(fp8_linear, "ROWWISE_ROWS", rows)  # 5 and 17 rows in tiles of 4: the last tile ragged
     x = _inputs(shape, dtype)
     y8, inv = rowwise_e4m3(x)
     ref, s = _cast(x, 1)
@@ -62,8 +64,11 @@ def test_rowwise_cast_is_torchs_cast_of_the_scaled_rows(shape, max_block, dtype,
     assert row_amax[1] == 0 and (row_amax[torch.arange(shape[0], device=DEVICE) != 1] >= 224).all()  # each nonzero row fills e4m3's upper half
 
 
+@pytest.mark.parametrize("tile,first", [((64, 64), False), ((128, 64), True), ((32, 128), False)], ids=["64x64", "128x64-transposed-first", "32x128"])
 @pytest.mark.parametrize("shape", [(48, 80), (70, 33)], ids=["48x80", "70x33-ragged-tiles"])
-def test_transposed_cast_is_torchs_cast_with_one_scale(shape):
+def test_transposed_cast_is_torchs_cast_with_one_scale(shape, tile, first, monkeypatch):
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_TILE", tile)
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_FIRST", first)
     w = _inputs(shape, torch.bfloat16, seed=1)
     _, row_inv = rowwise_e4m3(w)
     wt8, inv, inv_max = transposed_e4m3(w, row_inv)

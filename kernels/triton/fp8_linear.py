@@ -41,8 +41,16 @@ E4M3_MAX = 448.0  # e4m3's largest finite value; pow2_scale's bit constants enco
 # A row of more than this many elements is cast in chunks (two passes: its amax, then the cast)
 # instead of held in registers; 8192 (mini_llm's MLP width) is one pass.
 MAX_BLOCK = 8192
-# The transposed cast's tile: 64 x 64 elements, read along W's rows and written along W^T's.
-TILE = 64
+# Launch settings, swept at a mini_llm block's shapes by src/bench/fp8_casts.py on a GPU.
+# Rowwise: rows a program (a (ROWS, BLOCK) tile, loads in flight together) and warps by block width.
+ROWWISE_ROWS = 1
+ROWWISE_WARPS = {4096: 8}  # below the smallest width listed: 4
+# Transposed: a (BN, BK) tile of the source a program, read along its rows (BK elements) and written
+# along W^T's (BN bytes of e4m3 a row); TRANSPOSE_FIRST transposes the fp32 tile before the cast
+# instead of the e4m3 one after it (the same bits: each element is cast on its own).
+TRANSPOSE_TILE = (64, 64)
+TRANSPOSE_WARPS = 4
+TRANSPOSE_FIRST = False
 
 
 @triton.jit
@@ -68,29 +76,33 @@ def pow2_scale(amax):
 
 
 @triton.jit
-def _rowwise_e4m3(X, Y, INV, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    """One program a row: its amax, then y = rne(x * s) and 1/s."""
-    row = tl.program_id(0).to(tl.int64)
+def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS rows a program: each row's amax, then y = rne(x * s) and 1/s."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_mask = rows < M
     cols = tl.arange(0, BLOCK)
     if CHUNKS == 1:
-        x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
-        scale, inv = pow2_scale(tl.max(tl.abs(x), axis=0))
-        tl.store(Y + row * N + cols, e4m3_rne(x * scale).to(Y.dtype.element_ty), mask=cols < N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale, inv = pow2_scale(tl.max(tl.abs(x), axis=1))
+        tl.store(Y + rows[:, None] * N + cols[None, :], e4m3_rne(x * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
     else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
-            amax = tl.maximum(amax, tl.abs(tl.load(X + row * stride_x + offs, mask=offs < N, other=0.0).to(tl.float32)))
-        scale, inv = pow2_scale(tl.max(amax, axis=0))
+            mask = row_mask[:, None] & (offs < N)[None, :]
+            amax = tl.maximum(amax, tl.abs(tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)))
+        scale, inv = pow2_scale(tl.max(amax, axis=1))
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
-            x = tl.load(X + row * stride_x + offs, mask=offs < N, other=0.0).to(tl.float32)
-            tl.store(Y + row * N + offs, e4m3_rne(x * scale).to(Y.dtype.element_ty), mask=offs < N)
-    tl.store(INV + row, inv)
+            mask = row_mask[:, None] & (offs < N)[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(Y + rows[:, None] * N + offs[None, :], e4m3_rne(x * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(INV + rows, inv, mask=row_mask)
 
 
 @triton.jit
-def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr):
+def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, TRANSPOSE_FIRST: tl.constexpr):
     """W (N, K) -> W^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
     inverse scales: the scale of the largest row amax), one (BN, BK) tile a program; the first row
     of tiles writes INV_MAX K times (INV, the (1, K) scale_b _scaled_mm takes)."""
@@ -102,13 +114,25 @@ def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constex
     rk = pk * BK + tl.arange(0, BK)
     mask = (rn < N)[:, None] & (rk < K)[None, :]
     w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    w8 = e4m3_rne(w * scale).to(WT.dtype.element_ty)
-    tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(w8), mask=tl.trans(mask))
+    if TRANSPOSE_FIRST:
+        wt8 = e4m3_rne(tl.trans(w) * scale).to(WT.dtype.element_ty)
+    else:
+        wt8 = tl.trans(e4m3_rne(w * scale).to(WT.dtype.element_ty))
+    tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], wt8, mask=tl.trans(mask))
     if pn == 0:
         tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
 
 
 _launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
+
+
+def _warps(block: int, table: dict[int, int]) -> int:
+    """The warps for the widest block in `table` not wider than `block`; 4 below them all."""
+    widest, warps = 0, 4
+    for b, w in table.items():  # a loop, not max(..., default=): Dynamo traces this inside compiled blocks
+        if widest < b <= block:
+            widest, warps = b, w
+    return warps
 
 
 def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +145,8 @@ def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
     chunks = triton.cdiv(n, block)
-    meta = dict(BLOCK=block, CHUNKS=chunks, num_warps=8 if block >= 4096 else 4)
-    _launch_rowwise.launch((m,), (x, y, inv, n, x.stride(0)), meta, meta_key(meta))
+    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, num_warps=_warps(block, ROWWISE_WARPS))
+    _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, y, inv, m, n, x.stride(0)), meta, meta_key(meta))
     return y, inv
 
 
@@ -136,8 +160,9 @@ def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tenso
     wt = torch.empty((k, n), dtype=E4M3, device=w.device)
     inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
     inv_max = row_inv.amax()
-    meta = dict(BN=TILE, BK=TILE, num_warps=4)
-    _launch_transposed.launch((triton.cdiv(n, TILE), triton.cdiv(k, TILE)), (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
+    bn, bk = TRANSPOSE_TILE
+    meta = dict(BN=bn, BK=bk, TRANSPOSE_FIRST=TRANSPOSE_FIRST, num_warps=TRANSPOSE_WARPS)
+    _launch_transposed.launch((triton.cdiv(n, bn), triton.cdiv(k, bk)), (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
     return wt, inv, inv_max
 
 
