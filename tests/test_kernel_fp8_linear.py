@@ -64,11 +64,13 @@ def test_rowwise_cast_is_torchs_cast_of_the_scaled_rows(shape, max_block, dtype,
     assert row_amax[1] == 0 and (row_amax[torch.arange(shape[0], device=DEVICE) != 1] >= 224).all()  # each nonzero row fills e4m3's upper half
 
 
-@pytest.mark.parametrize("tile,first", [((64, 64), False), ((128, 64), True), ((32, 128), False)], ids=["64x64", "128x64-transposed-first", "32x128"])
+@pytest.mark.parametrize("tile,first,walk", [((64, 64), False, "down"), ((128, 64), True, "across"), ((32, 128), False, "across_from_end")],
+                         ids=["64x64-down", "128x64-transposed-first-across", "32x128-from-the-end"])
 @pytest.mark.parametrize("shape", [(48, 80), (70, 33)], ids=["48x80", "70x33-ragged-tiles"])
-def test_transposed_cast_is_torchs_cast_with_one_scale(shape, tile, first, monkeypatch):
+def test_transposed_cast_is_torchs_cast_with_one_scale(shape, tile, first, walk, monkeypatch):
     monkeypatch.setattr(fp8_linear, "TRANSPOSE_TILE", tile)
     monkeypatch.setattr(fp8_linear, "TRANSPOSE_FIRST", first)
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_WALK", walk)
     w = _inputs(shape, torch.bfloat16, seed=1)
     _, row_inv = rowwise_e4m3(w)
     wt8, inv, inv_max = transposed_e4m3(w, row_inv)

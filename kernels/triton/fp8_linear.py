@@ -51,6 +51,13 @@ ROWWISE_WARPS = {4096: 8}  # below the smallest width listed: 4
 TRANSPOSE_TILE = (64, 64)
 TRANSPOSE_WARPS = 4
 TRANSPOSE_FIRST = False
+# The order programs take tiles in, as they are launched: "down" a column stripe of the source (all
+# its rows), then the next stripe; "across" a block of rows (all its columns), then the next block;
+# "across_from_end" the same from the last block of rows up. The linear casts X^T (and dY^T) right
+# after X's rowwise cast, whose last programs read the last rows: walked from the end, the first
+# tiles are the ones L2 still holds (a 2048-wide bf16 operand of 8192 rows is 34 MB; an H200's L2 is 50).
+TRANSPOSE_WALK = "down"
+WALKS = ("down", "across", "across_from_end")
 
 
 @triton.jit
@@ -102,12 +109,22 @@ def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.con
 
 
 @triton.jit
-def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, TRANSPOSE_FIRST: tl.constexpr):
+def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, TRANSPOSE_FIRST: tl.constexpr, WALK: tl.constexpr):
     """W (N, K) -> W^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
-    inverse scales: the scale of the largest row amax), one (BN, BK) tile a program; the first row
-    of tiles writes INV_MAX K times (INV, the (1, K) scale_b _scaled_mm takes)."""
-    pn = tl.program_id(0)
-    pk = tl.program_id(1)
+    inverse scales: the scale of the largest row amax), one (BN, BK) tile a program, in the order
+    WALK (0 down, 1 across, 2 across from the end: TRANSPOSE_WALK); the first row of tiles writes
+    INV_MAX K times (INV, the (1, K) scale_b _scaled_mm takes)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    if WALK == 0:
+        pn = pid % n_tiles
+        pk = pid // n_tiles
+    else:
+        pn = pid // k_tiles
+        pk = pid % k_tiles
+        if WALK == 2:
+            pn = n_tiles - 1 - pn
     inv_max = tl.load(INV_MAX)
     scale = ((254 << 23) - inv_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / inv_max, both powers of two
     rn = pn * BN + tl.arange(0, BN)
@@ -161,8 +178,8 @@ def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tenso
     inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
     inv_max = row_inv.amax()
     bn, bk = TRANSPOSE_TILE
-    meta = dict(BN=bn, BK=bk, TRANSPOSE_FIRST=TRANSPOSE_FIRST, num_warps=TRANSPOSE_WARPS)
-    _launch_transposed.launch((triton.cdiv(n, bn), triton.cdiv(k, bk)), (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
+    meta = dict(BN=bn, BK=bk, TRANSPOSE_FIRST=TRANSPOSE_FIRST, WALK=WALKS.index(TRANSPOSE_WALK), num_warps=TRANSPOSE_WARPS)
+    _launch_transposed.launch((triton.cdiv(n, bn) * triton.cdiv(k, bk),), (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
     return wt, inv, inv_max
 
 
@@ -174,13 +191,15 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_inv = rowwise_e4m3(x2)
+        if float8_grad_weight:
+            # X^T in float8 is what backward needs of X: kept instead of X (1 byte an element, not 2),
+            # cast straight after X's rowwise cast, while L2 still holds X's last rows (TRANSPOSE_WALK)
+            xt8, _, xt_inv = transposed_e4m3(x2, x_inv)
         w8, w_inv = rowwise_e4m3(weight)
         # the bias added in the GEMM's epilogue (CUTLASS's rowwise kernel takes a bf16 one): a separate
         # add would read and write the output again, 8192 x 6144 bf16 for qkv (0.2 GB a block)
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.view(1, -1), bias=bias, out_dtype=x.dtype, use_fast_accum=True)
         if float8_grad_weight:
-            # X^T in float8 is what backward needs of X: kept instead of X (1 byte an element, not 2)
-            xt8, _, xt_inv = transposed_e4m3(x2, x_inv)
             ctx.save_for_backward(xt8, xt_inv, weight, w_inv)
         else:
             ctx.save_for_backward(x2, weight, w_inv)

@@ -12,10 +12,13 @@ src/fusion/timing.py chain_ms) and replayed from a CUDA graph after do_bench's f
 of its bytes and the host's microseconds a call. The step's sum (every linear of every block)
 says what the casts cost and what they could cost at the copy ceiling.
 
---sweep times the step's casts under the launch settings the module keeps as constants (the
-rowwise cast's rows a program and warps, the transposed cast's tile, warps and whether the tile is
-transposed before or after the cast), chained, and prints the step's sum for each: the module
-constants take the fastest.
+Each linear's forward and backward casts are also timed as the linear runs them, one after the
+other (X^T straight after X's rowwise cast, which L2 may still hold part of), chained.
+
+--sweep times the step's casts, pass by pass as the linears run them, under the launch settings
+the module keeps as constants (the rowwise cast's rows a program and warps; the transposed cast's
+tile, warps, walk and whether the tile is transposed before or after the cast), and prints the
+step's sum for each: the module constants take the fastest.
 """
 from __future__ import annotations
 
@@ -50,19 +53,23 @@ class Cast:
         return self.rows * self.cols * (2 + 1) + 4 * scales
 
 
-def step_casts(tokens: int, dim: int, hidden: int, recipe: str) -> list[Cast]:
-    """A block's casts in the order a step runs them (forward, then backward)."""
+def linear_passes(tokens: int, dim: int, hidden: int, recipe: str) -> list[tuple[str, str, list[Cast]]]:
+    """(linear, pass, its casts in the order Float8RowwiseLinearFunction runs them) for a block's
+    linears: forward X rowwise (X^T right after it), W rowwise; backward dY rowwise (dY^T right
+    after it), W^T."""
     gw_float8 = fp8_recipes()[recipe]
-    forward, backward = [], []
+    passes = []
     for name, fan_in, fan_out in block_linears(dim, hidden):
-        forward += [Cast(name, "X", "rowwise", tokens, fan_in), Cast(name, "W", "rowwise", fan_out, fan_in)]
-        if gw_float8:
-            forward.append(Cast(name, "X", "transposed", tokens, fan_in))
-        backward.append(Cast(name, "dY", "rowwise", tokens, fan_out))
-        if gw_float8:
-            backward.append(Cast(name, "dY", "transposed", tokens, fan_out))
-        backward.append(Cast(name, "W", "transposed", fan_out, fan_in))
-    return forward + backward
+        forward = [Cast(name, "X", "rowwise", tokens, fan_in)] + ([Cast(name, "X", "transposed", tokens, fan_in)] if gw_float8 else [])
+        backward = [Cast(name, "dY", "rowwise", tokens, fan_out)] + ([Cast(name, "dY", "transposed", tokens, fan_out)] if gw_float8 else [])
+        passes += [(name, "forward", forward + [Cast(name, "W", "rowwise", fan_out, fan_in)]),
+                   (name, "backward", backward + [Cast(name, "W", "transposed", fan_out, fan_in)])]
+    return passes
+
+
+def step_casts(tokens: int, dim: int, hidden: int, recipe: str) -> list[Cast]:
+    """A block's casts, linear by linear, forward then backward."""
+    return [c for _, _, casts in linear_passes(tokens, dim, hidden, recipe) for c in casts]
 
 
 def fp8_recipes() -> dict[str, bool]:
@@ -71,87 +78,125 @@ def fp8_recipes() -> dict[str, bool]:
     return dict(TRITON_RECIPES)
 
 
-def make_call(cast: Cast, device: torch.device, seed: int = 0) -> Callable[[], object]:
-    """One call of the cast on inputs of its own: a rowwise cast as the linear calls it, a
-    transposed one with the rows' inverse scales its rowwise cast left (the linear has them)."""
+def make_pass(casts: list[Cast], device: torch.device, seed: int = 0) -> Callable[[], object]:
+    """The casts run in order on operands of their own: a transposed cast takes the rows' inverse
+    scales of the rowwise cast before it in the pass, or, with none (W^T in backward), the ones
+    an earlier pass left (the linear saved them in forward)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(cast.rows, cast.cols, generator=g, device=device, dtype=torch.bfloat16)
-    if cast.kind == "rowwise":
-        return lambda: fp8.rowwise_e4m3(x)
-    _, row_inv = fp8.rowwise_e4m3(x)
-    return lambda: fp8.transposed_e4m3(x, row_inv)
+    operands: dict[str, torch.Tensor] = {}
+    for c in casts:
+        if c.operand not in operands:
+            operands[c.operand] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
+    saved = {name: fp8.rowwise_e4m3(t)[1] for name, t in operands.items()}
+
+    def run() -> None:
+        inv = dict(saved)
+        for c in casts:
+            if c.kind == "rowwise":
+                inv[c.operand] = fp8.rowwise_e4m3(operands[c.operand])[1]
+            else:
+                fp8.transposed_e4m3(operands[c.operand], inv[c.operand])
+    return run
 
 
-def time_cast(cast: Cast, device: torch.device, flushed: bool = True) -> dict:
+def time_pass(casts: list[Cast], device: torch.device, flushed: bool = True) -> dict:
     """Chained GPU us (and, with `flushed`, graph us after the flush and host us a call) and TB/s."""
     seeds = itertools.count()
-    chained = chain_ms(lambda: make_call(cast, device, next(seeds)), device, cast.nbytes)
-    row = {"chain_us": 1e3 * chained, "chain_tbs": cast.nbytes / (chained * 1e-3) / 1e12}
+    nbytes = sum(c.nbytes for c in casts)
+    chained = chain_ms(lambda: make_pass(casts, device, next(seeds)), device, nbytes)
+    row = {"chain_us": 1e3 * chained, "chain_tbs": nbytes / (chained * 1e-3) / 1e12}
     if flushed:
-        call = make_call(cast, device)
+        call = make_pass(casts, device)
         ms = graph_ms(call, device)
-        row.update(graph_us=1e3 * ms, graph_tbs=cast.nbytes / (ms * 1e-3) / 1e12, host_us=host_us_per_call(call, device))
+        row.update(graph_us=1e3 * ms, graph_tbs=nbytes / (ms * 1e-3) / 1e12, host_us=host_us_per_call(call, device))
     return row
 
 
 def measure(casts: list[Cast], device: torch.device) -> list[dict]:
+    """Each cast alone."""
     rows = []
     for cast in casts:
         row = {"linear": cast.linear, "operand": cast.operand, "kind": cast.kind, "shape": [cast.rows, cast.cols], "bytes": cast.nbytes,
-               **time_cast(cast, device)}
+               **time_pass([cast], device)}
         print(f"{cast.linear:5s} {cast.operand:3s} {cast.kind:10s} {cast.rows}x{cast.cols}: chained {row['chain_us']:.1f} us "
               f"({row['chain_tbs']:.2f} TB/s), flushed {row['graph_us']:.1f} us, host {row['host_us']:.1f} us", flush=True)
         rows.append(row)
     return rows
 
 
-# The sweep's settings: the module constants each one sets.
+def measure_passes(passes: list[tuple[str, str, list[Cast]]], device: torch.device) -> list[dict]:
+    """Each linear's forward and backward casts as the linear runs them, chained."""
+    rows = []
+    for linear, name, casts in passes:
+        row = {"linear": linear, "pass": name, "casts": [f"{c.operand} {c.kind}" for c in casts], "bytes": sum(c.nbytes for c in casts),
+               **time_pass(casts, device, flushed=False)}
+        print(f"{linear:5s} {name:8s} {', '.join(row['casts'])}: chained {row['chain_us']:.1f} us ({row['chain_tbs']:.2f} TB/s)", flush=True)
+        rows.append(row)
+    return rows
+
+
+# The sweep's settings: the module constants each one sets. The transposed cast's tile and warps
+# first, walking down; then, for the fastest of those, the walk and where the transpose happens.
 ROWWISE_SETTINGS = [dict(ROWWISE_ROWS=rows, ROWWISE_WARPS=warps) for rows, warps in
                     [(1, {4096: 8}), (1, {2048: 8}), (1, {8192: 16}), (2, {4096: 8}), (2, {2048: 8}), (4, {2048: 8}), (4, {2048: 16})]]
-TRANSPOSE_SETTINGS = [dict(TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_FIRST=first) for tile, warps, first in
-                      itertools.product([(64, 64), (128, 64), (64, 128), (128, 128)], [4, 8], [False, True])]
+TRANSPOSE_TILES = [dict(TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_FIRST=False, TRANSPOSE_WALK="down") for tile, warps in
+                   itertools.product([(64, 64), (128, 64), (64, 128), (128, 128)], [4, 8])]
+
+
+def transpose_orders(tile: dict) -> list[dict]:
+    return [dict(tile, TRANSPOSE_FIRST=first, TRANSPOSE_WALK=walk) for first, walk in itertools.product([False, True], fp8.WALKS)]
 
 
 def _label(setting: dict) -> str:
     return " ".join(f"{k.split('_', 1)[1].lower()}={v}" for k, v in setting.items())
 
 
-def sweep(casts: list[Cast], device: torch.device, layers: int) -> list[dict]:
-    """The step's chained us under each setting of each kind of cast, the others as shipped."""
-    results = []
-    for kind, settings in (("rowwise", ROWWISE_SETTINGS), ("transposed", TRANSPOSE_SETTINGS)):
-        chosen = [c for c in casts if c.kind == kind]
-        shipped = {k: getattr(fp8, k) for k in settings[0]}
-        try:
-            for setting in settings:
-                for k, v in setting.items():
-                    setattr(fp8, k, v)
-                per_cast = {f"{c.linear} {c.operand}": time_cast(c, device, flushed=False)["chain_us"] for c in chosen}
-                step_ms = layers * sum(per_cast.values()) / 1e3
-                nbytes = layers * sum(c.nbytes for c in chosen)
-                results.append({"kind": kind, "setting": _label(setting), "constants": {k: repr(v) for k, v in setting.items()},
-                                "step_ms": step_ms, "tbs": nbytes / (step_ms * 1e-3) / 1e12, "per_cast_us": per_cast, "shipped": setting == shipped})
-                print(f"{kind:10s} {_label(setting):45s} {step_ms:.3f} ms a step ({results[-1]['tbs']:.2f} TB/s)"
-                      f"{'  (shipped)' if setting == shipped else ''}", flush=True)
-        finally:
-            for k, v in shipped.items():
-                setattr(fp8, k, v)
-    return results
+def _step_under(setting: dict, kind: str, passes: list[tuple[str, str, list[Cast]]], device: torch.device, layers: int) -> dict:
+    """The step's casts, pass by pass as the linears run them, chained, under `setting`."""
+    shipped = {k: getattr(fp8, k) for k in setting}
+    try:
+        for k, v in setting.items():
+            setattr(fp8, k, v)
+        per_pass = {f"{linear} {name}": time_pass(casts, device, flushed=False)["chain_us"] for linear, name, casts in passes}
+    finally:
+        for k, v in shipped.items():
+            setattr(fp8, k, v)
+    step_ms = layers * sum(per_pass.values()) / 1e3
+    nbytes = layers * sum(c.nbytes for _, _, casts in passes for c in casts)
+    row = {"kind": kind, "setting": _label(setting), "constants": {k: repr(v) for k, v in setting.items()}, "step_ms": step_ms,
+           "tbs": nbytes / (step_ms * 1e-3) / 1e12, "per_pass_us": per_pass, "shipped": setting == shipped}
+    print(f"{kind:10s} {row['setting']:80s} {step_ms:.3f} ms a step ({row['tbs']:.2f} TB/s){'  (shipped)' if row['shipped'] else ''}", flush=True)
+    return row
 
 
-def table(rows: list[dict], layers: int, ceiling_tbs: float) -> str:
+def sweep(passes: list[tuple[str, str, list[Cast]]], device: torch.device, layers: int) -> list[dict]:
+    """The step's chained ms under each setting of each kind of cast, the other kind as shipped."""
+    results = [_step_under(s, "rowwise", passes, device, layers) for s in ROWWISE_SETTINGS]
+    tiles = [_step_under(s, "transposed", passes, device, layers) for s in TRANSPOSE_TILES]
+    best = TRANSPOSE_TILES[min(range(len(tiles)), key=lambda i: tiles[i]["step_ms"])]
+    orders = [_step_under(s, "transposed", passes, device, layers) for s in transpose_orders(best) if s != best]
+    return results + tiles + orders
+
+
+def table(rows: list[dict], passes: list[dict], layers: int, ceiling_tbs: float) -> str:
     lines = ["| linear | operand | cast | shape | MB | chained us (TB/s) | flushed us (TB/s) | host us |", "|---|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['linear']} | {r['operand']} | {r['kind']} | {r['shape'][0]}x{r['shape'][1]} | {r['bytes'] / 1e6:.1f} | "
                      f"{r['chain_us']:.1f} ({r['chain_tbs']:.2f}) | {r['graph_us']:.1f} ({r['graph_tbs']:.2f}) | {r['host_us']:.1f} |")
+    lines += ["", "| linear | pass | casts, in order | MB | chained us (TB/s) | its casts alone, chained us |", "|---|---|---|---:|---:|---:|"]
+    alone = {(r["linear"], r["operand"], r["kind"]): r["chain_us"] for r in rows}
+    for r in passes:
+        own = sum(alone[(r["linear"], *c.split(" "))] for c in r["casts"])
+        lines.append(f"| {r['linear']} | {r['pass']} | {', '.join(r['casts'])} | {r['bytes'] / 1e6:.1f} | {r['chain_us']:.1f} ({r['chain_tbs']:.2f}) | {own:.1f} |")
     nbytes = layers * sum(r["bytes"] for r in rows)
     chained = layers * sum(r["chain_us"] for r in rows) / 1e3
+    in_passes = layers * sum(r["chain_us"] for r in passes) / 1e3
     flushed = layers * sum(r["graph_us"] for r in rows) / 1e3
     host = layers * sum(r["host_us"] for r in rows) / 1e3
     floor = nbytes / (ceiling_tbs * 1e12) * 1e3
-    lines += ["", f"a step ({layers} blocks, {len(rows) * layers} casts, {nbytes / 1e9:.2f} GB): chained {chained:.2f} ms "
-              f"({nbytes / (chained * 1e-3) / 1e12:.2f} TB/s), flushed {flushed:.2f} ms, host {host:.2f} ms; "
-              f"at the copy ceiling ({ceiling_tbs:.2f} TB/s) {floor:.2f} ms"]
+    lines += ["", f"a step ({layers} blocks, {len(rows) * layers} casts, {nbytes / 1e9:.2f} GB): each cast alone chained {chained:.2f} ms "
+              f"({nbytes / (chained * 1e-3) / 1e12:.2f} TB/s), flushed {flushed:.2f} ms, host {host:.2f} ms; as the linears run them "
+              f"{in_passes:.2f} ms ({nbytes / (in_passes * 1e-3) / 1e12:.2f} TB/s); at the copy ceiling ({ceiling_tbs:.2f} TB/s) {floor:.2f} ms"]
     return "\n".join(lines)
 
 
@@ -168,15 +213,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("fp8_casts times the float8 casts on an NVIDIA GPU; none is visible here")
     device = torch.device("cuda")
-    casts = step_casts(args.tokens, args.dim, args.hidden, args.recipe)
+    passes = linear_passes(args.tokens, args.dim, args.hidden, args.recipe)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {args.recipe}, tokens {args.tokens}", flush=True)
     ceiling = copy_ceiling_tbs(device, 2**30)
-    rows = measure(casts, device)
-    print(table(rows, args.layers, ceiling))
-    results = sweep(casts, device, args.layers) if args.sweep else []
+    rows = measure([c for _, _, casts in passes for c in casts], device)
+    pass_rows = measure_passes(passes, device)
+    print(table(rows, pass_rows, args.layers, ceiling))
+    results = sweep(passes, device, args.layers) if args.sweep else []
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "casts.json").write_text(json.dumps({"ceiling_tbs": ceiling, "rows": rows}, indent=1))
+        Path(args.out, "casts.json").write_text(json.dumps({"ceiling_tbs": ceiling, "rows": rows, "passes": pass_rows}, indent=1))
         if results:
             Path(args.out, "sweep.json").write_text(json.dumps(results, indent=1))
 
