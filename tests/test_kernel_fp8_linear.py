@@ -64,18 +64,37 @@ def test_rowwise_cast_is_torchs_cast_of_the_scaled_rows(shape, max_block, dtype,
     assert row_amax[1] == 0 and (row_amax[torch.arange(shape[0], device=DEVICE) != 1] >= 224).all()  # each nonzero row fills e4m3's upper half
 
 
-@pytest.mark.parametrize("tile,first,walk", [((64, 64), False, "down"), ((128, 64), True, "across"), ((32, 128), False, "across_from_end")],
-                         ids=["64x64-down", "128x64-transposed-first-across", "32x128-from-the-end"])
+@pytest.mark.parametrize("tile,of,walk", [((64, 64), "e4m3", "down"), ((128, 64), "fp32", "across"), ((32, 128), "input", "across_from_end"),
+                                         ((16, 16), "e4m3", "across")],
+                         ids=["64x64-down", "128x64-fp32-transposed-across", "32x128-input-transposed-from-the-end", "16x16-whole-tiles"])
 @pytest.mark.parametrize("shape", [(48, 80), (70, 33)], ids=["48x80", "70x33-ragged-tiles"])
-def test_transposed_cast_is_torchs_cast_with_one_scale(shape, tile, first, walk, monkeypatch):
+def test_transposed_cast_is_torchs_cast_with_one_scale(shape, tile, of, walk, monkeypatch):
     monkeypatch.setattr(fp8_linear, "TRANSPOSE_TILE", tile)
-    monkeypatch.setattr(fp8_linear, "TRANSPOSE_FIRST", first)
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_OF", of)
     monkeypatch.setattr(fp8_linear, "TRANSPOSE_WALK", walk)
     w = _inputs(shape, torch.bfloat16, seed=1)
     _, row_inv = rowwise_e4m3(w)
     wt8, inv, inv_max = transposed_e4m3(w, row_inv)
     ref, s = _cast(w, None)
     assert wt8.shape == (shape[1], shape[0]) and inv.shape == (1, shape[1])
+    assert torch.equal(_bits(wt8), _bits(ref.t().contiguous()))
+    assert torch.equal(inv, (1 / s).expand(1, shape[1])) and torch.equal(inv_max, 1 / s)
+
+
+@pytest.mark.parametrize("shape,tile,of,walk", [((48, 80), (32, 32), "e4m3", "down"), ((64, 32), (64, 16), "input", "across_from_end")],
+                         ids=["48x80-ragged-tiles", "64x32-input-transposed-from-the-end"])
+def test_transposed_cast_by_tma_is_the_same_cast(shape, tile, of, walk, monkeypatch):
+    """The TMA kernel: tiles past W's edges loaded as zeros and stored clipped (48 rows in tiles of 32)."""
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_TILE", tile)
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_OF", of)
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_WALK", walk)
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_TMA", True)
+    if DEVICE == "cpu":  # the interpreter moves descriptors' tiles too; on a GPU _tma_fits decides (these shapes fit)
+        monkeypatch.setattr(fp8_linear, "_tma_fits", lambda w, wt: True)
+    w = _inputs(shape, torch.bfloat16, seed=2)
+    _, row_inv = rowwise_e4m3(w)
+    wt8, inv, inv_max = transposed_e4m3(w, row_inv)
+    ref, s = _cast(w, None)
     assert torch.equal(_bits(wt8), _bits(ref.t().contiguous()))
     assert torch.equal(inv, (1 / s).expand(1, shape[1])) and torch.equal(inv_max, 1 / s)
 

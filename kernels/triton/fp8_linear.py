@@ -46,11 +46,16 @@ MAX_BLOCK = 8192
 ROWWISE_ROWS = 1
 ROWWISE_WARPS = {4096: 8}  # below the smallest width listed: 4
 # Transposed: a (BN, BK) tile of the source a program, read along its rows (BK elements) and written
-# along W^T's (BN bytes of e4m3 a row); TRANSPOSE_FIRST transposes the fp32 tile before the cast
-# instead of the e4m3 one after it (the same bits: each element is cast on its own).
+# along W^T's (BN bytes of e4m3 a row). TRANSPOSE_OF says which tile is transposed in registers:
+# "e4m3" the cast one (1 byte an element through shared memory), "fp32" the scaled one before the
+# cast, "input" the one as loaded (bf16); the same bits every way, each element is cast on its own.
+# TRANSPOSE_TMA moves the tiles by Hopper's tensor memory accelerator (host-made descriptors; where
+# the shapes allow it, sm90+) instead of per-thread loads and stores.
 TRANSPOSE_TILE = (64, 64)
 TRANSPOSE_WARPS = 4
-TRANSPOSE_FIRST = False
+TRANSPOSE_OF = "e4m3"
+TRANSPOSE_OFS = ("e4m3", "fp32", "input")
+TRANSPOSE_TMA = False
 # The order programs take tiles in, as they are launched: "down" a column stripe of the source (all
 # its rows), then the next stripe; "across" a block of rows (all its columns), then the next block;
 # "across_from_end" the same from the last block of rows up. The linear casts X^T (and dY^T) right
@@ -109,11 +114,9 @@ def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.con
 
 
 @triton.jit
-def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, TRANSPOSE_FIRST: tl.constexpr, WALK: tl.constexpr):
-    """W (N, K) -> W^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
-    inverse scales: the scale of the largest row amax), one (BN, BK) tile a program, in the order
-    WALK (0 down, 1 across, 2 across from the end: TRANSPOSE_WALK); the first row of tiles writes
-    INV_MAX K times (INV, the (1, K) scale_b _scaled_mm takes)."""
+def _tile_of(N, K, BN: tl.constexpr, BK: tl.constexpr, WALK: tl.constexpr):
+    """(pn, pk): this program's tile, in the order WALK (0 down, 1 across, 2 across from the end:
+    TRANSPOSE_WALK)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -125,18 +128,54 @@ def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constex
         pk = pid % k_tiles
         if WALK == 2:
             pn = n_tiles - 1 - pn
-    inv_max = tl.load(INV_MAX)
+    return pn, pk
+
+
+@triton.jit
+def _cast_transposed(w, inv_max, OF: tl.constexpr, out_dtype: tl.constexpr):
+    """The (BN, BK) tile `w` as loaded, times 1 / inv_max, in e4m3 and transposed to (BK, BN),
+    transposed at the point OF says (0 e4m3, 1 fp32, 2 as loaded: TRANSPOSE_OF)."""
     scale = ((254 << 23) - inv_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / inv_max, both powers of two
+    if OF == 0:
+        wt8 = tl.trans(e4m3_rne(w.to(tl.float32) * scale).to(out_dtype))
+    elif OF == 1:
+        wt8 = e4m3_rne(tl.trans(w.to(tl.float32) * scale)).to(out_dtype)
+    else:
+        wt8 = e4m3_rne(tl.trans(w).to(tl.float32) * scale).to(out_dtype)
+    return wt8
+
+
+@triton.jit
+def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr, EVEN: tl.constexpr):
+    """W (N, K) -> W^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
+    inverse scales: the scale of the largest row amax), one (BN, BK) tile a program; EVEN: every
+    tile whole, no masks. The first row of tiles writes INV_MAX K times (INV, the (1, K) scale_b
+    _scaled_mm takes)."""
+    pn, pk = _tile_of(N, K, BN, BK, WALK)
+    inv_max = tl.load(INV_MAX)
     rn = pn * BN + tl.arange(0, BN)
     rk = pk * BK + tl.arange(0, BK)
-    mask = (rn < N)[:, None] & (rk < K)[None, :]
-    w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    if TRANSPOSE_FIRST:
-        wt8 = e4m3_rne(tl.trans(w) * scale).to(WT.dtype.element_ty)
+    if EVEN:
+        w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :])
+        tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], _cast_transposed(w, inv_max, OF, WT.dtype.element_ty))
     else:
-        wt8 = tl.trans(e4m3_rne(w * scale).to(WT.dtype.element_ty))
-    tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], wt8, mask=tl.trans(mask))
+        mask = (rn < N)[:, None] & (rk < K)[None, :]
+        w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+        tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], _cast_transposed(w, inv_max, OF, WT.dtype.element_ty), mask=tl.trans(mask))
     if pn == 0:
+        tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
+
+
+@triton.jit
+def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr):
+    """_transposed_e4m3 with the tiles moved by TMA: W_DESC loads (BN, BK) tiles of W (zeros past
+    its edges), WT_DESC stores (BK, BN) tiles of W^T (clipped at its edges)."""
+    pn, pk = _tile_of(N, K, BN, BK, WALK)
+    inv_max = tl.load(INV_MAX)
+    w = W_DESC.load([pn * BN, pk * BK])
+    WT_DESC.store([pk * BK, pn * BN], _cast_transposed(w, inv_max, OF, tl.float8e4nv))
+    if pn == 0:
+        rk = pk * BK + tl.arange(0, BK)
         tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
 
 
@@ -178,9 +217,25 @@ def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tenso
     inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
     inv_max = row_inv.amax()
     bn, bk = TRANSPOSE_TILE
-    meta = dict(BN=bn, BK=bk, TRANSPOSE_FIRST=TRANSPOSE_FIRST, WALK=WALKS.index(TRANSPOSE_WALK), num_warps=TRANSPOSE_WARPS)
-    _launch_transposed.launch((triton.cdiv(n, bn) * triton.cdiv(k, bk),), (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), num_warps=TRANSPOSE_WARPS)
+    if TRANSPOSE_TMA and _tma_fits(w, wt):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # kernel[grid]: the cached launch (launch.py) hands the C launcher tensors, not descriptors
+        _transposed_e4m3_tma[grid](TensorDescriptor.from_tensor(w, [bn, bk]), TensorDescriptor.from_tensor(wt, [bk, bn]), inv_max, inv, n, k, **meta)
+    else:
+        meta["EVEN"] = n % bn == 0 and k % bk == 0
+        _launch_transposed.launch(grid, (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
     return wt, inv, inv_max
+
+
+def _tma_fits(w: torch.Tensor, wt: torch.Tensor) -> bool:
+    """TMA's terms: on a GPU of compute capability 9.0+, both tensors' addresses and row strides
+    multiples of 16 bytes (a float8 GEMM's sizes are multiples of 16 anyway)."""
+    if w.device.type != "cuda" or torch.cuda.get_device_capability(w.device) < (9, 0):
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (w, wt))
 
 
 class Float8RowwiseLinearFunction(torch.autograd.Function):

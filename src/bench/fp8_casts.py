@@ -1,7 +1,7 @@
 """The float8 casts of a mini_llm step, each at its own shape, against the copy ceiling.
 
     python -m src.bench.fp8_casts [--tokens 8192] [--dim 2048] [--hidden 8192] [--layers 12]
-        [--recipe rowwise_with_gw_tensorwise] [--sweep] [--out DIR]
+        [--recipe rowwise_with_gw_tensorwise] [--sweep [rowwise] [transposed]] [--out DIR]
 
 kernels/triton/fp8_linear.py casts every operand of a block's float8 GEMMs: per linear, the input X
 and the weight W rowwise in forward, the output's gradient dY rowwise and W^T tensorwise in
@@ -17,7 +17,7 @@ other (X^T straight after X's rowwise cast, which L2 may still hold part of), ch
 
 --sweep times the step's casts, pass by pass as the linears run them, under the launch settings
 the module keeps as constants (the rowwise cast's rows a program and warps; the transposed cast's
-tile, warps, walk and whether the tile is transposed before or after the cast), and prints the
+tile, warps, walk, which tile is transposed and whether TMA moves the tiles), and prints the
 step's sum for each: the module constants take the fastest.
 """
 from __future__ import annotations
@@ -139,12 +139,13 @@ def measure_passes(passes: list[tuple[str, str, list[Cast]]], device: torch.devi
 # first, walking down; then, for the fastest of those, the walk and where the transpose happens.
 ROWWISE_SETTINGS = [dict(ROWWISE_ROWS=rows, ROWWISE_WARPS=warps) for rows, warps in
                     [(1, {4096: 8}), (1, {2048: 8}), (1, {8192: 16}), (2, {4096: 8}), (2, {2048: 8}), (4, {2048: 8}), (4, {2048: 16})]]
-TRANSPOSE_TILES = [dict(TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_FIRST=False, TRANSPOSE_WALK="down") for tile, warps in
-                   itertools.product([(64, 64), (128, 64), (64, 128), (128, 128)], [4, 8])]
+TRANSPOSE_TILES = [dict(TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_OF="e4m3", TRANSPOSE_WALK="down", TRANSPOSE_TMA=False)
+                   for tile, warps in itertools.product([(64, 64), (32, 64), (64, 32), (128, 32), (32, 128), (128, 64), (64, 128), (128, 128)], [4, 8])]
 
 
 def transpose_orders(tile: dict) -> list[dict]:
-    return [dict(tile, TRANSPOSE_FIRST=first, TRANSPOSE_WALK=walk) for first, walk in itertools.product([False, True], fp8.WALKS)]
+    return [dict(tile, TRANSPOSE_OF=of, TRANSPOSE_WALK=walk, TRANSPOSE_TMA=tma)
+            for tma, of, walk in itertools.product([False, True], fp8.TRANSPOSE_OFS, fp8.WALKS)]
 
 
 def _label(setting: dict) -> str:
@@ -169,13 +170,14 @@ def _step_under(setting: dict, kind: str, passes: list[tuple[str, str, list[Cast
     return row
 
 
-def sweep(passes: list[tuple[str, str, list[Cast]]], device: torch.device, layers: int) -> list[dict]:
+def sweep(passes: list[tuple[str, str, list[Cast]]], device: torch.device, layers: int, kinds: tuple[str, ...] = ("rowwise", "transposed")) -> list[dict]:
     """The step's chained ms under each setting of each kind of cast, the other kind as shipped."""
-    results = [_step_under(s, "rowwise", passes, device, layers) for s in ROWWISE_SETTINGS]
-    tiles = [_step_under(s, "transposed", passes, device, layers) for s in TRANSPOSE_TILES]
-    best = TRANSPOSE_TILES[min(range(len(tiles)), key=lambda i: tiles[i]["step_ms"])]
-    orders = [_step_under(s, "transposed", passes, device, layers) for s in transpose_orders(best) if s != best]
-    return results + tiles + orders
+    results = [_step_under(s, "rowwise", passes, device, layers) for s in ROWWISE_SETTINGS] if "rowwise" in kinds else []
+    if "transposed" in kinds:
+        tiles = [_step_under(s, "transposed", passes, device, layers) for s in TRANSPOSE_TILES]
+        best = TRANSPOSE_TILES[min(range(len(tiles)), key=lambda i: tiles[i]["step_ms"])]
+        results += tiles + [_step_under(s, "transposed", passes, device, layers) for s in transpose_orders(best) if s != best]
+    return results
 
 
 def table(rows: list[dict], passes: list[dict], layers: int, ceiling_tbs: float) -> str:
@@ -207,7 +209,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=8192, help="the MLP's hidden width")
     p.add_argument("--layers", type=int, default=12, help="blocks a step")
     p.add_argument("--recipe", default="rowwise_with_gw_tensorwise", choices=sorted(fp8_recipes()))
-    p.add_argument("--sweep", action="store_true", help="also time the step's casts under each launch setting")
+    p.add_argument("--sweep", nargs="*", choices=["rowwise", "transposed"], default=None,
+                   help="also time the step's casts under each launch setting of these kinds of cast (both if none is named)")
     p.add_argument("--out", default=None, help="directory for casts.json (and sweep.json)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -219,7 +222,7 @@ def main() -> None:
     rows = measure([c for _, _, casts in passes for c in casts], device)
     pass_rows = measure_passes(passes, device)
     print(table(rows, pass_rows, args.layers, ceiling))
-    results = sweep(passes, device, args.layers) if args.sweep else []
+    results = sweep(passes, device, args.layers, tuple(args.sweep) or ("rowwise", "transposed")) if args.sweep is not None else []
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "casts.json").write_text(json.dumps({"ceiling_tbs": ceiling, "rows": rows, "passes": pass_rows}, indent=1))
