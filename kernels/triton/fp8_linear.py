@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.launch import Launcher, meta_key
+from kernels.triton.rows import warps_for
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # e4m3's largest finite value; pow2_scale's bit constants encode it as 1.75 * 2**8
@@ -185,15 +186,6 @@ def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, 
 _launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
 
 
-def _warps(block: int, table: dict[int, int]) -> int:
-    """The warps for the widest block in `table` not wider than `block`; 4 below them all."""
-    widest, warps = 0, 4
-    for b, w in table.items():  # a loop, not max(..., default=): Dynamo traces this inside compiled blocks
-        if widest < b <= block:
-            widest, warps = b, w
-    return warps
-
-
 def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, inv): x (M, N) with unit column stride in e4m3, a scale a row; inv (M, 1) fp32 = 1/s,
     the scale_a (or, viewed (1, M), scale_b) _scaled_mm takes."""
@@ -204,7 +196,7 @@ def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
     chunks = triton.cdiv(n, block)
-    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, num_warps=_warps(block, ROWWISE_WARPS))
+    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, num_warps=warps_for(block, ROWWISE_WARPS))
     _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, y, inv, m, n, x.stride(0)), meta, meta_key(meta))
     return y, inv
 

@@ -28,7 +28,7 @@ from kernels.triton import pdl
 from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher, meta_key
 from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
-from kernels.triton.rows import as_shape, row_major
+from kernels.triton.rows import as_shape, row_major, warps_for
 
 
 @triton.jit
@@ -152,16 +152,6 @@ def _block(n: int) -> int:
     return block
 
 
-def _warps(block: int, table: dict[int, int]) -> int:
-    """The warps for the widest block in `table` not wider than `block` (4 below them all): enough
-    loads in flight per row, the tables above say how many by width."""
-    widest, warps = 0, 4
-    for b, w in table.items():  # a loop, not max(..., default=): Dynamo traces this inside compiled blocks
-        if widest < b <= block:
-            widest, warps = b, w
-    return warps
-
-
 # Launch plans: everything a launch needs besides its tensors, worked out once per shape, dtype,
 # device and setting. Working it out each call (block, warps, pipeline stages, grid, the launch's
 # keyword dict and its share of the cache key) took ~5 us of host a launch on an H200's host
@@ -190,7 +180,7 @@ def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc
     programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
     loads = 2 if residual else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
     stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * element_size, index)
-    meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=_warps(block, FWD_RESIDUAL_WARPS if residual else FWD_WARPS), **pdl.launch_options(gdc))
+    meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=warps_for(block, FWD_RESIDUAL_WARPS if residual else FWD_WARPS), **pdl.launch_options(gdc))
     return (programs,), meta, meta_key(meta)
 
 
@@ -202,7 +192,7 @@ def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: 
     block = _block(N)
     loads = 3 if has_ds else 2  # x, dy (and ds): what each pipelined stage buffers
     stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * element_size, index)
-    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc or dw_gdc, num_warps=_warps(block, BWD_WARPS), **pdl.launch_options(gdc))
+    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc or dw_gdc, num_warps=warps_for(block, BWD_WARPS), **pdl.launch_options(gdc))
     dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc or dw_gdc, num_warps=4, **pdl.launch_options(gdc or dw_gdc))
     return (programs, math.ceil(M / programs), (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
 

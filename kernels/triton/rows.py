@@ -27,3 +27,13 @@ def row_major(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 def as_shape(t2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """A row kernel's (rows, n) output back in the input's shape (no call when it already is)."""
     return t2 if t2.shape == shape else t2.reshape(shape)
+
+
+def warps_for(block: int, table: dict[int, int]) -> int:
+    """The warps for the widest block in `table` not wider than `block` (4 below them all): the
+    row kernels' tables of warps by row width (enough loads in flight per row)."""
+    widest, warps = 0, 4
+    for b, w in table.items():  # a loop, not max(..., default=): Dynamo traces this inside compiled blocks
+        if widest < b <= block:
+            widest, warps = b, w
+    return warps

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 import kernels.triton.fp8_linear as fp8
-from src.bench.fp8_gemms import block_linears
+from src.bench.fp8_gemms import add_block_shape_args, block_linears
+from src.distributed.float8 import TRITON_RECIPES
 from src.fusion.timing import chain_ms, copy_ceiling_tbs, graph_ms, host_us_per_call
 
 
@@ -57,7 +58,7 @@ def linear_passes(tokens: int, dim: int, hidden: int, recipe: str) -> list[tuple
     """(linear, pass, its casts in the order Float8RowwiseLinearFunction runs them) for a block's
     linears: forward X rowwise (X^T right after it), W rowwise; backward dY rowwise (dY^T right
     after it), W^T."""
-    gw_float8 = fp8_recipes()[recipe]
+    gw_float8 = TRITON_RECIPES[recipe]
     passes = []
     for name, fan_in, fan_out in block_linears(dim, hidden):
         forward = [Cast(name, "X", "rowwise", tokens, fan_in)] + ([Cast(name, "X", "transposed", tokens, fan_in)] if gw_float8 else [])
@@ -65,17 +66,6 @@ def linear_passes(tokens: int, dim: int, hidden: int, recipe: str) -> list[tuple
         passes += [(name, "forward", forward + [Cast(name, "W", "rowwise", fan_out, fan_in)]),
                    (name, "backward", backward + [Cast(name, "W", "transposed", fan_out, fan_in)])]
     return passes
-
-
-def step_casts(tokens: int, dim: int, hidden: int, recipe: str) -> list[Cast]:
-    """A block's casts, linear by linear, forward then backward."""
-    return [c for _, _, casts in linear_passes(tokens, dim, hidden, recipe) for c in casts]
-
-
-def fp8_recipes() -> dict[str, bool]:
-    from src.distributed.float8 import TRITON_RECIPES
-
-    return dict(TRITON_RECIPES)
 
 
 def make_pass(casts: list[Cast], device: torch.device, seed: int = 0) -> Callable[[], object]:
@@ -204,11 +194,9 @@ def table(rows: list[dict], passes: list[dict], layers: int, ceiling_tbs: float)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens a GPU a step (the seed's 8 x 1024)")
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=8192, help="the MLP's hidden width")
+    add_block_shape_args(p)
     p.add_argument("--layers", type=int, default=12, help="blocks a step")
-    p.add_argument("--recipe", default="rowwise_with_gw_tensorwise", choices=sorted(fp8_recipes()))
+    p.add_argument("--recipe", default="rowwise_with_gw_tensorwise", choices=sorted(TRITON_RECIPES))
     p.add_argument("--sweep", nargs="*", choices=["rowwise", "transposed"], default=None,
                    help="also time the step's casts under each launch setting of these kinds of cast (both if none is named)")
     p.add_argument("--out", default=None, help="directory for casts.json (and sweep.json)")

@@ -37,6 +37,13 @@ def block_linears(dim: int, hidden: int) -> list[tuple[str, int, int]]:
     return [("qkv", dim, 3 * dim), ("out", dim, dim), ("up", dim, hidden), ("down", hidden, dim)]
 
 
+def add_block_shape_args(p: argparse.ArgumentParser) -> None:
+    """--tokens, --dim and --hidden: a mini_llm block's sizes, the seed's by default."""
+    p.add_argument("--tokens", type=int, default=8192, help="tokens a GPU a step (the seed's 8 x 1024)")
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=8192, help="the MLP's hidden width")
+
+
 def gemm_shapes(tokens: int, fan_in: int, fan_out: int) -> list[tuple[str, int, int, int]]:
     """(GEMM, M, K, N) of one linear's three GEMMs, C[M, N] = A[M, K] B[K, N]."""
     return [("output", tokens, fan_in, fan_out), ("grad input", tokens, fan_out, fan_in), ("grad weight", fan_out, tokens, fan_in)]
@@ -124,9 +131,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens a GPU a step (the seed's 8 x 1024)")
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=8192, help="the MLP's hidden width")
+    add_block_shape_args(p)
     p.add_argument("--out", default=None, help="directory for rows.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
