@@ -110,6 +110,11 @@ class OptimImpl(StrEnum):
     triton = "triton"
 
 
+class StateDtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING
@@ -342,6 +347,10 @@ class OptimConfig:
     which then stays allocated between steps (2 bytes a parameter), so unshards cast only what
     changed since; FSDP2 casts every parameter at every unshard instead (src/distributed/one_rank.py's
     cast_in_step). Other settings: nothing changes"""
+    state_dtype: StateDtype = StateDtype.float32
+    """AdamW's moments (exp_avg, exp_avg_sq): float32, or bfloat16 (impl=triton), rounded stochastically
+    in the update: 8 bytes a parameter less to move each step and half the moments' memory
+    (kernels/triton/adamw.py)"""
     in_backward: bool = False
     """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
     post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""

@@ -185,6 +185,15 @@ def test_a_run_with_optim_impl_triton_trains_as_foreach_adamw_and_reports_the_sa
     assert all(m["grad_norm"] > 0 for m in ours)
 
 
+def test_a_run_with_bf16_moments_trains_as_one_with_fp32_moments(tmp_path: Path, in_process_runs):
+    """optim.state_dtype=bfloat16 through the trainer: the tiny model's 4 losses within 1e-3 of those
+    with fp32 moments, and not the same (lr 1e-2, so the moments' rounding reaches the loss)."""
+    ref = _run(tmp_path, "fp32_moments", ["optim.impl=triton", "optim.lr=1e-2"])
+    ours = _run(tmp_path, "bf16_moments", ["optim.impl=triton", "optim.lr=1e-2", "optim.state_dtype=bfloat16"])
+    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ref], rel=1e-3)
+    assert [m["loss"] for m in ours] != [m["loss"] for m in ref]
+
+
 def test_a_bf16_run_whose_update_writes_the_unsharded_parameters_trains_as_one_that_casts_them(tmp_path: Path, in_process_runs, caplog):
     """optim.cast_in_step (the default) on one rank in bf16: the update writes each parameter's bf16
     cast into FSDP2's kept unsharded storage; the losses and grad norms are those of FSDP2 casting
@@ -286,3 +295,147 @@ def test_a_checkpoint_resumed_under_other_kernels_steps_with_the_runs_own():
     fused.step()
     del fused.grad_scale
     assert float(fused.state[params[0]]["step"]) == 2.0 and fused.state[params[0]]["step"].device == params[0].device
+
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and just above x's magnitude (x > 0): truncated and truncated + 1 ulp."""
+    bits = x.float().view(torch.int32)
+    low = (bits >> 16) << 16
+    return low.view(torch.float32), (low + (1 << 16)).view(torch.float32)
+
+
+def test_bf16_moments_are_rounded_stochastically_unbiased_and_the_same_bits_however_the_tensor_is_split():
+    """v = 1 and a gradient of 2 with beta2 = 0.999: v becomes 1.003, under half a bf16 ulp (0.0039)
+    above 1, so rounded to nearest it would stay 1 every step and never follow the gradients.
+    Rounded stochastically each element is 1 or 1.0078, and their mean is 1.003. The bits are
+    Philox's for (seed, random base + index): the tensor updated in two parts whose bases continue
+    each other (an FSDP2 shard's) gives the same bits as whole; another seed, other bits."""
+    from kernels.triton.adamw import TileTable, adamw_step_
+
+    n, half = 40000, 17000
+    hyper = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+
+    def update(parts: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.zeros(n, device=DEVICE)
+        g = torch.full((n,), 2.0, device=DEVICE)
+        m = torch.full((n,), 0.3, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.ones(n, device=DEVICE, dtype=torch.bfloat16)
+        views = [slice(a, b) for a, b in parts]
+        adamw_step_([p[s] for s in views], [g[s] for s in views], [m[s] for s in views], [v[s] for s in views],
+                    TileTable([b - a for a, b in parts], p.device), rand_bases=[(5 << 40) + a for a, _ in parts], seed=seed, **hyper)
+        return m, v
+
+    m, v = update([(0, n)], seed=11)
+    v32 = torch.tensor(0.999 * 1.0 + 0.001 * 4.0)
+    lo, hi = _bf16_neighbours(v32)
+    assert set(v.float().unique().tolist()) == {lo.item(), hi.item()}
+    # the mean of n draws of lo or hi: v32 within 5 standard errors (p(hi) = 0.38, 0.0078 apart)
+    assert abs(v.float().mean().item() - v32.item()) < 5 * (hi - lo).item() * 0.5 / n**0.5
+    m32 = torch.tensor(0.9 * 0.30078125 + 0.1 * 2.0)  # 0.3 as bf16 holds 0.30078125
+    assert abs(m.float().mean().item() - m32.item()) < 5 * (_bf16_neighbours(m32)[1] - _bf16_neighbours(m32)[0]).item() / n**0.5
+    m_split, v_split = update([(0, half), (half, n)], seed=11)
+    assert torch.equal(m_split, m) and torch.equal(v_split, v)
+    _, v_other = update([(0, n)], seed=12)
+    assert not torch.equal(v_other, v)
+
+
+def test_bf16_moments_follow_fp32_adamw_and_checkpoints_load_across_state_dtypes():
+    """TritonAdamW(state_dtype=bf16) over 4 steps: moments stored in bf16 (2 bytes each), the
+    parameters within 1% of an update of fp32 moments' run (bf16 keeps 8 bits: 0.4% a rounding).
+    A bf16-moment checkpoint loaded by an fp32 one (torch's load casts the moments to the
+    parameters' dtype) and back: each run steps on with its own moments' dtype."""
+    p0 = _params()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in p0]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in p0]
+    fp32 = TritonAdamW(ref, **HYPER)
+    bf16 = TritonAdamW(ours, **HYPER, state_dtype=torch.bfloat16, seed=3)
+    for step in range(4):
+        for group, opt in ((ref, fp32), (ours, bf16)):
+            for p, g in zip(group, _grads(step, torch.float32)):
+                p.grad = g
+            opt.step()
+    assert all(bf16.state[p][k].dtype == torch.bfloat16 for p in ours for k in ("exp_avg", "exp_avg_sq"))
+    for a, b, start in zip(ours, ref, p0):
+        moved = (b - start).abs().max()
+        assert (a - b).abs().max() <= 0.01 * moved, float((a - b).abs().max() / moved)
+    as_fp32 = TritonAdamW([torch.nn.Parameter(p.detach().clone()) for p in ours], **HYPER)
+    as_fp32.load_state_dict(copy.deepcopy(bf16.state_dict()))
+    back = TritonAdamW([torch.nn.Parameter(p.detach().clone()) for p in ours], **HYPER, state_dtype=torch.bfloat16, seed=3)
+    back.load_state_dict(copy.deepcopy(bf16.state_dict()))
+    for opt in (as_fp32, back):
+        for p, g in zip(opt.param_groups[0]["params"], _grads(4, torch.float32)):
+            p.grad = g
+        opt.step()
+    assert all(as_fp32.state[p]["exp_avg_sq"].dtype == torch.float32 for p in as_fp32.param_groups[0]["params"])
+    assert all(back.state[p]["exp_avg_sq"].dtype == torch.bfloat16 for p in back.param_groups[0]["params"])
+    # the bf16 run resumed from its own checkpoint steps as the run that never stopped
+    for p, g in zip(ours, _grads(4, torch.float32)):
+        p.grad = g
+    bf16.step()
+    for a, b in zip(back.param_groups[0]["params"], ours):
+        assert torch.equal(a, b) and torch.equal(back.state[a]["exp_avg_sq"], bf16.state[b]["exp_avg_sq"])
+
+
+def test_optim_state_dtype_bfloat16_is_built_for_triton_and_refused_for_torchs_kernels():
+    cfg = compose_config(["optim.impl=triton", "optim.state_dtype=bfloat16"])
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg.optim, "cpu", False, seed=5)
+    assert opt.state_dtype == torch.bfloat16 and opt.seed == 5
+    from src.validate import validate
+
+    with pytest.raises(ConfigError, match=r"optim.state_dtype=bfloat16 .* set optim.impl=triton \(now fused\)"):
+        validate(compose_config(["optim.impl=fused", "optim.state_dtype=bfloat16", "dist.nproc=1"]), cuda_device_count=0)
+    with pytest.raises(ConfigError, match=r"set optim.impl=triton \(now auto\)"):
+        validate(compose_config(["optim.state_dtype=bfloat16", "dist.nproc=1"]), cuda_device_count=0)
+    with pytest.raises(ConfigError, match="state_dtype"):
+        compose_config(["optim.state_dtype=float16"])
+
+
+def _sharded_moments_rank(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        full = _params()
+        grads = _grads(0, torch.float32)
+        # FSDP2's layout (Shard(0)) on a 1-D mesh and HSDP's (Replicate(), Shard(0)) on a 1 x 2 one; 37 and 131 rows split unevenly
+        meshes = {"fsdp": (init_device_mesh("cpu", (2,)), [Shard(0)]), "hsdp": (init_device_mesh("cpu", (1, 2)), [Replicate(), Shard(0)])}
+        got = {}
+        for name, (mesh, placements) in meshes.items():
+            params = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements)) for p in full]
+            for p, g in zip(params, grads):
+                p.grad = distribute_tensor(g.clone(), mesh, placements)
+            opt = TritonAdamW(params, **HYPER, state_dtype=torch.bfloat16, seed=9)
+            opt.step()
+            got[name] = [opt.state[p]["exp_avg_sq"].full_tensor() for p in params]
+            del opt, params
+        if rank == 0:
+            torch.save(got, out)
+    finally:
+        import gc
+
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def test_bf16_moments_of_fsdp2_shards_are_the_unsharded_optimizers_bits(tmp_path: Path):
+    """Each shard's random stream starts at its first element's index in the whole parameter, so the
+    moments of parameters sharded over 2 gloo ranks (FSDP2's and HSDP's placements, uneven shards
+    among them) are, gathered, the same bits as one optimizer's over the whole parameters."""
+    if DEVICE != "cpu":
+        pytest.skip("gloo ranks on the CPU, in Triton's interpreter")
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_sharded_moments_rank, args=(str(tmp_path / "rdzv"), str(out)), nprocs=2, start_method="spawn")
+    got = torch.load(out, weights_only=True)
+    params = _params()
+    for p, g in zip(params, _grads(0, torch.float32)):
+        p.grad = g
+    whole = TritonAdamW(params, **HYPER, state_dtype=torch.bfloat16, seed=9)
+    whole.step()
+    want = [whole.state[p]["exp_avg_sq"] for p in params]
+    for name, moments in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(moments, want)), name

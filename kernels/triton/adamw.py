@@ -18,6 +18,15 @@ The same launch can also write each updated parameter's bf16 copy (`TritonAdamW.
 FSDP2 casts every fp32 parameter to bf16 at each unshard (read 4 bytes, write 2), which on one rank
 is the unsharded parameter itself; written in the update it costs the 2-byte store alone, the
 fp32 value being in registers already (src/distributed/one_rank.py's cast_in_step).
+
+The moments can be kept in bf16 (`TritonAdamW(state_dtype=torch.bfloat16)`, optim.state_dtype): 4
+bytes a parameter each instead of 8, so the update moves 22 bytes a parameter instead of 30 and the
+moments take half the memory (735M parameters: 2.9 GB less). They are read as fp32, updated in fp32
+and rounded stochastically on the way back (`_bf16_sr`): rounded to nearest, exp_avg_sq's increment
+(1 - beta2) * (g^2 - v) is under bf16's half ulp of v unless g^2 is ~5x v, so v would stop
+following the gradients; rounded stochastically each stored value is unbiased. The random bits are
+Philox's, keyed by the run's seed, the step, the parameter's place in the optimizer and each
+element's index in the whole (unsharded) parameter: the same bits however FSDP2 shards it.
 """
 from __future__ import annotations
 
@@ -41,7 +50,10 @@ import triton.language as tl
 BLOCK, ITERS, NUM_WARPS = 2048, 8, 4
 TILE = BLOCK * ITERS
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
+STATE_DTYPES = {torch.float32: False, torch.bfloat16: True}  # the moments' dtype: True where rounded stochastically
 COPY_DTYPES = (torch.bfloat16,)  # what a parameter's copy written in the update may be (write_copies): rounded by the bits, bf16's only
+PHILOX_ROUNDS = 10  # Philox4x32 rounds for the moments' rounding bits: Triton's default and Random123's (whose paper finds fewer already pass BigCrush)
+RAND_INDEX_BITS = 40  # a random base: the parameter's key above these bits, the element's flat index (up to 2^40) in them
 MAX_TABLES = 64  # tile tables kept per optimizer: one per parameter set it steps (one, or one per FSDP unit)
 
 
@@ -57,35 +69,55 @@ def _bf16_rne(x):
 
 
 @triton.jit
-def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, MASKED: tl.constexpr, HAS_COPY: tl.constexpr):
+def _bf16_sr(x, r):
+    """fp32 -> bf16 rounded stochastically: up (away from zero) with probability equal to the
+    fraction of a bf16 ulp that truncation drops, so the rounded value's expectation is x. `r` holds
+    random uint32s; their low 16 bits are added below the kept ones. A NaN stays a NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (r & 0xFFFF)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, seed, rand_base, MASKED: tl.constexpr,
+                 HAS_COPY: tl.constexpr, STATE_BF16: tl.constexpr, PHILOX_ROUNDS: tl.constexpr):
     """AdamW over BLOCK elements at `offs` (P, G, M, V, C already at the tensor's first element); the
     gradients' squares, for the norm. Unmasked where the block is whole: a mask against a length read
     from memory has no known divisibility, so its loads would not vectorise. With HAS_COPY the
-    updated parameter is also stored to C in bf16 (round to nearest even, as torch's .to())."""
+    updated parameter is also stored to C in bf16 (round to nearest even, as torch's .to()). With
+    STATE_BF16 the moments are bf16, rounded stochastically with Philox's bits for (seed,
+    rand_base + offs): rand_base places the tensor's elements in the whole parameter."""
     mask = offs < n if MASKED else None
     g = tl.load(G + offs, mask=mask, other=0.0 if MASKED else None).to(tl.float32)
     p = tl.load(P + offs, mask=mask)
-    m = tl.load(M + offs, mask=mask)
-    v = tl.load(V + offs, mask=mask)
+    m = tl.load(M + offs, mask=mask).to(tl.float32)
+    v = tl.load(V + offs, mask=mask).to(tl.float32)
     p = p * wd_scale  # decoupled weight decay: p - lr * wd * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - step_size * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
     tl.store(P + offs, p, mask=mask)
-    tl.store(M + offs, m, mask=mask)
-    tl.store(V + offs, v, mask=mask)
+    if STATE_BF16:
+        r_m, r_v, _, _ = tl.randint4x(seed, rand_base + offs, PHILOX_ROUNDS)
+        tl.store(M + offs, _bf16_sr(m, r_m), mask=mask)
+        tl.store(V + offs, _bf16_sr(v, r_v), mask=mask)
+    else:
+        tl.store(M + offs, m, mask=mask)
+        tl.store(V + offs, v, mask=mask)
     if HAS_COPY:
         tl.store(C + offs, _bf16_rne(p), mask=mask)
     return g * g
 
 
 @triton.jit
-def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
+def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, seed,
                  BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr,
-                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr):
+                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr, STATE_BF16: tl.constexpr, PHILOX_ROUNDS: tl.constexpr):
     """One tile of one tensor a program. OFFSETS holds four rows of n_tensors element offsets, from
     P, G, M and V: parameters, gradients, first moments, second moments; with HAS_COPY a fifth,
-    from C: the parameters' bf16 copies (COPY_ALIGN elements to 16 bytes)."""
+    from C: the parameters' bf16 copies (COPY_ALIGN elements to 16 bytes); with STATE_BF16 one more,
+    each tensor's random base (the last row)."""
     tile = tl.program_id(0)
     t = tl.load(TILE_TENSOR + tile)
     start = tl.load(TILE_START + tile)
@@ -97,11 +129,14 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
     c_off = 0
     if HAS_COPY:
         c_off = tl.load(OFFSETS + 4 * n_tensors + t)
+    rand_base = 0
+    if STATE_BF16:
+        rand_base = tl.load(OFFSETS + (5 if HAS_COPY else 4) * n_tensors + t)
     if ALIGNED:  # every tensor starts on 16 bytes: 4 fp32 or 8 bf16 elements
         p_off = tl.multiple_of(p_off, 4)
         g_off = tl.multiple_of(g_off, 8 if GRAD_BF16 else 4)
-        m_off = tl.multiple_of(m_off, 4)
-        v_off = tl.multiple_of(v_off, 4)
+        m_off = tl.multiple_of(m_off, 8 if STATE_BF16 else 4)
+        v_off = tl.multiple_of(v_off, 8 if STATE_BF16 else 4)
         if HAS_COPY:
             c_off = tl.multiple_of(c_off, COPY_ALIGN)
         start = tl.multiple_of(start, BLOCK)
@@ -112,11 +147,11 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
     if start + BLOCK * ITERS <= n:  # a whole tile: every tile but a tensor's last
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    False, HAS_COPY)
+                                    seed, rand_base, False, HAS_COPY, STATE_BF16, PHILOX_ROUNDS)
     else:
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    True, HAS_COPY)
+                                    seed, rand_base, True, HAS_COPY, STATE_BF16, PHILOX_ROUNDS)
     if WANT_SQUARES:
         tl.store(SQUARES + tile, tl.sum(squares, axis=0))
 
@@ -144,13 +179,15 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                 table: TileTable, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                want_squares: bool = False, copies: list[torch.Tensor] | None = None) -> torch.Tensor | None:
-    """AdamW's update of every tensor in place (fp32 parameters and moments, contiguous; gradients
-    fp32 or bf16, contiguous, all of one dtype), the bias corrections of step `step` (counted from 1).
-    With `copies` (one contiguous bf16 tensor of each parameter's size), each updated parameter is
-    also written to its copy, rounded as torch's cast: 2 bytes more a parameter, where a separate
-    cast would read the 4-byte parameter again. Returns the sum of the gradients'
-    squares (an fp32 device scalar) when `want_squares`."""
+                want_squares: bool = False, copies: list[torch.Tensor] | None = None, rand_bases: list[int] | None = None,
+                seed: int = 0) -> torch.Tensor | None:
+    """AdamW's update of every tensor in place (fp32 parameters, contiguous; gradients fp32 or bf16,
+    contiguous, all of one dtype; moments all fp32 or all bf16), the bias corrections of step `step`
+    (counted from 1). With `copies` (one contiguous bf16 tensor of each parameter's size), each
+    updated parameter is also written to its copy, rounded as torch's cast: 2 bytes more a
+    parameter, where a separate cast would read the 4-byte parameter again. bf16 moments are rounded
+    stochastically with Philox's bits for (`seed`, the tensor's `rand_bases` entry + the element's
+    index). Returns the sum of the gradients' squares (an fp32 device scalar) when `want_squares`."""
     if not params:
         return torch.zeros((), dtype=torch.float32) if want_squares else None
     device = params[0].device
@@ -158,21 +195,28 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     if copies and (len(copies) != len(params) or any(c.numel() != p.numel() or c.dtype not in COPY_DTYPES or not c.is_contiguous()
                                                      for c, p in zip(copies, params))):
         raise ValueError("adamw_step_ writes one contiguous bf16 copy of each parameter's size")
+    state_dtypes = {t.dtype for t in exp_avgs + exp_avg_sqs}
+    if len(state_dtypes) != 1 or not state_dtypes <= STATE_DTYPES.keys():
+        raise ValueError(f"adamw_step_ keeps the moments all in fp32 or all in bf16; got {sorted(map(str, state_dtypes))}")
+    state_bf16 = STATE_DTYPES[exp_avgs[0].dtype]
+    if state_bf16 and (rand_bases is None or len(rand_bases) != len(params)):
+        raise ValueError("adamw_step_ rounds bf16 moments stochastically: give each tensor its random base (rand_bases)")
     if any(t.data_ptr() % t.element_size() for group in streams for t in group):
         raise ValueError("adamw_step_ takes tensors aligned to their element size")
     aligned = all(t.data_ptr() % 16 == 0 for group in streams for t in group)
     # one pinned table of offsets a step (FSDP2's gradients move), copied behind the stream's work:
     # no host sync
-    offsets = torch.tensor([o for group in streams for o in _offsets(group)], dtype=torch.int64,
+    rows = [o for group in streams for o in _offsets(group)] + (list(rand_bases) if state_bf16 else [])
+    offsets = torch.tensor(rows, dtype=torch.int64,
                            pin_memory=device.type == "cuda").to(device, non_blocking=True)
     squares = torch.empty(table.n_tiles, dtype=torch.float32, device=device) if want_squares else offsets
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
         _adamw_tiles[(table.n_tiles,)](
             params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copies[0] if copies else params[0], offsets, table.numels, table.tensor,
-            table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps,
+            table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, seed,
             BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares,
-            HAS_COPY=bool(copies), COPY_ALIGN=16 // copies[0].element_size() if copies else 1, num_warps=NUM_WARPS,
+            HAS_COPY=bool(copies), COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, PHILOX_ROUNDS=PHILOX_ROUNDS, num_warps=NUM_WARPS,
         )
     return squares.sum() if want_squares else None
 
@@ -199,12 +243,42 @@ class TritonAdamW(torch.optim.AdamW):
     L2 norm of the gradients it read in `last_grad_norm` (a device scalar, no host sync), summed
     over the mesh dimensions the parameters are sharded on, which is what get_total_norm returns."""
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, state_dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"TritonAdamW keeps its moments in fp32 or bf16, not {state_dtype}")
+        self.state_dtype, self.seed = state_dtype, seed
+        self._keys: dict[int, int] = {}  # each parameter's place in the optimizer, in the order added: its random stream
+        self._rand_bases: dict[int, int] = {}
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self._tables: dict[tuple[int, ...], object] = {}
         self.grad_norm_wanted = False
         self.last_grad_norm: torch.Tensor | None = None
         self._copies: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._keys.setdefault(id(p), len(self._keys))
+
+    def _rand_base(self, p: torch.Tensor) -> int:
+        """Where p's local elements start in the random stream: its key in the top 24 bits, and the
+        flat index of its local shard's first element in the whole parameter below (FSDP2 shards dim
+        0, so a shard is one run of the flat parameter; any other layout keys the shard by its mesh
+        coordinates instead, which keeps the streams apart but not the bits across shardings)."""
+        base = self._rand_bases.get(id(p))
+        if base is None:
+            key, start = self._keys[id(p)], 0
+            if hasattr(p, "placements"):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if tuple(local_shape[1:]) == tuple(p.shape[1:]) and not any(offset[1:]):
+                    start = offset[0] * math.prod(p.shape[1:])
+                else:
+                    key += (1 + p.device_mesh.get_rank()) << 16  # up to 65536 parameters keyed apart
+            base = self._rand_bases[id(p)] = (key << RAND_INDEX_BITS) + start
+        return base
 
     def write_copies(self, pairs) -> int:
         """(parameter, copy) pairs: each step also writes the updated parameter to `copy.out` (a
@@ -234,18 +308,24 @@ class TritonAdamW(torch.optim.AdamW):
             if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
                 raise ValueError("TritonAdamW runs plain AdamW: no amsgrad, maximize, capturable or differentiable")
             # one launch per step count, gradient dtype and copy dtype (one of each, in practice):
-            # local parameters, gradients, moments, copies' tensors, copies, parameters
-            launches: dict[tuple[float, torch.dtype, torch.dtype | None], tuple[list, list, list, list, list, list, list]] = {}
+            # local parameters, gradients, moments, copies' tensors, copies, parameters, random bases
+            launches: dict[tuple[float, torch.dtype, torch.dtype | None], tuple[list, list, list, list, list, list, list, list]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif state["step"].device.type != "cpu":  # a fused AdamW's checkpoint keeps it on the GPU: read once, not every step
-                    state["step"] = state["step"].cpu()
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                else:
+                    if state["step"].device.type != "cpu":  # a fused AdamW's checkpoint keeps it on the GPU: read once, not every step
+                        state["step"] = state["step"].cpu()
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        # torch's load_state_dict casts the moments to the parameter's dtype, and a checkpoint
+                        # may come from a run with the other state_dtype: back to this one's, once
+                        if state[name].dtype != self.state_dtype:
+                            state[name] = state[name].to(self.state_dtype)
                 state["step"] += 1
                 if sharded is None and hasattr(p, "placements"):
                     sharded = (p.device_mesh, tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
@@ -260,13 +340,14 @@ class TritonAdamW(torch.optim.AdamW):
                 if copy is not None and copy.out.untyped_storage().size() < copy.out.numel() * copy.out.element_size():
                     copy = None  # its storage was freed since (not by FSDP2 under cast_in_step): no copy to write
                 key = (float(state["step"]), tensors[1].dtype, copy.out.dtype if copy is not None else None)
-                lists = launches.setdefault(key, ([], [], [], [], [], [], []))
+                lists = launches.setdefault(key, ([], [], [], [], [], [], [], []))
                 for lst, t in zip(lists, tensors):
                     lst.append(t)
                 lists[4].append(copy.out if copy is not None else None)
                 lists[5].append(copy)
                 lists[6].append(p)
-            for (step, _, copy_dtype), (*streams, outs, copies, params) in launches.items():
+                lists[7].append(self._rand_base(p) if self.state_dtype != torch.float32 else 0)
+            for (step, _, copy_dtype), (*streams, outs, copies, params, rand_bases) in launches.items():
                 numels = tuple(t.numel() for t in streams[0])
                 table = self._tables.get(numels)
                 if table is None:
@@ -275,7 +356,7 @@ class TritonAdamW(torch.optim.AdamW):
                     table = self._tables[numels] = TileTable(list(numels), streams[0][0].device)
                 sq = adamw_step_(*streams, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                                  eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted,
-                                 copies=outs if copy_dtype is not None else None)
+                                 copies=outs if copy_dtype is not None else None, rand_bases=rand_bases, seed=self._step_seed(int(step)))
                 # the kernel wrote the parameters behind autograd's back: their version counters
                 # (a DTensor's and its local tensor's) move as a torch in-place op's would, which
                 # is what a reader of a copy compares against
@@ -288,6 +369,11 @@ class TritonAdamW(torch.optim.AdamW):
         if self.grad_norm_wanted:
             self.last_grad_norm = self._global_norm(squares, sharded, self.param_groups[0]["params"][0].device)
         return loss
+
+    def _step_seed(self, step: int) -> int:
+        """Philox's 64-bit key for step `step`: the run's seed above, the step below, so no two steps
+        of a run round with the same bits."""
+        return ((self.seed & 0x7FFFFFFF) << 32) | (step & 0xFFFFFFFF)
 
     @staticmethod
     def _global_norm(squares: list[torch.Tensor], sharded, device: torch.device) -> torch.Tensor:

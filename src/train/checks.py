@@ -237,6 +237,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"sharding.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
     if cfg.optim.in_backward:
         _check_in_backward(cfg)
+    if cfg.optim.state_dtype != "float32" and cfg.optim.impl != "triton":
+        raise ConfigError(f"optim.state_dtype={cfg.optim.state_dtype} keeps AdamW's moments in {cfg.optim.state_dtype}, which only the Triton update "
+                          f"rounds stochastically; set optim.impl=triton (now {cfg.optim.impl}), or optim.state_dtype=float32")
     if cfg.optim.impl == "triton":
         _check_triton_optimizer(cfg, backend)
     if cfg.kernels.attention != "default" and backend != "cuda":

@@ -23,12 +23,15 @@ def optimizer_impl(impl: str, device_type: str, cpu_offload: bool) -> str:
     return "fused" if device_type == "cuda" and not cpu_offload else "foreach"
 
 
-def build_optimizer(params, o: DictConfig, device_type: str, cpu_offload: bool) -> torch.optim.AdamW:
+def build_optimizer(params, o: DictConfig, device_type: str, cpu_offload: bool, seed: int = 0) -> torch.optim.AdamW:
+    """AdamW as `o` (the optim group) asks; `seed` (train.seed) keys the stochastic rounding of
+    bf16 moments (optim.state_dtype=bfloat16, impl=triton only: src/train/checks.py refuses others)."""
     impl = optimizer_impl(o.impl, device_type, cpu_offload)
     if impl == "triton":
         from kernels.triton.adamw import TritonAdamW  # Triton only where asked: the other kinds train without it
 
-        return TritonAdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        return TritonAdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                           state_dtype=getattr(torch, o.state_dtype), seed=seed)
     kernels = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **kernels)
 

@@ -123,7 +123,7 @@ class Trainer:
             mesh = build_mesh(env.device.type, env.world_size, cfg.sharding.strategy, cfg.sharding.replicate)
         laid = parallelize(model, cfg, mesh, env.device)
         self.model, self.autocast_dtype, self.after_optimizer = laid.model, laid.autocast_dtype, laid.after_optimizer
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload, cfg.train.seed)
         if mesh is not None and cfg.optim.cast_in_step:
             self._cast_in_step()
         self.in_backward = StepInBackward(self.model, self.optimizer) if cfg.optim.in_backward else None
