@@ -392,8 +392,8 @@ def test_optim_state_dtype_bfloat16_is_built_for_triton_and_refused_for_torchs_k
 
 def _sharded_moments_rank(rank: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
