@@ -307,25 +307,25 @@ def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_bf16_moments_are_rounded_stochastically_unbiased_and_the_same_bits_however_the_tensor_is_split():
     """v = 1 and a gradient of 2 with beta2 = 0.999: v becomes 1.003, under half a bf16 ulp (0.0039)
     above 1, so rounded to nearest it would stay 1 every step and never follow the gradients.
-    Rounded stochastically each element is 1 or 1.0078, and their mean is 1.003. The bits are
-    Philox's for (seed, random base + index): the tensor updated in two parts whose bases continue
-    each other (an FSDP2 shard's) gives the same bits as whole; another seed, other bits."""
+    Rounded stochastically each element is 1 or 1.0078, and their mean is 1.003. The bits are a
+    hash of (the step's key, random base + index): the tensor updated in two parts whose bases
+    continue each other (an FSDP2 shard's) gives the same bits as whole; another key, other bits."""
     from kernels.triton.adamw import TileTable, adamw_step_
 
     n, half = 40000, 17000
     hyper = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
 
-    def update(parts: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(parts: list[tuple[int, int]], key: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = torch.zeros(n, device=DEVICE)
         g = torch.full((n,), 2.0, device=DEVICE)
         m = torch.full((n,), 0.3, device=DEVICE, dtype=torch.bfloat16)
         v = torch.ones(n, device=DEVICE, dtype=torch.bfloat16)
         views = [slice(a, b) for a, b in parts]
         adamw_step_([p[s] for s in views], [g[s] for s in views], [m[s] for s in views], [v[s] for s in views],
-                    TileTable([b - a for a, b in parts], p.device), rand_bases=[(5 << 40) + a for a, _ in parts], seed=seed, **hyper)
+                    TileTable([b - a for a, b in parts], p.device), rand_bases=[(5 << 40) + a for a, _ in parts], rounding_key=key, **hyper)
         return m, v
 
-    m, v = update([(0, n)], seed=11)
+    m, v = update([(0, n)], key=11)
     v32 = torch.tensor(0.999 * 1.0 + 0.001 * 4.0)
     lo, hi = _bf16_neighbours(v32)
     assert set(v.float().unique().tolist()) == {lo.item(), hi.item()}
@@ -333,9 +333,9 @@ def test_bf16_moments_are_rounded_stochastically_unbiased_and_the_same_bits_howe
     assert abs(v.float().mean().item() - v32.item()) < 5 * (hi - lo).item() * 0.5 / n**0.5
     m32 = torch.tensor(0.9 * 0.30078125 + 0.1 * 2.0)  # 0.3 as bf16 holds 0.30078125
     assert abs(m.float().mean().item() - m32.item()) < 5 * (_bf16_neighbours(m32)[1] - _bf16_neighbours(m32)[0]).item() / n**0.5
-    m_split, v_split = update([(0, half), (half, n)], seed=11)
+    m_split, v_split = update([(0, half), (half, n)], key=11)
     assert torch.equal(m_split, m) and torch.equal(v_split, v)
-    _, v_other = update([(0, n)], seed=12)
+    _, v_other = update([(0, n)], key=12)
     assert not torch.equal(v_other, v)
 
 

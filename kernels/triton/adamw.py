@@ -24,9 +24,11 @@ bytes a parameter each instead of 8, so the update moves 22 bytes a parameter in
 moments take half the memory (735M parameters: 2.9 GB less). They are read as fp32, updated in fp32
 and rounded stochastically on the way back (`_bf16_sr`): rounded to nearest, exp_avg_sq's increment
 (1 - beta2) * (g^2 - v) is under bf16's half ulp of v unless g^2 is ~5x v, so v would stop
-following the gradients; rounded stochastically each stored value is unbiased. The random bits are
-Philox's, keyed by the run's seed, the step, the parameter's place in the optimizer and each
-element's index in the whole (unsharded) parameter: the same bits however FSDP2 shards it.
+following the gradients; rounded stochastically each stored value is unbiased. The random bits
+are an integer hash (`_rounding_bits`) of the run's seed, the step, the parameter's place in the
+optimizer and each element's index in the whole (unsharded) parameter: the same bits however FSDP2
+shards it. Philox4x32-10 (tl.randint4x) made the update compute-bound: on an H200 inside the seed's
+step 5.76 ms a step with bf16 moments against 5.66 with fp32 ones (docs/PERFORMANCE.md 7).
 """
 from __future__ import annotations
 
@@ -52,7 +54,6 @@ TILE = BLOCK * ITERS
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
 STATE_DTYPES = {torch.float32: False, torch.bfloat16: True}  # the moments' dtype: True where rounded stochastically
 COPY_DTYPES = (torch.bfloat16,)  # what a parameter's copy written in the update may be (write_copies): rounded by the bits, bf16's only
-PHILOX_ROUNDS = 10  # Philox4x32 rounds for the moments' rounding bits: Triton's default and Random123's (whose paper finds fewer already pass BigCrush)
 RAND_INDEX_BITS = 40  # a random base: the parameter's key above these bits, the element's flat index (up to 2^40) in them
 MAX_TABLES = 64  # tile tables kept per optimizer: one per parameter set it steps (one, or one per FSDP unit)
 
@@ -80,14 +81,49 @@ def _bf16_sr(x, r):
 
 
 @triton.jit
+def _mix32(x):
+    """A 32-bit integer hash (Wellons' lowbias32: two multiply-xorshift rounds, each output bit
+    flipping with about half of the input bits): 2 multiplies, where Philox4x32-10 takes 20."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+def mix32(x: int) -> int:
+    """_mix32 on the host, for the step's key."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def step_key(seed: int, step: int) -> int:
+    """The rounding bits' key for step `step` of a run seeded `seed`: 31 bits (a kernel argument of
+    one type whatever its value), a hash of both, so no two steps of a run round with the same bits."""
+    return mix32((step & 0xFFFFFFFF) ^ mix32(seed & 0xFFFFFFFF)) & 0x7FFFFFFF
+
+
+@triton.jit
+def _rounding_bits(key, index):
+    """32 random bits for each element's int64 `index` under the step's `key` (step_key), a pure
+    function of both: the high half rounds exp_avg, the low half exp_avg_sq (_bf16_sr takes 16)."""
+    hi = (index >> 32).to(tl.uint32)
+    return _mix32((index & 0xFFFFFFFF).to(tl.uint32) ^ _mix32(hi ^ key.to(tl.uint32)))
+
+
+@triton.jit
 def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, seed, rand_base, MASKED: tl.constexpr,
-                 HAS_COPY: tl.constexpr, STATE_BF16: tl.constexpr, PHILOX_ROUNDS: tl.constexpr):
+                 HAS_COPY: tl.constexpr, STATE_BF16: tl.constexpr):
     """AdamW over BLOCK elements at `offs` (P, G, M, V, C already at the tensor's first element); the
     gradients' squares, for the norm. Unmasked where the block is whole: a mask against a length read
     from memory has no known divisibility, so its loads would not vectorise. With HAS_COPY the
     updated parameter is also stored to C in bf16 (round to nearest even, as torch's .to()). With
-    STATE_BF16 the moments are bf16, rounded stochastically with Philox's bits for (seed,
-    rand_base + offs): rand_base places the tensor's elements in the whole parameter."""
+    STATE_BF16 the moments are bf16, rounded stochastically with the bits `_rounding_bits` gives
+    (seed, rand_base + offs): rand_base places the tensor's elements in the whole parameter."""
     mask = offs < n if MASKED else None
     g = tl.load(G + offs, mask=mask, other=0.0 if MASKED else None).to(tl.float32)
     p = tl.load(P + offs, mask=mask)
@@ -99,9 +135,9 @@ def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_
     p = p - step_size * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
     tl.store(P + offs, p, mask=mask)
     if STATE_BF16:
-        r_m, r_v, _, _ = tl.randint4x(seed, rand_base + offs, PHILOX_ROUNDS)
-        tl.store(M + offs, _bf16_sr(m, r_m), mask=mask)
-        tl.store(V + offs, _bf16_sr(v, r_v), mask=mask)
+        bits = _rounding_bits(seed, rand_base + offs)
+        tl.store(M + offs, _bf16_sr(m, bits >> 16), mask=mask)
+        tl.store(V + offs, _bf16_sr(v, bits), mask=mask)
     else:
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)
@@ -110,10 +146,10 @@ def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_
     return g * g
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new key each step: one compiled kernel for all of them
 def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, seed,
                  BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr,
-                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr, STATE_BF16: tl.constexpr, PHILOX_ROUNDS: tl.constexpr):
+                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr, STATE_BF16: tl.constexpr):
     """One tile of one tensor a program. OFFSETS holds four rows of n_tensors element offsets, from
     P, G, M and V: parameters, gradients, first moments, second moments; with HAS_COPY a fifth,
     from C: the parameters' bf16 copies (COPY_ALIGN elements to 16 bytes); with STATE_BF16 one more,
@@ -147,11 +183,11 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
     if start + BLOCK * ITERS <= n:  # a whole tile: every tile but a tensor's last
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    seed, rand_base, False, HAS_COPY, STATE_BF16, PHILOX_ROUNDS)
+                                    seed, rand_base, False, HAS_COPY, STATE_BF16)
     else:
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    seed, rand_base, True, HAS_COPY, STATE_BF16, PHILOX_ROUNDS)
+                                    seed, rand_base, True, HAS_COPY, STATE_BF16)
     if WANT_SQUARES:
         tl.store(SQUARES + tile, tl.sum(squares, axis=0))
 
@@ -180,14 +216,14 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                 table: TileTable, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                 want_squares: bool = False, copies: list[torch.Tensor] | None = None, rand_bases: list[int] | None = None,
-                seed: int = 0) -> torch.Tensor | None:
+                rounding_key: int = 0) -> torch.Tensor | None:
     """AdamW's update of every tensor in place (fp32 parameters, contiguous; gradients fp32 or bf16,
     contiguous, all of one dtype; moments all fp32 or all bf16), the bias corrections of step `step`
     (counted from 1). With `copies` (one contiguous bf16 tensor of each parameter's size), each
     updated parameter is also written to its copy, rounded as torch's cast: 2 bytes more a
     parameter, where a separate cast would read the 4-byte parameter again. bf16 moments are rounded
-    stochastically with Philox's bits for (`seed`, the tensor's `rand_bases` entry + the element's
-    index). Returns the sum of the gradients' squares (an fp32 device scalar) when `want_squares`."""
+    stochastically with the bits hashed from (`rounding_key`, 31 bits: step_key's, the tensor's
+    `rand_bases` entry + the element's index). Returns the sum of the gradients' squares (an fp32 device scalar) when `want_squares`."""
     if not params:
         return torch.zeros((), dtype=torch.float32) if want_squares else None
     device = params[0].device
@@ -214,9 +250,9 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
         _adamw_tiles[(table.n_tiles,)](
             params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copies[0] if copies else params[0], offsets, table.numels, table.tensor,
-            table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, seed,
+            table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, rounding_key,
             BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares,
-            HAS_COPY=bool(copies), COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, PHILOX_ROUNDS=PHILOX_ROUNDS, num_warps=NUM_WARPS,
+            HAS_COPY=bool(copies), COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, num_warps=NUM_WARPS,
         )
     return squares.sum() if want_squares else None
 
@@ -356,7 +392,8 @@ class TritonAdamW(torch.optim.AdamW):
                     table = self._tables[numels] = TileTable(list(numels), streams[0][0].device)
                 sq = adamw_step_(*streams, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                                  eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted,
-                                 copies=outs if copy_dtype is not None else None, rand_bases=rand_bases, seed=self._step_seed(int(step)))
+                                 copies=outs if copy_dtype is not None else None, rand_bases=rand_bases,
+                                 rounding_key=step_key(self.seed, int(step)))
                 # the kernel wrote the parameters behind autograd's back: their version counters
                 # (a DTensor's and its local tensor's) move as a torch in-place op's would, which
                 # is what a reader of a copy compares against
@@ -369,11 +406,6 @@ class TritonAdamW(torch.optim.AdamW):
         if self.grad_norm_wanted:
             self.last_grad_norm = self._global_norm(squares, sharded, self.param_groups[0]["params"][0].device)
         return loss
-
-    def _step_seed(self, step: int) -> int:
-        """Philox's 64-bit key for step `step`: the run's seed above, the step below, so no two steps
-        of a run round with the same bits."""
-        return ((self.seed & 0x7FFFFFFF) << 32) | (step & 0xFFFFFFFF)
 
     @staticmethod
     def _global_norm(squares: list[torch.Tensor], sharded, device: torch.device) -> torch.Tensor:
