@@ -54,7 +54,7 @@ TILE = BLOCK * ITERS
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
 STATE_DTYPES = {torch.float32: False, torch.bfloat16: True}  # the moments' dtype: True where rounded stochastically
 COPY_DTYPES = (torch.bfloat16,)  # what a parameter's copy written in the update may be (write_copies): rounded by the bits, bf16's only
-RAND_INDEX_BITS = 40  # a random base: the parameter's key above these bits, the element's flat index (up to 2^40) in them
+RAND_INDEX_BITS = 32  # a random base: the parameter's key above these bits, its first element's flat index (mod 2^32) in them
 MAX_TABLES = 64  # tile tables kept per optimizer: one per parameter set it steps (one, or one per FSDP unit)
 
 
@@ -108,22 +108,31 @@ def step_key(seed: int, step: int) -> int:
 
 
 @triton.jit
-def _rounding_bits(key, index):
-    """32 random bits for each element's int64 `index` under the step's `key` (step_key), a pure
-    function of both: the high half rounds exp_avg, the low half exp_avg_sq (_bf16_sr takes 16)."""
-    hi = (index >> 32).to(tl.uint32)
-    return _mix32((index & 0xFFFFFFFF).to(tl.uint32) ^ _mix32(hi ^ key.to(tl.uint32)))
+def _rounding_stream(rand_base, key):
+    """A tensor's stream of rounding bits this step: the hash of its parameter's key (rand_base's
+    high word) under the step's `key` (step_key), and its first element's index mod 2^32 (the low
+    word). One program works it out once for its tile."""
+    stream = _mix32((rand_base >> 32).to(tl.uint32) ^ key.to(tl.uint32))
+    return stream, (rand_base & 0xFFFFFFFF).to(tl.uint32)
 
 
 @triton.jit
-def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, seed, rand_base, MASKED: tl.constexpr,
+def _rounding_bits(stream, first, offs):
+    """32 random bits for each element at `offs` (`first` + offs its index in the whole parameter,
+    mod 2^32: elements 2^32 apart in one parameter share bits, which biases nothing): one hash an
+    element. The high half rounds exp_avg, the low half exp_avg_sq (_bf16_sr takes 16 bits)."""
+    return _mix32((first + offs.to(tl.uint32)) ^ stream)
+
+
+@triton.jit
+def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, stream, first, MASKED: tl.constexpr,
                  HAS_COPY: tl.constexpr, STATE_BF16: tl.constexpr):
     """AdamW over BLOCK elements at `offs` (P, G, M, V, C already at the tensor's first element); the
     gradients' squares, for the norm. Unmasked where the block is whole: a mask against a length read
     from memory has no known divisibility, so its loads would not vectorise. With HAS_COPY the
     updated parameter is also stored to C in bf16 (round to nearest even, as torch's .to()). With
     STATE_BF16 the moments are bf16, rounded stochastically with the bits `_rounding_bits` gives
-    (seed, rand_base + offs): rand_base places the tensor's elements in the whole parameter."""
+    for the tensor's (stream, first) (_rounding_stream) and offs."""
     mask = offs < n if MASKED else None
     g = tl.load(G + offs, mask=mask, other=0.0 if MASKED else None).to(tl.float32)
     p = tl.load(P + offs, mask=mask)
@@ -135,7 +144,7 @@ def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_
     p = p - step_size * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
     tl.store(P + offs, p, mask=mask)
     if STATE_BF16:
-        bits = _rounding_bits(seed, rand_base + offs)
+        bits = _rounding_bits(stream, first, offs)
         tl.store(M + offs, _bf16_sr(m, bits >> 16), mask=mask)
         tl.store(V + offs, _bf16_sr(v, bits), mask=mask)
     else:
@@ -165,9 +174,9 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
     c_off = 0
     if HAS_COPY:
         c_off = tl.load(OFFSETS + 4 * n_tensors + t)
-    rand_base = 0
+    stream, first = 0, 0
     if STATE_BF16:
-        rand_base = tl.load(OFFSETS + (5 if HAS_COPY else 4) * n_tensors + t)
+        stream, first = _rounding_stream(tl.load(OFFSETS + (5 if HAS_COPY else 4) * n_tensors + t), seed)
     if ALIGNED:  # every tensor starts on 16 bytes: 4 fp32 or 8 bf16 elements
         p_off = tl.multiple_of(p_off, 4)
         g_off = tl.multiple_of(g_off, 8 if GRAD_BF16 else 4)
@@ -183,11 +192,11 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
     if start + BLOCK * ITERS <= n:  # a whole tile: every tile but a tensor's last
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    seed, rand_base, False, HAS_COPY, STATE_BF16)
+                                    stream, first, False, HAS_COPY, STATE_BF16)
     else:
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    seed, rand_base, True, HAS_COPY, STATE_BF16)
+                                    stream, first, True, HAS_COPY, STATE_BF16)
     if WANT_SQUARES:
         tl.store(SQUARES + tile, tl.sum(squares, axis=0))
 
@@ -298,8 +307,8 @@ class TritonAdamW(torch.optim.AdamW):
             self._keys.setdefault(id(p), len(self._keys))
 
     def _rand_base(self, p: torch.Tensor) -> int:
-        """Where p's local elements start in the random stream: its key in the top 24 bits, and the
-        flat index of its local shard's first element in the whole parameter below (FSDP2 shards dim
+        """Where p's local elements start in the random stream: its key in the high 32 bits, and the
+        flat index (mod 2^32) of its local shard's first element in the whole parameter below (FSDP2 shards dim
         0, so a shard is one run of the flat parameter; any other layout keys the shard by its mesh
         coordinates instead, which keeps the streams apart but not the bits across shardings)."""
         base = self._rand_bases.get(id(p))
@@ -313,7 +322,7 @@ class TritonAdamW(torch.optim.AdamW):
                     start = offset[0] * math.prod(p.shape[1:])
                 else:
                     key += (1 + p.device_mesh.get_rank()) << 16  # up to 65536 parameters keyed apart
-            base = self._rand_bases[id(p)] = (key << RAND_INDEX_BITS) + start
+            base = self._rand_bases[id(p)] = (key << RAND_INDEX_BITS) | (start % (1 << RAND_INDEX_BITS))
         return base
 
     def write_copies(self, pairs) -> int:
