@@ -7,7 +7,8 @@ bf16's over the last steps.
         --control compiled="kernels=compile"
 
 Without --variant the one variant is `fp8` (precision=fp8, torchao tensorwise). Every variant is
-compared with the one bf16 run. A --control is a bf16 run changed only in its last bits (compiled
+compared with the one bf16 run; a variant may be any numerics change, not only float8 (bf16 AdamW
+moments: --variant bf16_moments="optim.impl=triton optim.state_dtype=bfloat16"). A --control is a bf16 run changed only in its last bits (compiled
 kernels round their fused elementwise work differently): its gap is how far two runs that differ
 in nothing but rounding drift apart on this model, the floor under any float8 gap. With controls,
 a variant passes within the larger of --tol and the largest control's gap: a float8 curve no
