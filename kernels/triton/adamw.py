@@ -50,8 +50,13 @@ import triton.language as tl
 # 16-byte aligned by Triton's specialisation), hinted as multiples of 16 bytes where they are; a
 # second version with those (one call, 7.97 ms, 2.58 TB/s) still masked every load against a length
 # read from memory, which also keeps loads scalar: whole tiles now run unmasked.
-BLOCK, ITERS, NUM_WARPS = 2048, 8, 4
-TILE = BLOCK * ITERS
+TILE, NUM_WARPS = 16384, 4
+# Elements a pass (BLOCK; ITERS = TILE // BLOCK passes) by whether the moments are bf16 (STATE_BF16).
+# bf16 moments add the rounding's integer work to each element, and fewer elements a thread keep
+# more programs resident: inside the seed's step on an H200 (docs/PERFORMANCE.md 7, call 8, one
+# machine) their update took 4.80 ms at 2048, 4.31 at 1024 and 4.04 at 512 (4.00 TB/s); fp32
+# moments' 5.63, 5.49 and 5.56, so they keep 2048.
+BLOCKS = {False: 2048, True: 512}
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
 STATE_DTYPES = {torch.float32: False, torch.bfloat16: True}  # the moments' dtype: True where rounded stochastically
 COPY_DTYPES = (torch.bfloat16,)  # what a parameter's copy written in the update may be (write_copies): rounded by the bits, bf16's only
@@ -258,11 +263,12 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                            pin_memory=device.type == "cuda").to(device, non_blocking=True)
     squares = torch.empty(table.n_tiles, dtype=torch.float32, device=device) if want_squares else offsets
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    block = BLOCKS[state_bf16]
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
         _adamw_tiles[(table.n_tiles,)](
             params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copies[0] if copies else params[0], offsets, table.numels, table.tensor,
             table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, rounding_key,
-            BLOCK=BLOCK, ITERS=ITERS, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares,
+            BLOCK=block, ITERS=TILE // block, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares,
             HAS_COPY=bool(copies), COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, num_warps=NUM_WARPS,
         )
     return squares.sum() if want_squares else None

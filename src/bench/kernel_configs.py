@@ -1,6 +1,6 @@
 """Launch settings of the fused kernels, swept on a GPU at the seed's shapes (bf16).
 
-    python -m src.bench.kernel_configs [--only copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_parts rms_stages rms_wide softmax] [--out DIR]
+    python -m src.bench.kernel_configs [--only adamw copy cross_entropy launch pdl rms_dw rms_fwd rms_norm rms_rows rms_parts rms_stages rms_wide softmax] [--out DIR]
 
 Each setting is timed forward + backward from a CUDA graph (GPU time alone, L2 flushed between
 replays) and as a chain over distinct inputs (L2 as the previous call left it, as in a step), so
@@ -43,7 +43,46 @@ def _time(op: str, shape: list[int], forward_only: bool = False) -> dict:
             "host_us": host_us_per_call(run, device)}
 
 
-GROUPS = ("copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_parts", "rms_stages", "rms_wide", "softmax")
+GROUPS = ("adamw", "copy", "cross_entropy", "launch", "pdl", "rms_dw", "rms_fwd", "rms_norm", "rms_rows", "rms_parts", "rms_stages", "rms_wide", "softmax")
+
+
+def adamw_rows(numels: list[int], device: torch.device, blocks: tuple[int, ...] = (2048, 1024, 512), updates: int = 16, warmup: int = 4) -> list[dict]:
+    """The one-launch AdamW (kernels/triton/adamw.py) over parameters of `numels` (mini_llm's, from
+    sweep()), fp32 and bf16 moments at each count of elements a pass: the median ms of `updates`
+    updates run back to back (the grad norm's squares summed, the bf16 copies written, as the float8
+    step runs it), and the TB/s of the bytes each moves."""
+    import statistics
+
+    import kernels.triton.adamw as aw
+
+    params = [torch.randn(n, device=device) * 0.02 for n in numels]
+    grads = [torch.randn(n, device=device) * 1e-3 for n in numels]
+    copies = [torch.empty(n, device=device, dtype=torch.bfloat16) for n in numels]
+    table = aw.TileTable(numels, device)
+    bases = [i << aw.RAND_INDEX_BITS for i in range(len(numels))]
+    saved, rows = dict(aw.BLOCKS), []
+    for dtype in (torch.float32, torch.bfloat16):
+        moments = [torch.zeros(n, device=device, dtype=dtype) for n in numels], [torch.zeros(n, device=device, dtype=dtype) for n in numels]
+        moved = sum(numels) * (4 + 4 + 4 + 4 * dtype.itemsize + 2)  # parameter read + written, gradient, both moments, the copy
+        for block in blocks:
+            aw.BLOCKS[aw.STATE_DTYPES[dtype]] = block
+            ms = []
+            for step in range(1, warmup + updates + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                aw.adamw_step_(params, grads, *moments, table, step=step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                               want_squares=True, copies=copies, rand_bases=bases, rounding_key=step)
+                end.record()
+                if step > warmup:
+                    ms.append((start, end))
+            torch.cuda.synchronize()
+            med = statistics.median(a.elapsed_time(b) for a, b in ms)
+            rows.append({"kernel": "adamw", "setting": f"moments={str(dtype).removeprefix('torch.')} block={block}", "shape": f"{sum(numels)}",
+                         "graph_ms": None, "tbs": None, "chain_ms": med, "chain_tbs": moved / (med * 1e-3) / 1e12, "host_us": None})
+            print(json.dumps(rows[-1]), flush=True)
+        aw.BLOCKS.update(saved)
+        del moments
+    return rows
 
 
 def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int, ...] = (2048, 4096)) -> list[dict]:
@@ -158,6 +197,12 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     import kernels.triton.softmax as sm
 
     rows: list[dict] = []
+    if "adamw" in groups:
+        from src.models.mini_llm import MiniLLM
+
+        with torch.device("meta"):
+            model = MiniLLM(vocab_size=32000, dim=2048, n_layers=12, n_heads=16)  # the seed's model: 98 parameters, 735M elements
+        rows += adamw_rows([p.numel() for p in model.parameters()], torch.device("cuda"))
 
     def record(kernel: str, setting: str, op: str, shape: list[int]) -> None:
         try:
