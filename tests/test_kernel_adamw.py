@@ -220,8 +220,12 @@ def test_on_two_gloo_ranks_the_norm_summed_in_the_update_is_the_global_one(tmp_p
     """FSDP2 over 2 CPU ranks: each rank's update sums the squares of its own gradient shards, and
     the all-reduce over the sharded mesh dimension makes the global norm, foreach AdamW's (whose
     get_total_norm reduces DTensor norms); the losses follow foreach's too."""
+    from src.fusion.registry import interpreter_fault
     from tests.conftest import run_cli
 
+    fault = interpreter_fault()
+    if fault:  # the run's checks refuse it (a GPU image's triton 3.6 with numpy 2.5 failed so)
+        pytest.skip(fault)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     metrics = {}
     for impl in ("triton", "foreach"):
