@@ -315,6 +315,17 @@ class TritonAdamW(torch.optim.AdamW):
         for p in self.param_groups[-1]["params"]:
             self._keys.setdefault(id(p), len(self._keys))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then the moments back in this optimizer's state_dtype: torch casts them to
+        the parameter's dtype (fp32), and a checkpoint may come from a run with the other state_dtype.
+        Done here, once, rather than checked at every step (DCP's set_optimizer_state_dict loads
+        through this too)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in state and state[name].dtype != self.state_dtype:
+                    state[name] = state[name].to(self.state_dtype)
+
     def _rand_base(self, p: torch.Tensor) -> int:
         """Where p's local elements start in the random stream: its key in the high 32 bits, and the
         flat index (mod 2^32) of its local shard's first element in the whole parameter below (FSDP2 shards dim
@@ -372,14 +383,8 @@ class TritonAdamW(torch.optim.AdamW):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-                else:
-                    if state["step"].device.type != "cpu":  # a fused AdamW's checkpoint keeps it on the GPU: read once, not every step
-                        state["step"] = state["step"].cpu()
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        # torch's load_state_dict casts the moments to the parameter's dtype, and a checkpoint
-                        # may come from a run with the other state_dtype: back to this one's, once
-                        if state[name].dtype != self.state_dtype:
-                            state[name] = state[name].to(self.state_dtype)
+                elif state["step"].device.type != "cpu":  # a fused AdamW's checkpoint keeps it on the GPU: read once, not every step
+                    state["step"] = state["step"].cpu()
                 state["step"] += 1
                 if sharded is None and hasattr(p, "placements"):
                     sharded = (p.device_mesh, tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
