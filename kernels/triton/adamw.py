@@ -54,9 +54,9 @@ import triton.language as tl
 TILE, NUM_WARPS = 16384, 4
 # Elements a pass (BLOCK; ITERS = TILE // BLOCK passes) by whether the moments are bf16 (STATE_BF16).
 # bf16 moments add the rounding's integer work to each element, and fewer elements a thread keep
-# more programs resident: inside the seed's step on an H200 (docs/PERFORMANCE.md 7, call 8, one
-# machine) their update took 4.80 ms at 2048, 4.31 at 1024 and 4.04 at 512 (4.00 TB/s); fp32
-# moments' 5.63, 5.49 and 5.56, so they keep 2048.
+# more programs resident: inside the seed's step on an H200 (docs/PERFORMANCE.md 7, calls 8 and a1,
+# two machines) their update took 4.80 ms at 2048, 4.31 at 1024 and 4.03-4.04 at 512 (4.0 TB/s);
+# fp32 moments' 5.63, 5.49 and 5.56, so they keep 2048.
 BLOCKS = {False: 2048, True: 512}
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
 STATE_DTYPES = {torch.float32: False, torch.bfloat16: True}  # the moments' dtype: True where rounded stochastically
