@@ -14,6 +14,9 @@ _RULES: list[tuple[str, str, str]] = [
     ("softmax", "softmax", r"softmax"),
     ("rms_norm", "norm", r"rms_?norm|layer_?norm|group_?norm|batch_?norm|GammaBeta"),
     ("gemm", "gemm", r"nvjet|gemm|cutlass|xmma|sm\d+_.*(hmma|gmma)|ampere_|hopper_|cublas|matmul|\baddmm\b|\bmm\b|\bbmm\b|linear"),
+    # float8 casts (kernels/triton/fp8_linear.py's _rowwise_e4m3 / _transposed_e4m3, torchao's): after
+    # gemm, whose float8 CUTLASS kernels name e4m3 in their template arguments
+    ("fp8_cast", "elementwise", r"e4m3|e5m2|float8|fp8"),
     ("silu", "elementwise", r"silu|swish"),
     ("gelu", "elementwise", r"gelu"),
     ("mul", "elementwise", r"MulFunctor|\bmul\b"),
