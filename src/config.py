@@ -206,6 +206,10 @@ class PrecisionConfig:
     fp8_impl: Fp8Impl = Fp8Impl.torchao
     """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
     (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand cast in one pass)"""
+    fp8_act_in_cast: bool | None = None
+    """fp8_impl=triton, model.mlp=silu: the MLP's SiLU applied inside the down projection's float8 casts, which then
+    read the up projection's output, instead of in a pass of its own over the hidden activations (read and write
+    0.27 GB a block of the seed's step); unset: on wherever it applies (fp8_impl=triton and model.mlp=silu)"""
 
 
 @dataclass

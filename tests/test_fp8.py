@@ -74,10 +74,11 @@ def test_fp8_on_a_cpu_is_refused_before_anything_runs(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # no run directory, no MLflow store
 
 
-def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao", recipe: str = "rowwise_with_gw_hp") -> list[float]:
+def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao", recipe: str = "rowwise_with_gw_hp", fold: bool = False) -> list[float]:
     """The worker's order on one gloo rank: meta model, float8 swap, fully_shard (bf16 params,
     fp32 reduce), seeded init, AdamW, and after each update the float8 scale precompute (torchao's
-    float8 all-gather; impl=triton keeps plain bf16 weights and real float8 GEMMs)."""
+    float8 all-gather; impl=triton keeps plain bf16 weights and real float8 GEMMs; `fold`: the MLPs'
+    SiLU inside the down projections' casts)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -96,8 +97,9 @@ def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao", recipe: str
         if float8 and impl == "triton":
             from kernels.triton.fp8_linear import Float8RowwiseLinear
 
-            assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, impl="triton") == 8
+            assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, impl="triton", fold_activation=fold) == 8
             assert type(model.head) is torch.nn.Linear and type(model.layers[1].ffn.down) is Float8RowwiseLinear
+            assert [(type(b.ffn.act), b.ffn.down.act) for b in model.layers] == [(torch.nn.Identity, "silu") if fold else (torch.nn.SiLU, None)] * 2
             assert model.layers[1].ffn.down.float8_grad_weight is (recipe == "rowwise_with_gw_tensorwise")
         elif float8:
             assert convert_blocks_to_float8(model, "tensorwise", fsdp_float8_all_gather=True, emulate=True) == 8  # 4 linears x 2 blocks
@@ -138,13 +140,14 @@ def test_float8_plumbing_trains_on_a_cpu_rank_with_emulated_gemms():
     assert fp8[-1] < fp8[0] and fp8 == pytest.approx(bf16, abs=0.02)
 
 
-@pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "rowwise_with_gw_tensorwise"])
-def test_triton_float8_linears_train_on_a_cpu_rank_with_real_float8_gemms(recipe):
+@pytest.mark.parametrize("recipe,fold", [("rowwise_with_gw_hp", True), ("rowwise_with_gw_tensorwise", True), ("rowwise_with_gw_tensorwise", False)],
+                         ids=["gw_hp", "gw_tensorwise", "gw_tensorwise-silu-apart"])
+def test_triton_float8_linears_train_on_a_cpu_rank_with_real_float8_gemms(recipe, fold):
     """precision.fp8_impl=triton: the casts run in Triton's interpreter and the GEMMs are real
     float8 (torch._scaled_mm runs on a CPU too), under FSDP2 on one gloo rank: the loss falls and
-    follows bf16's within 0.05 over 4 steps."""
+    follows bf16's within 0.05 over 4 steps, with the MLPs' SiLU apart or inside the casts."""
     bf16 = _train_tiny(float8=False)
-    fp8 = _train_tiny(float8=True, impl="triton", recipe=recipe)
+    fp8 = _train_tiny(float8=True, impl="triton", recipe=recipe, fold=fold)
     assert fp8[-1] < fp8[0] and fp8 == pytest.approx(bf16, abs=0.05)
     assert fp8 != bf16  # the GEMMs did run in float8
 
@@ -255,3 +258,34 @@ def test_only_float8_gathered_weights_keep_the_triton_optimizer_out(overrides, g
     cfg = compose_config(["+exp=fsdp4", "precision=fp8", "backend=cuda", *overrides])  # the seed's step: no clipping
     assert gathers_float8(cfg.precision, cfg.sharding.strategy) is gathered
     assert (optimizer_swappable(cfg) is not None) is gathered
+
+
+@pytest.mark.parametrize("overrides,folds", [
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"], True),  # unset: wherever it applies
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "precision.fp8_act_in_cast=true"], True),
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "precision.fp8_act_in_cast=false"], False),
+    ([], False),  # torchao's casts take no activation
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "model.mlp=swiglu"], False),  # silu(g) * u: two inputs
+])
+def test_the_mlps_silu_goes_into_the_down_casts_where_it_applies(overrides, folds):
+    from src.distributed.float8 import act_in_cast
+
+    cfg = compose_config(["precision=fp8", "backend=cuda", "dist.nproc=1", "tracking=none", *overrides])
+    assert act_in_cast(cfg.precision, cfg.model.mlp) is folds
+    validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["precision.fp8_act_in_cast=true"], "precision.fp8_act_in_cast=true applies SiLU inside kernels/triton/fp8_linear.py's casts; "
+     "precision.fp8_impl=torchao casts elsewhere: set precision.fp8_impl=triton, or leave precision.fp8_act_in_cast unset"),
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "precision.fp8_act_in_cast=true", "model.mlp=swiglu"],
+     "precision.fp8_act_in_cast=true folds the seed MLP's SiLU (model.mlp=silu); model.mlp=swiglu has no single-input activation "
+     "before its down projection: leave precision.fp8_act_in_cast unset"),
+])
+def test_the_silu_in_the_casts_is_refused_where_it_cannot_apply(overrides, message):
+    cfg = compose_config(["precision=fp8", "backend=cuda", "dist.nproc=1", "tracking=none", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
+    assert str(err.value) == message
+    with pytest.raises(ConfigError, match="fp8_act_in_cast"):
+        compose_config(["precision=fp8", "precision.fp8_act_in_cast=sometimes"])

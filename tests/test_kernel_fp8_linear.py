@@ -150,3 +150,90 @@ def test_swap_keeps_the_parameters_and_takes_only_a_plain_linear():
     assert ((lin(x).float() - F.linear(x, lin.weight, lin.bias).float()).norm() / F.linear(x, lin.weight, lin.bias).float().norm()) < 0.08
     with pytest.raises(TypeError, match="plain nn.Linear, not Float8RowwiseLinear"):
         swap_to_float8(lin)
+
+
+def _silu_as_stored(u: torch.Tensor) -> torch.Tensor:
+    """SiLU computed in fp32 and rounded to u's dtype, as the activation's own kernel stores it (and
+    as fp8_linear._act rounds it before the cast)."""
+    uf = u.float()
+    return (uf * torch.sigmoid(uf)).to(u.dtype)
+
+
+def _within_an_e4m3_step(a8: torch.Tensor, b8: torch.Tensor) -> None:
+    """The same e4m3 bits: exactly in the interpreter (numpy's sigmoid on both sides); on a GPU but
+    where torch's and Triton's fp32 sigmoid round an ulp apart, which moves a value by at most one
+    e4m3 step (1/8 of the larger's power of two)."""
+    if DEVICE == "cpu":
+        assert torch.equal(_bits(a8), _bits(b8))
+        return
+    a, b = a8.float(), b8.float()
+    differ = a != b
+    assert differ.float().mean() < 0.01
+    assert ((a - b).abs()[differ] <= torch.maximum(a.abs(), b.abs())[differ] / 8 + 2**-9).all()
+
+
+@pytest.mark.parametrize("shape,max_block", [((5, 123), None), ((3, 300), 64)], ids=["5x123", "3x300-chunked"])
+def test_rowwise_cast_with_silu_casts_the_activation_as_stored(shape, max_block, monkeypatch):
+    """act="silu": the cast of silu(U) as SiLU's own kernel would store it in bf16, from U."""
+    if max_block:
+        monkeypatch.setattr(fp8_linear, "MAX_BLOCK", max_block)
+    u = _inputs(shape, torch.bfloat16, seed=3) * 0.05  # SiLU's curved part (|u| < 5) for most elements
+    y8, inv = rowwise_e4m3(u, "silu")
+    ref8, ref_inv = rowwise_e4m3(_silu_as_stored(u))
+    assert torch.equal(inv, ref_inv)
+    _within_an_e4m3_step(y8, ref8)
+    assert not torch.equal(_bits(y8), _bits(rowwise_e4m3(u)[0]))  # the activation was applied
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (70, 33)], ids=["48x80", "70x33-ragged-tiles"])
+def test_transposed_cast_with_silu_casts_the_activation_as_stored(shape):
+    u = _inputs(shape, torch.bfloat16, seed=4) * 0.05
+    _, row_inv = rowwise_e4m3(u, "silu")
+    wt8, inv, inv_max = transposed_e4m3(u, row_inv, "silu")
+    ref8, ref_inv, ref_max = transposed_e4m3(_silu_as_stored(u), rowwise_e4m3(_silu_as_stored(u))[1])
+    assert torch.equal(inv, ref_inv) and torch.equal(inv_max, ref_max)
+    _within_an_e4m3_step(wt8, ref8)
+
+
+@pytest.mark.parametrize("float8_grad_weight", [False, True], ids=["gw_hp", "gw_tensorwise"])
+def test_float8_linear_with_silu_is_silu_then_the_float8_linear(float8_grad_weight):
+    """down(silu(u)) with SiLU inside down's casts against SiLU as its own op before the same float8
+    linear: the output, dU (through SiLU's gradient) and dW, to float8's rounding of the few
+    elements whose fp32 sigmoid differs by an ulp."""
+    g = torch.Generator().manual_seed(5)
+    u = (torch.randn(2, 24, 64, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(40, 64, generator=g) * 0.05).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(2, 24, 40, generator=g).to(DEVICE, torch.bfloat16)
+
+    u1, w1 = u.clone().requires_grad_(), w.clone().requires_grad_()
+    y1 = Float8RowwiseLinearFunction.apply(u1, w1, None, float8_grad_weight, "silu")
+    y1.backward(dy)
+    u2, w2 = u.clone().requires_grad_(), w.clone().requires_grad_()
+    y2 = Float8RowwiseLinearFunction.apply(F.silu(u2), w2, None, float8_grad_weight)
+    y2.backward(dy)
+    torch.testing.assert_close(y1, y2, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(u1.grad, u2.grad, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=2e-2, rtol=2e-2)
+    assert ((y1.float() - y2.float()).norm() / y2.float().norm()).item() < 0.01
+
+
+def test_take_activation_folds_the_seed_mlps_silu_and_nothing_else():
+    from src.models.mini_llm import FeedForward, SwiGLUFeedForward
+
+    torch.manual_seed(0)
+    mlp = FeedForward(32, 64).to(DEVICE, torch.bfloat16)
+    x = torch.randn(4, 16, 32, device=DEVICE, dtype=torch.bfloat16)
+    for lin in (mlp.up, mlp.down):
+        swap_to_float8(lin, float8_grad_weight=True)
+    params = dict(mlp.named_parameters())
+    before = mlp(x)
+    assert fp8_linear.take_activation(mlp) and not fp8_linear.take_activation(mlp)  # once
+    assert type(mlp.act) is torch.nn.Identity and mlp.down.act == "silu" and mlp.up.act is None
+    assert dict(mlp.named_parameters()) == params and "act=silu" in repr(mlp.down)
+    after = mlp(x)
+    assert ((after.float() - before.float()).norm() / before.float().norm()).item() < 0.01
+    swiglu = SwiGLUFeedForward(32, 64)
+    swap_to_float8(swiglu.down)
+    assert not fp8_linear.take_activation(swiglu) and swiglu.down.act is None  # silu(g) * u: two inputs, nothing folded
+    plain = FeedForward(32, 64)
+    assert not fp8_linear.take_activation(plain)  # down not float8

@@ -42,6 +42,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
+
 # A program takes TILE = BLOCK x ITERS elements of one tensor: 2048 at 4 warps a pass (16 fp32
 # elements a thread per stream, as the gradient upcast in kernels/triton/cast.py reaches 3.8 TB/s
 # with), 8 passes, so the tile table's four loads are paid once per 64K elements. A first version
@@ -63,17 +65,6 @@ STATE_DTYPES = {torch.float32: False, torch.bfloat16: True}  # the moments' dtyp
 COPY_DTYPES = (torch.bfloat16,)  # what a parameter's copy written in the update may be (write_copies): rounded by the bits, bf16's only
 RAND_INDEX_BITS = 32  # a random base: the parameter's key above these bits, its first element's flat index (mod 2^32) in them
 MAX_TABLES = 64  # tile tables kept per optimizer: one per parameter set it steps (one, or one per FSDP unit)
-
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 -> bf16, rounded to nearest even by the bits, as torch's .to(torch.bfloat16) does for
-    every non-NaN value (a NaN stays a NaN: 0x7FC0): the same bits on a GPU and in Triton's
-    interpreter, whose own cast truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -159,7 +150,7 @@ def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)
     if HAS_COPY:
-        tl.store(C + offs, _bf16_rne(p), mask=mask)
+        tl.store(C + offs, bf16_rne(p), mask=mask)
     return g * g
 
 

@@ -14,6 +14,13 @@ grad-input GEMM without; scales rounded down to powers of two), with the casts w
   dY^T and X^T cast with one scale each (the largest of their rows' scales, known from their
   rowwise casts, so each is one more pass): the forward keeps X^T in float8 for it instead of X.
 
+An activation can be applied inside the casts of X (`act="silu"`): the linear then takes the
+activation's input U and casts silu(U), each element rounded to U's dtype first, as the activation's
+own kernel would store it. The seed's MLP, down(silu(up(x))), loses SiLU's pass over the hidden
+activations (read U, write X: 0.27 GB a block at 8192 tokens x 8192, about 1.2 ms of a float8 step
+on an H200, docs/PERFORMANCE.md section 7), since both of X's casts read U in its place. Backward
+returns dU = dX * silu'(U) from the U it keeps, which the separate SiLU kept too.
+
 Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
 scaling is exact and the inverse handed to _scaled_mm is exact too. The cast rounds to nearest,
 ties to even, in integer arithmetic (`e4m3_rne`) before the final conversion, because Triton's
@@ -31,10 +38,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.triton.launch import Launcher, meta_key
+from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 from kernels.triton.rows import warps_for
 
 E4M3 = torch.float8_e4m3fn
@@ -67,6 +76,22 @@ TRANSPOSE_TMA = False
 # tiles are the ones L2 still holds (a 2048-wide bf16 operand of 8192 rows is 34 MB; an H200's L2 is 50).
 TRANSPOSE_WALK = "across_from_end"
 WALKS = ("down", "across", "across_from_end")
+# What the casts of X may apply first (ACT, the index): none, or SiLU (`act="silu"`).
+ACTS = (None, "silu")
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr, dtype: tl.constexpr):
+    """x (fp32) through the activation ACT (0: none, 1: SiLU), rounded to `dtype` as the
+    activation's own kernel would store it (bf16 to nearest even by the bits: the interpreter's cast
+    truncates), back in fp32."""
+    if ACT == 1:
+        x = x * tl.sigmoid(x)
+        if dtype == tl.bfloat16:
+            x = bf16_rne(x).to(tl.float32)
+        elif dtype != tl.float32:
+            x = x.to(dtype).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -92,14 +117,14 @@ def pow2_scale(amax):
 
 
 @triton.jit
-def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr):
-    """ROWS rows a program: each row's amax, then y = rne(x * s) and 1/s."""
+def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr, ACT: tl.constexpr):
+    """ROWS rows a program: each row's amax, then y = rne(x * s) and 1/s; x = act(X) (ACT, _act)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_mask = rows < M
     cols = tl.arange(0, BLOCK)
     if CHUNKS == 1:
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _act(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32), ACT, X.dtype.element_ty)
         scale, inv = pow2_scale(tl.max(tl.abs(x), axis=1))
         tl.store(Y + rows[:, None] * N + cols[None, :], e4m3_rne(x * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
     else:
@@ -107,12 +132,12 @@ def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.con
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
             mask = row_mask[:, None] & (offs < N)[None, :]
-            amax = tl.maximum(amax, tl.abs(tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(_act(tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32), ACT, X.dtype.element_ty)))
         scale, inv = pow2_scale(tl.max(amax, axis=1))
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
             mask = row_mask[:, None] & (offs < N)[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _act(tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32), ACT, X.dtype.element_ty)
             tl.store(Y + rows[:, None] * N + offs[None, :], e4m3_rne(x * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
     tl.store(INV + rows, inv, mask=row_mask)
 
@@ -150,10 +175,11 @@ def _cast_transposed(w, inv_max, OF: tl.constexpr, out_dtype: tl.constexpr):
 
 
 @triton.jit
-def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr, EVEN: tl.constexpr):
-    """W (N, K) -> W^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
+def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr, EVEN: tl.constexpr,
+                     ACT: tl.constexpr):
+    """W (N, K) -> act(W)^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
     inverse scales: the scale of the largest row amax), one (BN, BK) tile a program; EVEN: every
-    tile whole, no masks. The first row of tiles writes INV_MAX K times (INV, the (1, K) scale_b
+    tile whole, no masks; ACT: _act's, on the tile as loaded. The first row of tiles writes INV_MAX K times (INV, the (1, K) scale_b
     _scaled_mm takes)."""
     pn, pk = _tile_of(N, K, BN, BK, WALK)
     inv_max = tl.load(INV_MAX)
@@ -161,22 +187,28 @@ def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constex
     rk = pk * BK + tl.arange(0, BK)
     if EVEN:
         w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :])
+        if ACT != 0:
+            w = _act(w.to(tl.float32), ACT, W.dtype.element_ty).to(W.dtype.element_ty)
         tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], _cast_transposed(w, inv_max, OF, WT.dtype.element_ty))
     else:
         mask = (rn < N)[:, None] & (rk < K)[None, :]
         w = tl.load(W + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+        if ACT != 0:
+            w = _act(w.to(tl.float32), ACT, W.dtype.element_ty).to(W.dtype.element_ty)
         tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], _cast_transposed(w, inv_max, OF, WT.dtype.element_ty), mask=tl.trans(mask))
     if pn == 0:
         tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
 
 
 @triton.jit
-def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr):
+def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr, ACT: tl.constexpr):
     """_transposed_e4m3 with the tiles moved by TMA: W_DESC loads (BN, BK) tiles of W (zeros past
     its edges), WT_DESC stores (BK, BN) tiles of W^T (clipped at its edges)."""
     pn, pk = _tile_of(N, K, BN, BK, WALK)
     inv_max = tl.load(INV_MAX)
     w = W_DESC.load([pn * BN, pk * BK])
+    if ACT != 0:
+        w = _act(w.to(tl.float32), ACT, w.dtype).to(w.dtype)
     WT_DESC.store([pk * BK, pn * BN], _cast_transposed(w, inv_max, OF, tl.float8e4nv))
     if pn == 0:
         rk = pk * BK + tl.arange(0, BK)
@@ -186,9 +218,9 @@ def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, 
 _launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
 
 
-def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x8, inv): x (M, N) with unit column stride in e4m3, a scale a row; inv (M, 1) fp32 = 1/s,
-    the scale_a (or, viewed (1, M), scale_b) _scaled_mm takes."""
+def rowwise_e4m3(x: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, inv): x (M, N) with unit column stride, or act(x) (ACTS), in e4m3, a scale a row; inv
+    (M, 1) fp32 = 1/s, the scale_a (or, viewed (1, M), scale_b) _scaled_mm takes."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape
@@ -196,14 +228,14 @@ def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
     chunks = triton.cdiv(n, block)
-    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, num_warps=warps_for(block, ROWWISE_WARPS))
+    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, ACT=ACTS.index(act), num_warps=warps_for(block, ROWWISE_WARPS))
     _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, y, inv, m, n, x.stride(0)), meta, meta_key(meta))
     return y, inv
 
 
-def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(wt8, inv, inv_max): W^T (K, N) in e4m3 with one scale for the tensor, from the rows'
-    inverse scales of `rowwise_e4m3(w)` (their largest: the scale of the largest amax). inv is that
+def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(wt8, inv, inv_max): W^T (K, N), or act(W)^T, in e4m3 with one scale for the tensor, from the
+    rows' inverse scales of `rowwise_e4m3(w, act)` (their largest: the scale of the largest amax). inv is that
     1/s repeated (1, K), the scale_b of a rowwise _scaled_mm; inv_max the same 1/s as one value,
     the scale of a tensorwise one."""
     w = w.contiguous()
@@ -213,7 +245,7 @@ def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tenso
     inv_max = row_inv.amax()
     bn, bk = TRANSPOSE_TILE
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
-    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), num_warps=TRANSPOSE_WARPS)
+    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), ACT=ACTS.index(act), num_warps=TRANSPOSE_WARPS)
     if TRANSPOSE_TMA and _tma_fits(w, wt):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -235,25 +267,27 @@ def _tma_fits(w: torch.Tensor, wt: torch.Tensor) -> bool:
 
 class Float8RowwiseLinearFunction(torch.autograd.Function):
     """y = x W^T + b with float8 output and grad-input GEMMs (the module docstring's recipe); with
-    `float8_grad_weight` the grad-weight GEMM too, on dY^T and X^T cast tensorwise."""
+    `float8_grad_weight` the grad-weight GEMM too, on dY^T and X^T cast tensorwise. With `act`
+    (ACTS) the input is the activation's: y = act(x) W^T + b, act applied inside X's casts."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool, act: str | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        x8, x_inv = rowwise_e4m3(x2)
+        x8, x_inv = rowwise_e4m3(x2, act)
         if float8_grad_weight:
             # X^T in float8 is what backward needs of X: kept instead of X (1 byte an element, not 2),
             # cast straight after X's rowwise cast, while L2 still holds X's last rows (TRANSPOSE_WALK)
-            xt8, _, xt_inv = transposed_e4m3(x2, x_inv)
+            xt8, _, xt_inv = transposed_e4m3(x2, x_inv, act)
         w8, w_inv = rowwise_e4m3(weight)
         # the bias added in the GEMM's epilogue (CUTLASS's rowwise kernel takes a bf16 one): a separate
         # add would read and write the output again, 8192 x 6144 bf16 for qkv (0.2 GB a block)
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.view(1, -1), bias=bias, out_dtype=x.dtype, use_fast_accum=True)
         if float8_grad_weight:
-            ctx.save_for_backward(xt8, xt_inv, weight, w_inv)
+            # with act, the activation's input too: its gradient needs it (the separate activation kept it)
+            ctx.save_for_backward(xt8, xt_inv, weight, w_inv, *((x2,) if act else ()))
         else:
             ctx.save_for_backward(x2, weight, w_inv)
-        ctx.has_bias, ctx.float8_grad_weight = bias is not None, float8_grad_weight
+        ctx.has_bias, ctx.float8_grad_weight, ctx.act = bias is not None, float8_grad_weight, act
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -261,26 +295,35 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dy8, dy_inv = rowwise_e4m3(dy2)
         if ctx.float8_grad_weight:
-            xt8, xt_inv, weight, w_inv = ctx.saved_tensors
+            xt8, xt_inv, weight, w_inv, *act_input = ctx.saved_tensors
             dyt8, _, dyt_inv = transposed_e4m3(dy2, dy_inv)
             dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=False)
         else:
             x2, weight, w_inv = ctx.saved_tensors
-            dw = (dy2.t() @ x2.to(dy2.dtype)).to(weight.dtype)
+            act_input = [x2] if ctx.act else []
+            x_in = F.silu(x2) if ctx.act else x2  # the activation again: only its input was kept
+            dw = (dy2.t() @ x_in.to(dy2.dtype)).to(weight.dtype)
         wt8, wt_inv, _ = transposed_e4m3(weight, w_inv)
         dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dy.dtype, use_fast_accum=False)
+        if ctx.act:  # the gradient through the activation, as its own backward computes it
+            dx = torch.ops.aten.silu_backward(dx, act_input[0].to(dx.dtype))
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db, None
+        return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db, None, None
 
 
 class Float8RowwiseLinear(nn.Linear):
     """nn.Linear with the float8 GEMMs above: the same parameters, so state dicts, FSDP2 sharding
-    and checkpoints see the same tensors. Made by swapping an nn.Linear's class (`swap_to_float8`)."""
+    and checkpoints see the same tensors. Made by swapping an nn.Linear's class (`swap_to_float8`).
+    `act` (ACTS, set by `take_activation`): the activation this layer applies to its input first."""
 
     float8_grad_weight = False
+    act: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight)
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", act={self.act}" if self.act else "")
 
 
 def swap_to_float8(linear: nn.Linear, float8_grad_weight: bool = False) -> None:
@@ -290,3 +333,16 @@ def swap_to_float8(linear: nn.Linear, float8_grad_weight: bool = False) -> None:
         raise TypeError(f"swap_to_float8 takes a plain nn.Linear, not {type(linear).__name__}")
     linear.__class__ = Float8RowwiseLinear
     linear.float8_grad_weight = float8_grad_weight
+
+
+def take_activation(mlp: nn.Module) -> bool:
+    """Fold an MLP's SiLU into its down projection's casts: for a module with `act` an nn.SiLU and
+    `down` a Float8RowwiseLinear (the seed's Linear -> SiLU -> Linear, src/models/mini_llm.py's
+    FeedForward), `act` becomes nn.Identity and `down` applies SiLU to its input inside X's casts.
+    The parameters are untouched. Returns whether it folded."""
+    act, down = getattr(mlp, "act", None), getattr(mlp, "down", None)
+    if type(act) is not nn.SiLU or type(down) is not Float8RowwiseLinear or down.act is not None:
+        return False
+    mlp.act = nn.Identity()
+    down.act = "silu"
+    return True

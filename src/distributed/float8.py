@@ -65,6 +65,27 @@ def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name
     return None
 
 
+def act_in_cast(precision, mlp: str) -> bool:
+    """Whether the MLP's SiLU goes into the down projection's float8 casts (precision.fp8_act_in_cast;
+    unset: wherever it can, fp8_impl=triton with the seed's SiLU MLP)."""
+    can = bool(precision.float8) and str(precision.fp8_impl) == "triton" and str(mlp) == "silu"
+    return can if precision.fp8_act_in_cast is None else bool(precision.fp8_act_in_cast) and can
+
+
+def act_in_cast_refusal(precision, mlp: str) -> str | None:
+    """Why precision.fp8_act_in_cast=true cannot apply, in one line naming the fix; None when it can
+    (or is not asked for)."""
+    if not precision.fp8_act_in_cast:
+        return None
+    if str(precision.fp8_impl) != "triton":
+        return (f"precision.fp8_act_in_cast=true applies SiLU inside kernels/triton/fp8_linear.py's casts; precision.fp8_impl="
+                f"{precision.fp8_impl} casts elsewhere: set precision.fp8_impl=triton, or leave precision.fp8_act_in_cast unset")
+    if str(mlp) != "silu":
+        return (f"precision.fp8_act_in_cast=true folds the seed MLP's SiLU (model.mlp=silu); model.mlp={mlp} has no single-input "
+                "activation before its down projection: leave precision.fp8_act_in_cast unset")
+    return None
+
+
 def gathers_float8(precision, strategy: str) -> bool:
     """Whether the weights are torchao's float8 wrapper tensors, all-gathered in float8: tensorwise
     scales under FSDP2 (or HSDP) with precision.fp8_all_gather. Otherwise they stay plain bf16
@@ -80,21 +101,26 @@ def is_block_linear(module: nn.Module, fqn: str) -> bool:
 
 
 def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: bool, emulate: bool = False, impl: str = "torchao",
-                             module_filter: Callable[[nn.Module, str], bool] = is_block_linear) -> int:
+                             module_filter: Callable[[nn.Module, str], bool] = is_block_linear, fold_activation: bool = False) -> int:
     """Swap the blocks' nn.Linear for a float8 linear in place; returns how many were swapped.
     impl=torchao: torchao's Float8Linear, where `emulate` runs the float8 GEMMs as casts + a
     high-precision matmul (tests on a CPU only). impl=triton: kernels/triton/fp8_linear.py's
     Float8RowwiseLinear (its class swapped in, the parameters kept), whose GEMMs are real float8
     wherever torch._scaled_mm runs (CUDA 8.9+, and a CPU). `module_filter(module, fqn)` picks the
-    linears: those under `layers.` of the model; kernels=auto's timed block takes all of its own."""
+    linears: those under `layers.` of the model; kernels=auto's timed block takes all of its own.
+    `fold_activation` (impl=triton): each SiLU MLP's activation then runs inside its down
+    projection's casts (fp8_linear.take_activation; act_in_cast says when)."""
     if impl == "triton":
-        from kernels.triton.fp8_linear import swap_to_float8
+        from kernels.triton.fp8_linear import swap_to_float8, take_activation
 
         if str(recipe) not in TRITON_RECIPES:
             raise ValueError(f"precision.fp8_impl=triton casts for {' or '.join(TRITON_RECIPES)}, not {recipe}")
         linears = [m for fqn, m in model.named_modules() if module_filter(m, fqn)]
         for m in linears:
             swap_to_float8(m, float8_grad_weight=TRITON_RECIPES[str(recipe)])
+        if fold_activation:
+            for m in list(model.modules()):
+                take_activation(m)
         return len(linears)
     import dataclasses
 

@@ -366,15 +366,16 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     main = not dist.is_initialized() or dist.get_rank() == 0
     after_optimizer = None
     if cfg.precision.float8:  # torchtitan's order: float8 swap, then compile, then fully_shard
-        from src.distributed.float8 import convert_blocks_to_float8, gathers_float8, scale_precompute
+        from src.distributed.float8 import act_in_cast, convert_blocks_to_float8, gathers_float8, scale_precompute
 
         gather_fp8 = gathers_float8(cfg.precision, strategy)
         impl = str(cfg.precision.fp8_impl)
-        n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8, impl=impl)
+        fold = act_in_cast(cfg.precision, cfg.model.mlp)
+        n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8, impl=impl, fold_activation=fold)
         after_optimizer = scale_precompute(model) if gather_fp8 else None
         if main:
-            log.info("float8 (%s scales, %s casts): %d block linears, weights all-gathered in %s", cfg.precision.fp8_recipe, impl, n_fp8,
-                     "float8" if gather_fp8 else "bf16")
+            log.info("float8 (%s scales, %s casts): %d block linears, weights all-gathered in %s%s", cfg.precision.fp8_recipe, impl, n_fp8,
+                     "float8" if gather_fp8 else "bf16", ", the MLPs' SiLU inside the down projections' casts" if fold else "")
     if cfg.profile.nvtx:
         from src.profiling.annotate import module_ranges
 

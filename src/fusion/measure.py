@@ -288,11 +288,12 @@ def build_block(model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: 
     m = model_cfg
     block = TransformerBlock(m.dim, m.n_heads, m.ffn_hidden or m.dim * m.ffn_mult, m.causal, m.norm_eps, str(m.mlp)).to(device, dtype)
     if precision_cfg is not None and precision_cfg.float8:
-        from src.distributed.float8 import convert_blocks_to_float8
+        from src.distributed.float8 import act_in_cast, convert_blocks_to_float8
 
         # not under FSDP2 here, so no float8 all-gather; every linear of the block is a block linear
         convert_blocks_to_float8(block, str(precision_cfg.fp8_recipe), False, impl=str(precision_cfg.fp8_impl),
-                                 module_filter=lambda module, fqn: isinstance(module, torch.nn.Linear))
+                                 module_filter=lambda module, fqn: isinstance(module, torch.nn.Linear),
+                                 fold_activation=act_in_cast(precision_cfg, m.mlp))
     return block
 
 

@@ -137,7 +137,11 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding
     nproc = cfg.dist.nproc
     if cfg.precision.float8 and task in TRAINING_TASKS:
-        from src.distributed.float8 import float8_dims, float8_refusal
+        from src.distributed.float8 import act_in_cast_refusal, float8_dims, float8_refusal
+
+        why_not = act_in_cast_refusal(cfg.precision, cfg.model.mlp)
+        if why_not:
+            raise ConfigError(why_not)
 
         capability, device_name = cuda_capability or _lowest_capability(cuda_device_count if backend == "cuda" else 0)
         why_not = float8_refusal(backend, capability, device_name, float8_dims(cfg.model, cfg.data), str(cfg.precision.fp8_impl), str(cfg.precision.fp8_recipe))

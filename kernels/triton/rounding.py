@@ -1,0 +1,17 @@
+"""Roundings the kernels share, written in integer arithmetic so a GPU and Triton's interpreter give
+the same bits: the interpreter's own fp32 -> bf16 cast truncates where a GPU's rounds to nearest
+even. Kernels import these by name (kernels/triton/pdl.py says why)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bf16_rne(x):
+    """fp32 -> bf16, rounded to nearest even by the bits, as torch's .to(torch.bfloat16) does for
+    every non-NaN value (a NaN stays a NaN: 0x7FC0)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
