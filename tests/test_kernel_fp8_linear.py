@@ -218,7 +218,7 @@ def test_float8_linear_with_silu_is_silu_then_the_float8_linear(float8_grad_weig
     assert ((y1.float() - y2.float()).norm() / y2.float().norm()).item() < 0.01
 
 
-def test_take_activation_folds_the_seed_mlps_silu_and_nothing_else():
+def test_the_seed_mlps_silu_and_nothing_else_folds_into_the_down_casts():
     from src.models.mini_llm import FeedForward, SwiGLUFeedForward
 
     torch.manual_seed(0)
@@ -228,13 +228,13 @@ def test_take_activation_folds_the_seed_mlps_silu_and_nothing_else():
         swap_to_float8(lin, float8_grad_weight=True)
     params = dict(mlp.named_parameters())
     before = mlp(x)
-    assert fp8_linear.take_activation(mlp) and not fp8_linear.take_activation(mlp)  # once
+    assert fp8_linear.fold_mlp_activation(mlp) and not fp8_linear.fold_mlp_activation(mlp)  # once
     assert type(mlp.act) is torch.nn.Identity and mlp.down.act == "silu" and mlp.up.act is None
     assert dict(mlp.named_parameters()) == params and "act=silu" in repr(mlp.down)
     after = mlp(x)
     assert ((after.float() - before.float()).norm() / before.float().norm()).item() < 0.01
     swiglu = SwiGLUFeedForward(32, 64)
     swap_to_float8(swiglu.down)
-    assert not fp8_linear.take_activation(swiglu) and swiglu.down.act is None  # silu(g) * u: two inputs, nothing folded
+    assert not fp8_linear.fold_mlp_activation(swiglu) and swiglu.down.act is None  # silu(g) * u: two inputs, nothing folded
     plain = FeedForward(32, 64)
-    assert not fp8_linear.take_activation(plain)  # down not float8
+    assert not fp8_linear.fold_mlp_activation(plain)  # down not float8

@@ -182,8 +182,8 @@ def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constex
                      ACT: tl.constexpr):
     """W (N, K) -> act(W)^T (K, N) in e4m3 with one scale, 1 / INV_MAX (the largest of the rows'
     inverse scales: the scale of the largest row amax), one (BN, BK) tile a program; EVEN: every
-    tile whole, no masks; ACT: _act's, on the tile as loaded. The first row of tiles writes INV_MAX K times (INV, the (1, K) scale_b
-    _scaled_mm takes)."""
+    tile whole, no masks; ACT: _act's, on the tile as loaded. The first row of tiles writes INV_MAX
+    K times (INV, the (1, K) scale_b _scaled_mm takes)."""
     pn, pk = _tile_of(N, K, BN, BK, WALK)
     inv_max = tl.load(INV_MAX)
     rn = pn * BN + tl.arange(0, BN)
@@ -308,7 +308,7 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
             dw = (dy2.t() @ x_in.to(dy2.dtype)).to(weight.dtype)
         wt8, wt_inv, _ = transposed_e4m3(weight, w_inv)
         dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dy.dtype, use_fast_accum=False)
-        if ctx.act:  # the gradient through the activation, as its own backward computes it
+        if ctx.act:  # the gradient through the activation (SiLU, ACTS' one), as its own backward computes it
             dx = torch.ops.aten.silu_backward(dx, act_input[0].to(dx.dtype))
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
         return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db, None, None
@@ -317,7 +317,7 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
 class Float8RowwiseLinear(nn.Linear):
     """nn.Linear with the float8 GEMMs above: the same parameters, so state dicts, FSDP2 sharding
     and checkpoints see the same tensors. Made by swapping an nn.Linear's class (`swap_to_float8`).
-    `act` (ACTS, set by `take_activation`): the activation this layer applies to its input first."""
+    `act` (ACTS, set by `fold_mlp_activation`): the activation this layer applies to its input first."""
 
     float8_grad_weight = False
     act: str | None = None
@@ -338,7 +338,7 @@ def swap_to_float8(linear: nn.Linear, float8_grad_weight: bool = False) -> None:
     linear.float8_grad_weight = float8_grad_weight
 
 
-def take_activation(mlp: nn.Module) -> bool:
+def fold_mlp_activation(mlp: nn.Module) -> bool:
     """Fold an MLP's SiLU into its down projection's casts: for a module with `act` an nn.SiLU and
     `down` a Float8RowwiseLinear (the seed's Linear -> SiLU -> Linear, src/models/mini_llm.py's
     FeedForward), `act` becomes nn.Identity and `down` applies SiLU to its input inside X's casts.

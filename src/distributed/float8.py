@@ -109,9 +109,9 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     wherever torch._scaled_mm runs (CUDA 8.9+, and a CPU). `module_filter(module, fqn)` picks the
     linears: those under `layers.` of the model; kernels=auto's timed block takes all of its own.
     `fold_activation` (impl=triton): each SiLU MLP's activation then runs inside its down
-    projection's casts (fp8_linear.take_activation; act_in_cast says when)."""
+    projection's casts (fp8_linear.fold_mlp_activation; act_in_cast says when)."""
     if impl == "triton":
-        from kernels.triton.fp8_linear import swap_to_float8, take_activation
+        from kernels.triton.fp8_linear import fold_mlp_activation, swap_to_float8
 
         if str(recipe) not in TRITON_RECIPES:
             raise ValueError(f"precision.fp8_impl=triton casts for {' or '.join(TRITON_RECIPES)}, not {recipe}")
@@ -120,7 +120,7 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
             swap_to_float8(m, float8_grad_weight=TRITON_RECIPES[str(recipe)])
         if fold_activation:
             for m in list(model.modules()):
-                take_activation(m)
+                fold_mlp_activation(m)
         return len(linears)
     import dataclasses
 
