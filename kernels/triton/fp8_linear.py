@@ -298,18 +298,19 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dy8, dy_inv = rowwise_e4m3(dy2)
         if ctx.float8_grad_weight:
-            xt8, xt_inv, weight, w_inv, *act_input = ctx.saved_tensors
+            xt8, xt_inv, weight, w_inv, *kept = ctx.saved_tensors
+            u = kept[0] if ctx.act else None  # the activation's input, kept for its gradient
             dyt8, _, dyt_inv = transposed_e4m3(dy2, dy_inv)
             dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=False)
         else:
             x2, weight, w_inv = ctx.saved_tensors
-            act_input = [x2] if ctx.act else []
-            x_in = F.silu(x2) if ctx.act else x2  # the activation again: only its input was kept
+            u = x2 if ctx.act else None
+            x_in = F.silu(u) if ctx.act else x2  # the activation again: only its input was kept
             dw = (dy2.t() @ x_in.to(dy2.dtype)).to(weight.dtype)
         wt8, wt_inv, _ = transposed_e4m3(weight, w_inv)
         dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dy.dtype, use_fast_accum=False)
         if ctx.act:  # the gradient through the activation (SiLU, ACTS' one), as its own backward computes it
-            dx = torch.ops.aten.silu_backward(dx, act_input[0].to(dx.dtype))
+            dx = torch.ops.aten.silu_backward(dx, u.to(dx.dtype))
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
         return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db, None, None
 
