@@ -81,6 +81,41 @@ def test_transposed_cast_is_torchs_cast_with_one_scale(shape, tile, of, walk, mo
     assert torch.equal(inv, (1 / s).expand(1, shape[1])) and torch.equal(inv_max, 1 / s)
 
 
+def _one_subnormal_step_at_most(a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
+    """Where a8 and b8 differ: both among e4m3's subnormals (|v| < 2**-6), zero, or the smallest
+    normal value that the largest subnormal rounds up to, one subnormal step (2**-9) apart.
+    Returns where they differ."""
+    a, b = a8.float(), b8.float()
+    differ = _bits(a8) != _bits(b8)
+    assert (a[differ].abs() <= 2**-6).all() and (b[differ].abs() <= 2**-6).all()
+    assert ((a - b).abs()[differ] == 2**-9).all()
+    return differ
+
+
+@pytest.mark.parametrize("tile,of", [((64, 64), "e4m3"), ((32, 128), "input"), ((16, 16), "fp32")],
+                         ids=["64x64-rescaled-tile-transposed", "32x128-bytes-transposed", "16x16-whole-tiles"])
+@pytest.mark.parametrize("shape", [(48, 80), (70, 33)], ids=["48x80", "70x33-ragged-tiles"])
+def test_transposed_cast_from_the_rowwise_cast_is_the_cast_of_the_input(shape, tile, of, monkeypatch):
+    """TRANSPOSE_FROM="e4m3": W^T cast from the rowwise cast's bytes and row scales (each value times
+    2**-k, k the row's scale over the tensor's) is the cast of W itself: the same bits wherever the
+    result is normal, and where it is subnormal one step apart at most (the first rounding made a tie
+    of the second). The rows whose scale is the tensor's (k = 0) are the same bits throughout."""
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_TILE", tile)
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_OF", of)
+    w = _inputs(shape, torch.bfloat16, seed=1)
+    w[5] *= 64  # one row's amax 64x the others': the others' rows rescaled by 2**-6 or so
+    w8, row_inv = rowwise_e4m3(w)
+    wt8, inv, inv_max = transposed_e4m3(w, row_inv, w8=w8)
+    ref8, ref_inv, ref_max = transposed_e4m3(w, row_inv)  # from W, as torch casts it (the test above)
+    assert torch.equal(inv, ref_inv) and torch.equal(inv_max, ref_max)
+    differ = _one_subnormal_step_at_most(wt8, ref8)
+    assert differ.any()  # these inputs do reach the ties (4-5% of the elements)
+    assert not differ[:, (row_inv == inv_max).flatten()].any()
+    assert differ.float().mean() < 0.1
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_FROM", "input")  # the switch: W read again, the bits of the cast of W
+    assert torch.equal(_bits(transposed_e4m3(w, row_inv, w8=w8)[0]), _bits(ref8))
+
+
 @pytest.mark.parametrize("shape,tile,of,walk", [((48, 80), (32, 32), "e4m3", "down"), ((64, 32), (64, 16), "input", "across_from_end")],
                          ids=["48x80-ragged-tiles", "64x32-input-transposed-from-the-end"])
 def test_transposed_cast_by_tma_is_the_same_cast(shape, tile, of, walk, monkeypatch):
@@ -194,6 +229,8 @@ def test_transposed_cast_with_silu_casts_the_activation_as_stored(shape):
     ref8, ref_inv, ref_max = transposed_e4m3(_silu_as_stored(u), rowwise_e4m3(_silu_as_stored(u))[1])
     assert torch.equal(inv, ref_inv) and torch.equal(inv_max, ref_max)
     _within_an_e4m3_step(wt8, ref8)
+    u8, _ = rowwise_e4m3(u, "silu")  # from the rowwise cast of silu(U), as the linear casts X^T: SiLU is in its bytes
+    _one_subnormal_step_at_most(transposed_e4m3(u, row_inv, "silu", w8=u8)[0], transposed_e4m3(_silu_as_stored(u), row_inv)[0])
 
 
 @pytest.mark.parametrize("float8_grad_weight", [False, True], ids=["gw_hp", "gw_tensorwise"])

@@ -12,7 +12,8 @@ grad-input GEMM without; scales rounded down to powers of two), with the casts w
 - grad weight: dW = dY^T X in the input's dtype (`rowwise_with_gw_hp`): no transposed casts of
   the activations. Or, `rowwise_with_gw_tensorwise`, in float8 as `_scaled_mm(dyt8, xt8^T)` on
   dY^T and X^T cast with one scale each (the largest of their rows' scales, known from their
-  rowwise casts, so each is one more pass): the forward keeps X^T in float8 for it instead of X.
+  rowwise casts, so each is one more pass, over the rowwise casts' e4m3 bytes: TRANSPOSE_FROM):
+  the forward keeps X^T in float8 for it instead of X.
 
 An activation can be applied inside the casts of X (`act="silu"`): the linear then takes the
 activation's input U and casts silu(U), each element rounded to U's dtype first, as the activation's
@@ -61,7 +62,7 @@ ROWWISE_WARPS = {4096: 8}  # below the smallest width listed: 4
 # "e4m3" the cast one (1 byte an element through shared memory), "fp32" the scaled one before the
 # cast, "input" the one as loaded (bf16); the same bits every way, each element is cast on its own.
 # TRANSPOSE_TMA moves the tiles by Hopper's tensor memory accelerator (host-made descriptors; where
-# the shapes allow it, sm90+) instead of per-thread loads and stores.
+# the shapes allow it, sm90+) instead of per-thread loads and stores, for casts that read the bf16 operand.
 # Swept on two H200s (docs/PERFORMANCE.md section 7, "The float8 casts against the copy ceiling"): a
 # step's casts 7.37-7.49 ms this way against 7.78-7.83 for 4 warps walking down the columns; other
 # tiles 7.47-8.71, the transpose's point within 0.1 ms, TMA 0.2 ms slower.
@@ -77,6 +78,15 @@ TRANSPOSE_TMA = False
 # tiles are the ones L2 still holds (a 2048-wide bf16 operand of 8192 rows is 34 MB; an H200's L2 is 50).
 TRANSPOSE_WALK = "across_from_end"
 WALKS = ("down", "across", "across_from_end")
+# What the transposed casts of X and dY read: "input", the bf16 operand (2 bytes an element), or
+# "e4m3", the rowwise cast's output and its rows' scales (1 byte an element, written just before,
+# so partly still in L2). Every scale is a power of two and the tensor's is the smallest of the
+# rows', so a rowwise e4m3 value times 2**-k is the tensor-scaled value already rounded: the same
+# bits as the cast of the input, except where the result is one of e4m3's subnormals and the first
+# rounding landed on a tie of the second (then one subnormal step, 2**-9 of the scaled value, apart).
+# W^T reads W: its rowwise cast in forward is not kept for backward.
+TRANSPOSE_FROM = "e4m3"
+TRANSPOSE_FROMS = ("input", "e4m3")
 # What the casts of X may apply first (ACT, the index): none, or SiLU (`act="silu"`).
 ACTS = (None, "silu")
 
@@ -218,7 +228,38 @@ def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, 
         tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
 
 
+@triton.jit
+def _transposed_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr,
+                             EVEN: tl.constexpr):
+    """_transposed_e4m3 reading the rowwise cast of W instead of W: Q (N, K) e4m3 with INV_ROW (N,)
+    its rows' inverse scales. Each value is rescaled by 2**-k = INV_ROW / INV_MAX (exact: powers of
+    two, k >= 0) and rounded again; OF 0 or 1 transposes the rescaled tile, 2 the tile of bytes as loaded."""
+    pn, pk = _tile_of(N, K, BN, BK, WALK)
+    inv_max = tl.load(INV_MAX)
+    scale = ((254 << 23) - inv_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / inv_max, both powers of two
+    rn = pn * BN + tl.arange(0, BN)
+    rk = pk * BK + tl.arange(0, BK)
+    if EVEN:
+        q = tl.load(Q + rn[:, None].to(tl.int64) * K + rk[None, :])
+        factor = tl.load(INV_ROW + rn) * scale
+    else:
+        mask = (rn < N)[:, None] & (rk < K)[None, :]
+        q = tl.load(Q + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0.0)
+        factor = tl.load(INV_ROW + rn, mask=rn < N, other=0.0) * scale
+    if OF == 2:
+        wt8 = e4m3_rne(tl.trans(q).to(tl.float32) * factor[None, :]).to(WT.dtype.element_ty)
+    else:
+        wt8 = tl.trans(e4m3_rne(q.to(tl.float32) * factor[:, None]).to(WT.dtype.element_ty))
+    if EVEN:
+        tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], wt8)
+    else:
+        tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], wt8, mask=tl.trans(mask))
+    if pn == 0:
+        tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
+
+
 _launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
+_launch_from_rowwise = Launcher(_transposed_from_rowwise)
 
 
 def rowwise_e4m3(x: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,19 +277,25 @@ def rowwise_e4m3(x: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor,
     return y, inv
 
 
-def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor, act: str | None = None, w8: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(wt8, inv, inv_max): W^T (K, N), or act(W)^T, in e4m3 with one scale for the tensor, from the
     rows' inverse scales of `rowwise_e4m3(w, act)` (their largest: the scale of the largest amax). inv is that
     1/s repeated (1, K), the scale_b of a rowwise _scaled_mm; inv_max the same 1/s as one value,
-    the scale of a tensorwise one."""
-    w = w.contiguous()
+    the scale of a tensorwise one. `w8`, that rowwise cast's e4m3 output: where given and
+    TRANSPOSE_FROM is "e4m3", it is read in W's place (act already applied in it)."""
     n, k = w.shape
     wt = torch.empty((k, n), dtype=E4M3, device=w.device)
     inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
     inv_max = row_inv.amax()
     bn, bk = TRANSPOSE_TILE
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
-    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), ACT=ACTS.index(act), num_warps=TRANSPOSE_WARPS)
+    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), num_warps=TRANSPOSE_WARPS)
+    if w8 is not None and TRANSPOSE_FROM == "e4m3":
+        meta["EVEN"] = n % bn == 0 and k % bk == 0
+        _launch_from_rowwise.launch(grid, (w8, row_inv, wt, inv_max, inv, n, k), meta, meta_key(meta))
+        return wt, inv, inv_max
+    w = w.contiguous()
+    meta["ACT"] = ACTS.index(act)
     if TRANSPOSE_TMA and _tma_fits(w, wt):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -279,8 +326,9 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         x8, x_inv = rowwise_e4m3(x2, act)
         if float8_grad_weight:
             # X^T in float8 is what backward needs of X: kept instead of X (1 byte an element, not 2),
-            # cast straight after X's rowwise cast, while L2 still holds X's last rows (TRANSPOSE_WALK)
-            xt8, _, xt_inv = transposed_e4m3(x2, x_inv, act)
+            # cast straight after X's rowwise cast, from its e4m3 bytes while L2 still holds their last rows
+            # (TRANSPOSE_FROM, TRANSPOSE_WALK)
+            xt8, _, xt_inv = transposed_e4m3(x2, x_inv, act, x8)
         w8, w_inv = rowwise_e4m3(weight)
         # the bias added in the GEMM's epilogue (CUTLASS's rowwise kernel takes a bf16 one): a separate
         # add would read and write the output again, 8192 x 6144 bf16 for qkv (0.2 GB a block)
@@ -300,7 +348,7 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         if ctx.float8_grad_weight:
             xt8, xt_inv, weight, w_inv, *kept = ctx.saved_tensors
             u = kept[0] if ctx.act else None  # the activation's input, kept for its gradient
-            dyt8, _, dyt_inv = transposed_e4m3(dy2, dy_inv)
+            dyt8, _, dyt_inv = transposed_e4m3(dy2, dy_inv, w8=dy8)
             dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=False)
         else:
             x2, weight, w_inv = ctx.saved_tensors

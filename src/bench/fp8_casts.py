@@ -1,12 +1,13 @@
 """The float8 casts of a mini_llm step, each at its own shape, against the copy ceiling.
 
     python -m src.bench.fp8_casts [--tokens 8192] [--dim 2048] [--hidden 8192] [--layers 12]
-        [--recipe rowwise_with_gw_tensorwise] [--sweep [rowwise] [transposed]] [--out DIR]
+        [--recipe rowwise_with_gw_tensorwise] [--sweep [rowwise] [transposed] [from]] [--out DIR]
 
 kernels/triton/fp8_linear.py casts every operand of a block's float8 GEMMs: per linear, the input X
 and the weight W rowwise in forward, the output's gradient dY rowwise and W^T tensorwise in
 backward, and under rowwise_with_gw_tensorwise X^T and dY^T tensorwise for the grad-weight GEMM.
-Those passes only move bytes (read bf16, write e4m3 and a scale), so each is timed against what
+Those passes only move bytes (read bf16, or for X^T and dY^T the rowwise cast's e4m3, and write
+e4m3 and a scale), so each is timed against what
 its bytes allow: chained over distinct inputs (L2 as the step's previous kernel leaves it,
 src/fusion/timing.py chain_ms) and replayed from a CUDA graph after do_bench's flush, with TB/s
 of its bytes and the host's microseconds a call. The step's sum (every linear of every block)
@@ -17,8 +18,8 @@ other (X^T straight after X's rowwise cast, which L2 may still hold part of), ch
 
 --sweep times the step's casts, pass by pass as the linears run them, under the launch settings
 the module keeps as constants (the rowwise cast's rows a program and warps; the transposed cast's
-tile, warps, walk, which tile is transposed and whether TMA moves the tiles), and prints the
-step's sum for each: the module constants take the fastest.
+tile, warps, walk, which tile is transposed, whether TMA moves the tiles, and what X^T and dY^T
+are cast from), and prints the step's sum for each: the module constants take the fastest.
 """
 from __future__ import annotations
 
@@ -46,12 +47,22 @@ class Cast:
     kind: str      # rowwise, transposed
     rows: int
     cols: int
+    after_rowwise: bool = False  # a transposed cast that follows the operand's rowwise cast (X^T, dY^T)
+
+    @property
+    def from_e4m3(self) -> bool:
+        """Whether this cast reads the rowwise cast's e4m3 bytes (fp8_linear.TRANSPOSE_FROM) instead of bf16."""
+        return self.after_rowwise and fp8.TRANSPOSE_FROM == "e4m3"
 
     @property
     def nbytes(self) -> int:
-        """Read bf16 once, write e4m3 once, plus the fp32 scales (a row's, or the repeated one)."""
-        scales = self.rows if self.kind == "rowwise" else self.cols
-        return self.rows * self.cols * (2 + 1) + 4 * scales
+        """Read its source once (bf16, or e4m3 and the rows' scales), write e4m3 once, plus the fp32
+        scales written (a row's, or the repeated one)."""
+        if self.kind == "rowwise":
+            return self.rows * self.cols * (2 + 1) + 4 * self.rows
+        if self.from_e4m3:
+            return self.rows * self.cols * (1 + 1) + 4 * (self.rows + self.cols)
+        return self.rows * self.cols * (2 + 1) + 4 * self.cols
 
 
 def linear_passes(tokens: int, dim: int, hidden: int, recipe: str) -> list[tuple[str, str, list[Cast]]]:
@@ -61,31 +72,33 @@ def linear_passes(tokens: int, dim: int, hidden: int, recipe: str) -> list[tuple
     gw_float8 = TRITON_RECIPES[recipe]
     passes = []
     for name, fan_in, fan_out in block_linears(dim, hidden):
-        forward = [Cast(name, "X", "rowwise", tokens, fan_in)] + ([Cast(name, "X", "transposed", tokens, fan_in)] if gw_float8 else [])
-        backward = [Cast(name, "dY", "rowwise", tokens, fan_out)] + ([Cast(name, "dY", "transposed", tokens, fan_out)] if gw_float8 else [])
+        forward = [Cast(name, "X", "rowwise", tokens, fan_in)] + ([Cast(name, "X", "transposed", tokens, fan_in, True)] if gw_float8 else [])
+        backward = [Cast(name, "dY", "rowwise", tokens, fan_out)] + ([Cast(name, "dY", "transposed", tokens, fan_out, True)] if gw_float8 else [])
         passes += [(name, "forward", forward + [Cast(name, "W", "rowwise", fan_out, fan_in)]),
                    (name, "backward", backward + [Cast(name, "W", "transposed", fan_out, fan_in)])]
     return passes
 
 
 def make_pass(casts: list[Cast], device: torch.device, seed: int = 0) -> Callable[[], object]:
-    """The casts run in order on operands of their own: a transposed cast takes the rows' inverse
-    scales of the rowwise cast before it in the pass, or, with none (W^T in backward), the ones
-    an earlier pass left (the linear saved them in forward)."""
+    """The casts run in order on operands of their own: a transposed cast takes the rowwise cast's
+    e4m3 output (for X^T and dY^T) and rows' inverse scales from the cast before it in the pass,
+    or, with none (W^T in backward; a transposed cast timed alone), ones made beforehand (the
+    linear saved W's scales in forward)."""
     g = torch.Generator(device=device).manual_seed(seed)
     operands: dict[str, torch.Tensor] = {}
     for c in casts:
         if c.operand not in operands:
             operands[c.operand] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
-    saved = {name: fp8.rowwise_e4m3(t)[1] for name, t in operands.items()}
+    saved = {name: fp8.rowwise_e4m3(t) for name, t in operands.items()}
 
     def run() -> None:
-        inv = dict(saved)
+        rowwise = dict(saved)
         for c in casts:
             if c.kind == "rowwise":
-                inv[c.operand] = fp8.rowwise_e4m3(operands[c.operand])[1]
+                rowwise[c.operand] = fp8.rowwise_e4m3(operands[c.operand])
             else:
-                fp8.transposed_e4m3(operands[c.operand], inv[c.operand])
+                q, inv = rowwise[c.operand]
+                fp8.transposed_e4m3(operands[c.operand], inv, w8=q if c.after_rowwise else None)
     return run
 
 
@@ -129,8 +142,13 @@ def measure_passes(passes: list[tuple[str, str, list[Cast]]], device: torch.devi
 # first, walking down; then, for the fastest of those, the walk and where the transpose happens.
 ROWWISE_SETTINGS = [dict(ROWWISE_ROWS=rows, ROWWISE_WARPS=warps) for rows, warps in
                     [(1, {4096: 8}), (1, {2048: 8}), (1, {8192: 16}), (2, {4096: 8}), (2, {2048: 8}), (4, {2048: 8}), (4, {2048: 16})]]
+TILES = [(64, 64), (32, 64), (64, 32), (128, 32), (32, 128), (128, 64), (64, 128), (128, 128)]
 TRANSPOSE_TILES = [dict(TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_OF="e4m3", TRANSPOSE_WALK="down", TRANSPOSE_TMA=False)
-                   for tile, warps in itertools.product([(64, 64), (32, 64), (64, 32), (128, 32), (32, 128), (128, 64), (64, 128), (128, 128)], [4, 8])]
+                   for tile, warps in itertools.product(TILES, [4, 8])]
+# X^T and dY^T from the bf16 operand as before, then from the rowwise cast's bytes under each tile,
+# warps and transpose point (the walk as shipped: the rowwise cast wrote the last rows last)
+FROM_SETTINGS = [dict(TRANSPOSE_FROM="input")] + [dict(TRANSPOSE_FROM="e4m3", TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_OF=of)
+                                                  for tile, warps, of in itertools.product(TILES, [4, 8], ["e4m3", "input"])]
 
 
 def transpose_orders(tile: dict) -> list[dict]:
@@ -167,6 +185,8 @@ def sweep(passes: list[tuple[str, str, list[Cast]]], device: torch.device, layer
         tiles = [_step_under(s, "transposed", passes, device, layers) for s in TRANSPOSE_TILES]
         best = TRANSPOSE_TILES[min(range(len(tiles)), key=lambda i: tiles[i]["step_ms"])]
         results += tiles + [_step_under(s, "transposed", passes, device, layers) for s in transpose_orders(best) if s != best]
+    if "from" in kinds:
+        results += [_step_under(s, "from", passes, device, layers) for s in FROM_SETTINGS]
     return results
 
 
@@ -197,8 +217,9 @@ def main() -> None:
     add_block_shape_args(p)
     p.add_argument("--layers", type=int, default=12, help="blocks a step")
     p.add_argument("--recipe", default="rowwise_with_gw_tensorwise", choices=sorted(TRITON_RECIPES))
-    p.add_argument("--sweep", nargs="*", choices=["rowwise", "transposed"], default=None,
-                   help="also time the step's casts under each launch setting of these kinds of cast (both if none is named)")
+    p.add_argument("--sweep", nargs="*", choices=["rowwise", "transposed", "from"], default=None,
+                   help="also time the step's casts under each launch setting of these kinds of cast (rowwise and transposed if none "
+                        "is named; from: X^T and dY^T read from the bf16 operand or from the rowwise cast's bytes, fp8_linear.TRANSPOSE_FROM)")
     p.add_argument("--out", default=None, help="directory for casts.json (and sweep.json)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -210,7 +231,7 @@ def main() -> None:
     rows = measure([c for _, _, casts in passes for c in casts], device)
     pass_rows = measure_passes(passes, device)
     print(table(rows, pass_rows, args.layers, ceiling))
-    results = sweep(passes, device, args.layers, tuple(args.sweep) or ("rowwise", "transposed")) if args.sweep is not None else []
+    results = sweep(passes, device, args.layers, tuple(args.sweep or ("rowwise", "transposed"))) if args.sweep is not None else []
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "casts.json").write_text(json.dumps({"ceiling_tbs": ceiling, "rows": rows, "passes": pass_rows}, indent=1))
