@@ -100,7 +100,7 @@ def test_transposed_cast_from_the_rowwise_cast_is_the_cast_of_the_input(shape, t
     2**-k, k the row's scale over the tensor's) is the cast of W itself: the same bits wherever the
     result is normal, and where it is subnormal one step apart at most (the first rounding made a tie
     of the second). The rows whose scale is the tensor's (k = 0) are the same bits throughout."""
-    monkeypatch.setattr(fp8_linear, "TRANSPOSE_TILE", tile)
+    monkeypatch.setattr(fp8_linear, "FROM_E4M3_TILE", tile)
     monkeypatch.setattr(fp8_linear, "TRANSPOSE_OF", of)
     w = _inputs(shape, torch.bfloat16, seed=1)
     w[5] *= 64  # one row's amax 64x the others': the others' rows rescaled by 2**-6 or so

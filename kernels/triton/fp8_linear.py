@@ -87,6 +87,10 @@ WALKS = ("down", "across", "across_from_end")
 # W^T reads W: its rowwise cast in forward is not kept for backward.
 TRANSPOSE_FROM = "e4m3"
 TRANSPOSE_FROMS = ("input", "e4m3")
+# The cast from e4m3 bytes takes its own tile and warps (TRANSPOSE_OF and the walk are shared): 1-byte
+# rows of 64 were the slowest way to read them; PERFORMANCE.md section 7 has the sweep.
+FROM_E4M3_TILE = (128, 128)
+FROM_E4M3_WARPS = 4
 # What the casts of X may apply first (ACT, the index): none, or SiLU (`act="silu"`).
 ACTS = (None, "silu")
 
@@ -287,10 +291,12 @@ def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor, act: str | None = No
     wt = torch.empty((k, n), dtype=E4M3, device=w.device)
     inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
     inv_max = row_inv.amax()
-    bn, bk = TRANSPOSE_TILE
+    from_e4m3 = w8 is not None and TRANSPOSE_FROM == "e4m3"
+    bn, bk = FROM_E4M3_TILE if from_e4m3 else TRANSPOSE_TILE
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
-    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), num_warps=TRANSPOSE_WARPS)
-    if w8 is not None and TRANSPOSE_FROM == "e4m3":
+    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK),
+                num_warps=FROM_E4M3_WARPS if from_e4m3 else TRANSPOSE_WARPS)
+    if from_e4m3:
         meta["EVEN"] = n % bn == 0 and k % bk == 0
         _launch_from_rowwise.launch(grid, (w8, row_inv, wt, inv_max, inv, n, k), meta, meta_key(meta))
         return wt, inv, inv_max

@@ -145,9 +145,10 @@ ROWWISE_SETTINGS = [dict(ROWWISE_ROWS=rows, ROWWISE_WARPS=warps) for rows, warps
 TILES = [(64, 64), (32, 64), (64, 32), (128, 32), (32, 128), (128, 64), (64, 128), (128, 128)]
 TRANSPOSE_TILES = [dict(TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_OF="e4m3", TRANSPOSE_WALK="down", TRANSPOSE_TMA=False)
                    for tile, warps in itertools.product(TILES, [4, 8])]
-# X^T and dY^T from the bf16 operand as before, then from the rowwise cast's bytes under each tile,
-# warps and transpose point (the walk as shipped: the rowwise cast wrote the last rows last)
-FROM_SETTINGS = [dict(TRANSPOSE_FROM="input")] + [dict(TRANSPOSE_FROM="e4m3", TRANSPOSE_TILE=tile, TRANSPOSE_WARPS=warps, TRANSPOSE_OF=of)
+# X^T and dY^T from the bf16 operand as before, then from the rowwise cast's bytes under each of
+# that cast's tiles and warps and each transpose point (the walk as shipped: the rowwise cast wrote
+# the last rows last)
+FROM_SETTINGS = [dict(TRANSPOSE_FROM="input")] + [dict(TRANSPOSE_FROM="e4m3", FROM_E4M3_TILE=tile, FROM_E4M3_WARPS=warps, TRANSPOSE_OF=of)
                                                   for tile, warps, of in itertools.product(TILES, [4, 8], ["e4m3", "input"])]
 
 
