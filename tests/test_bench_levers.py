@@ -147,3 +147,44 @@ def test_fp8_gemms_times_every_gemm_of_a_block_with_its_host_cost():
         a8, b8, sa, sb = ops[key]
         out = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
         assert (out - ref).abs().max() <= 0.15 * ref.abs().max(), key  # e4m3 keeps 3 mantissa bits: ~6% an operand
+
+
+def test_fp8_casts_run_each_linears_casts_as_the_linear_does(monkeypatch):
+    """src/bench/fp8_casts.py's passes in Triton's interpreter: X^T and dY^T read their rowwise cast's
+    e4m3 bytes (1 byte an element) where fp8_linear.TRANSPOSE_FROM says so, the bf16 operand (2)
+    otherwise; W^T always reads W; the down projection's X casts apply SiLU unless it is apart."""
+    pytest.importorskip("triton")
+    import torch
+
+    import kernels.triton.fp8_linear as fp8
+    from src.bench import fp8_casts
+
+    passes = fp8_casts.linear_passes(32, 16, 64, "rowwise_with_gw_tensorwise")
+    by_name = {(linear, name): casts for linear, name, casts in passes}
+    assert [(c.operand, c.kind, c.act) for c in by_name["down", "forward"]] == [("X", "rowwise", "silu"), ("X", "transposed", "silu"), ("W", "rowwise", None)]
+    assert all(c.act is None for c in by_name["up", "forward"])
+    assert all(c.act is None for _, _, casts in fp8_casts.linear_passes(32, 16, 64, "rowwise_with_gw_tensorwise", act_in_cast=False) for c in casts)
+    dyt, wt = by_name["qkv", "backward"][1:]
+    assert (dyt.operand, dyt.kind, dyt.after_rowwise, wt.after_rowwise) == ("dY", "transposed", True, False)
+    assert dyt.nbytes == 32 * 48 * 2 + 4 * (32 + 48) and wt.nbytes == 48 * 16 * 3 + 4 * 16
+    monkeypatch.setattr(fp8, "TRANSPOSE_FROM", "input")
+    assert dyt.nbytes == 32 * 48 * 3 + 4 * 48
+    launched = []
+
+    class Spy:
+        """The launcher, noting each launch by name."""
+
+        def __init__(self, name: str):
+            self.name, self.real = name, getattr(fp8, name)
+
+        def launch(self, *args):
+            launched.append(self.name)
+            return self.real.launch(*args)
+
+    for kernel in ("_launch_from_rowwise", "_launch_transposed"):
+        monkeypatch.setattr(fp8, kernel, Spy(kernel))
+    for source in ("input", "e4m3"):
+        monkeypatch.setattr(fp8, "TRANSPOSE_FROM", source)
+        launched.clear()
+        fp8_casts.make_pass(by_name["down", "forward"] + by_name["down", "backward"], torch.device("cpu"))()
+        assert launched == ({"input": ["_launch_transposed"] * 3, "e4m3": ["_launch_from_rowwise", "_launch_from_rowwise", "_launch_transposed"]}[source])

@@ -48,6 +48,7 @@ class Cast:
     rows: int
     cols: int
     after_rowwise: bool = False  # a transposed cast that follows the operand's rowwise cast (X^T, dY^T)
+    act: str | None = None       # applied inside the cast (the down projection's X with the MLP's SiLU folded in)
 
     @property
     def from_e4m3(self) -> bool:
@@ -65,14 +66,15 @@ class Cast:
         return self.rows * self.cols * (2 + 1) + 4 * self.cols
 
 
-def linear_passes(tokens: int, dim: int, hidden: int, recipe: str) -> list[tuple[str, str, list[Cast]]]:
+def linear_passes(tokens: int, dim: int, hidden: int, recipe: str, act_in_cast: bool = True) -> list[tuple[str, str, list[Cast]]]:
     """(linear, pass, its casts in the order Float8RowwiseLinearFunction runs them) for a block's
     linears: forward X rowwise (X^T right after it), W rowwise; backward dY rowwise (dY^T right
-    after it), W^T."""
+    after it), W^T. `act_in_cast`: the down projection's X casts apply SiLU (precision.fp8_act_in_cast)."""
     gw_float8 = TRITON_RECIPES[recipe]
     passes = []
     for name, fan_in, fan_out in block_linears(dim, hidden):
-        forward = [Cast(name, "X", "rowwise", tokens, fan_in)] + ([Cast(name, "X", "transposed", tokens, fan_in, True)] if gw_float8 else [])
+        act = "silu" if act_in_cast and name == "down" else None
+        forward = [Cast(name, "X", "rowwise", tokens, fan_in, act=act)] + ([Cast(name, "X", "transposed", tokens, fan_in, True, act)] if gw_float8 else [])
         backward = [Cast(name, "dY", "rowwise", tokens, fan_out)] + ([Cast(name, "dY", "transposed", tokens, fan_out, True)] if gw_float8 else [])
         passes += [(name, "forward", forward + [Cast(name, "W", "rowwise", fan_out, fan_in)]),
                    (name, "backward", backward + [Cast(name, "W", "transposed", fan_out, fan_in)])]
@@ -89,16 +91,17 @@ def make_pass(casts: list[Cast], device: torch.device, seed: int = 0) -> Callabl
     for c in casts:
         if c.operand not in operands:
             operands[c.operand] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
-    saved = {name: fp8.rowwise_e4m3(t) for name, t in operands.items()}
+    acts = {c.operand: c.act for c in casts}
+    saved = {name: fp8.rowwise_e4m3(t, acts[name]) for name, t in operands.items()}
 
     def run() -> None:
         rowwise = dict(saved)
         for c in casts:
             if c.kind == "rowwise":
-                rowwise[c.operand] = fp8.rowwise_e4m3(operands[c.operand])
+                rowwise[c.operand] = fp8.rowwise_e4m3(operands[c.operand], c.act)
             else:
                 q, inv = rowwise[c.operand]
-                fp8.transposed_e4m3(operands[c.operand], inv, w8=q if c.after_rowwise else None)
+                fp8.transposed_e4m3(operands[c.operand], inv, c.act, w8=q if c.after_rowwise else None)
     return run
 
 
@@ -119,9 +122,9 @@ def measure(casts: list[Cast], device: torch.device) -> list[dict]:
     """Each cast alone."""
     rows = []
     for cast in casts:
-        row = {"linear": cast.linear, "operand": cast.operand, "kind": cast.kind, "shape": [cast.rows, cast.cols], "bytes": cast.nbytes,
+        row = {"linear": cast.linear, "operand": cast.operand, "act": cast.act, "kind": cast.kind, "shape": [cast.rows, cast.cols], "bytes": cast.nbytes,
                **time_pass([cast], device)}
-        print(f"{cast.linear:5s} {cast.operand:3s} {cast.kind:10s} {cast.rows}x{cast.cols}: chained {row['chain_us']:.1f} us "
+        print(f"{cast.linear:5s} {_operand(row):3s} {cast.kind:10s} {cast.rows}x{cast.cols}: chained {row['chain_us']:.1f} us "
               f"({row['chain_tbs']:.2f} TB/s), flushed {row['graph_us']:.1f} us, host {row['host_us']:.1f} us", flush=True)
         rows.append(row)
     return rows
@@ -191,10 +194,14 @@ def sweep(passes: list[tuple[str, str, list[Cast]]], device: torch.device, layer
     return results
 
 
+def _operand(row: dict) -> str:
+    return row["operand"] + (f" ({row['act']})" if row.get("act") else "")
+
+
 def table(rows: list[dict], passes: list[dict], layers: int, ceiling_tbs: float) -> str:
     lines = ["| linear | operand | cast | shape | MB | chained us (TB/s) | flushed us (TB/s) | host us |", "|---|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['linear']} | {r['operand']} | {r['kind']} | {r['shape'][0]}x{r['shape'][1]} | {r['bytes'] / 1e6:.1f} | "
+        lines.append(f"| {r['linear']} | {_operand(r)} | {r['kind']} | {r['shape'][0]}x{r['shape'][1]} | {r['bytes'] / 1e6:.1f} | "
                      f"{r['chain_us']:.1f} ({r['chain_tbs']:.2f}) | {r['graph_us']:.1f} ({r['graph_tbs']:.2f}) | {r['host_us']:.1f} |")
     lines += ["", "| linear | pass | casts, in order | MB | chained us (TB/s) | its casts alone, chained us |", "|---|---|---|---:|---:|---:|"]
     alone = {(r["linear"], r["operand"], r["kind"]): r["chain_us"] for r in rows}
@@ -221,12 +228,14 @@ def main() -> None:
     p.add_argument("--sweep", nargs="*", choices=["rowwise", "transposed", "from"], default=None,
                    help="also time the step's casts under each launch setting of these kinds of cast (rowwise and transposed if none "
                         "is named; from: X^T and dY^T read from the bf16 operand or from the rowwise cast's bytes, fp8_linear.TRANSPOSE_FROM)")
+    p.add_argument("--act-apart", action="store_true", help="the MLP's SiLU as a pass of its own (precision.fp8_act_in_cast=false): "
+                   "the down projection's X casts without it")
     p.add_argument("--out", default=None, help="directory for casts.json (and sweep.json)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fp8_casts times the float8 casts on an NVIDIA GPU; none is visible here")
     device = torch.device("cuda")
-    passes = linear_passes(args.tokens, args.dim, args.hidden, args.recipe)
+    passes = linear_passes(args.tokens, args.dim, args.hidden, args.recipe, not args.act_apart)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {args.recipe}, tokens {args.tokens}", flush=True)
     ceiling = copy_ceiling_tbs(device, 2**30)
     rows = measure([c for _, _, casts in passes for c in casts], device)
