@@ -210,7 +210,7 @@ class PrecisionConfig:
     """fp8_impl=triton, model.mlp=silu: the MLP's SiLU applied inside the down projection's float8 casts, which then
     read the up projection's output, instead of in a pass of its own over the hidden activations (read and write
     0.27 GB a block of the seed's step); unset: on wherever it applies (fp8_impl=triton and model.mlp=silu). On one
-    H200 +exp=fsdp4_fp8 peaks 0.74 GB lower with it, its step time level (docs/PERFORMANCE.md section 7)"""
+    H200 +exp=fsdp4_fp8's step is level with it (55.2 against 55.6 ms, the same peak; docs/PERFORMANCE.md section 7)"""
 
 
 @dataclass

@@ -19,8 +19,8 @@ An activation can be applied inside the casts of X (`act="silu"`): the linear th
 activation's input U and casts silu(U), each element rounded to U's dtype first, as the activation's
 own kernel would store it. The seed's MLP, down(silu(up(x))), loses SiLU's pass over the hidden
 activations (read U, write X: 0.27 GB a block at 8192 tokens x 8192, 1.15 ms of kernels a float8
-step on an H200), since both of X's casts read U in its place; the casts' extra arithmetic takes
-back about as much, so the step is level, and it peaks 0.74 GB lower (docs/PERFORMANCE.md section 7).
+step on an H200), since X's rowwise cast reads U in its place (and X^T is cast from its bytes); the
+cast's extra arithmetic takes back about as much, so the step is level (docs/PERFORMANCE.md section 7).
 Backward returns dU = dX * silu'(U) from the U it keeps, which the separate SiLU kept too.
 
 Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
