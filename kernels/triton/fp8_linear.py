@@ -87,8 +87,9 @@ WALKS = ("down", "across", "across_from_end")
 # W^T reads W: its rowwise cast in forward is not kept for backward.
 TRANSPOSE_FROM = "e4m3"
 TRANSPOSE_FROMS = ("input", "e4m3")
-# The cast from e4m3 bytes takes its own tile and warps (TRANSPOSE_OF and the walk are shared): 1-byte
-# rows of 64 were the slowest way to read them; PERFORMANCE.md section 7 has the sweep.
+# The cast from e4m3 bytes takes its own tile and warps (TRANSPOSE_OF and the walk are shared): with the
+# bf16 cast's 64 x 64 tile and 8 warps (rows of 64 bytes) a step's casts took 8.20 ms, with 128 x 128
+# and 4 warps 7.43, the fastest of 32 settings on an H200 (docs/PERFORMANCE.md section 7, TRANSPOSE_FROM).
 FROM_E4M3_TILE = (128, 128)
 FROM_E4M3_WARPS = 4
 # What the casts of X may apply first (ACT, the index): none, or SiLU (`act="silu"`).
@@ -237,7 +238,7 @@ def _transposed_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.constexp
                              EVEN: tl.constexpr):
     """_transposed_e4m3 reading the rowwise cast of W instead of W: Q (N, K) e4m3 with INV_ROW (N,)
     its rows' inverse scales. Each value is rescaled by 2**-k = INV_ROW / INV_MAX (exact: powers of
-    two, k >= 0) and rounded again; OF 0 or 1 transposes the rescaled tile, 2 the tile of bytes as loaded."""
+    two, k >= 0) and rounded again; OF 2 transposes the tile of bytes as loaded, 0 and 1 the recast one."""
     pn, pk = _tile_of(N, K, BN, BK, WALK)
     inv_max = tl.load(INV_MAX)
     scale = ((254 << 23) - inv_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / inv_max, both powers of two
