@@ -234,8 +234,8 @@ def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, 
 
 
 @triton.jit
-def _transposed_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr,
-                             EVEN: tl.constexpr):
+def _transposed_e4m3_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constexpr, OF: tl.constexpr, WALK: tl.constexpr,
+                                  EVEN: tl.constexpr):
     """_transposed_e4m3 reading the rowwise cast of W instead of W: Q (N, K) e4m3 with INV_ROW (N,)
     its rows' inverse scales. Each value is rescaled by 2**-k = INV_ROW / INV_MAX (exact: powers of
     two, k >= 0) and rounded again; OF 2 transposes the tile of bytes as loaded, 0 and 1 the recast one."""
@@ -264,7 +264,7 @@ def _transposed_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.constexp
 
 
 _launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
-_launch_from_rowwise = Launcher(_transposed_from_rowwise)
+_launch_from_rowwise = Launcher(_transposed_e4m3_from_rowwise)
 
 
 def rowwise_e4m3(x: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
