@@ -135,6 +135,12 @@ def pow2_scale(amax):
 
 
 @triton.jit
+def pow2_reciprocal(x):
+    """1 / x for x a power of two (a scale or its inverse), exact, from the exponent bits alone."""
+    return ((254 << 23) - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr, ACT: tl.constexpr):
     """ROWS rows a program: each row's amax, then y = rne(x * s) and 1/s; x = act(X) (ACT, _act)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -182,7 +188,7 @@ def _tile_of(N, K, BN: tl.constexpr, BK: tl.constexpr, WALK: tl.constexpr):
 def _cast_transposed(w, inv_max, OF: tl.constexpr, out_dtype: tl.constexpr):
     """The (BN, BK) tile `w` as loaded, times 1 / inv_max, in e4m3 and transposed to (BK, BN),
     transposed at the point OF says (0 e4m3, 1 fp32, 2 as loaded: TRANSPOSE_OF)."""
-    scale = ((254 << 23) - inv_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / inv_max, both powers of two
+    scale = pow2_reciprocal(inv_max)
     if OF == 0:
         wt8 = tl.trans(e4m3_rne(w.to(tl.float32) * scale).to(out_dtype))
     elif OF == 1:
@@ -190,6 +196,15 @@ def _cast_transposed(w, inv_max, OF: tl.constexpr, out_dtype: tl.constexpr):
     else:
         wt8 = e4m3_rne(tl.trans(w).to(tl.float32) * scale).to(out_dtype)
     return wt8
+
+
+@triton.jit
+def _store_scale_b(INV, inv_max, pn, pk, K, BK: tl.constexpr):
+    """The first row of tiles writes inv_max over its BK columns of INV: the (1, K) scale_b of a
+    rowwise _scaled_mm, one value repeated."""
+    if pn == 0:
+        rk = pk * BK + tl.arange(0, BK)
+        tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
 
 
 @triton.jit
@@ -214,8 +229,7 @@ def _transposed_e4m3(W, WT, INV_MAX, INV, N, K, BN: tl.constexpr, BK: tl.constex
         if ACT != 0:
             w = _act(w.to(tl.float32), ACT, W.dtype.element_ty).to(W.dtype.element_ty)
         tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], _cast_transposed(w, inv_max, OF, WT.dtype.element_ty), mask=tl.trans(mask))
-    if pn == 0:
-        tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
+    _store_scale_b(INV, inv_max, pn, pk, K, BK)
 
 
 @triton.jit
@@ -228,9 +242,7 @@ def _transposed_e4m3_tma(W_DESC, WT_DESC, INV_MAX, INV, N, K, BN: tl.constexpr, 
     if ACT != 0:
         w = _act(w.to(tl.float32), ACT, w.dtype).to(w.dtype)
     WT_DESC.store([pk * BK, pn * BN], _cast_transposed(w, inv_max, OF, tl.float8e4nv))
-    if pn == 0:
-        rk = pk * BK + tl.arange(0, BK)
-        tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
+    _store_scale_b(INV, inv_max, pn, pk, K, BK)
 
 
 @triton.jit
@@ -241,7 +253,7 @@ def _transposed_e4m3_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.con
     two, k >= 0) and rounded again; OF 2 transposes the tile of bytes as loaded, 0 and 1 the recast one."""
     pn, pk = _tile_of(N, K, BN, BK, WALK)
     inv_max = tl.load(INV_MAX)
-    scale = ((254 << 23) - inv_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / inv_max, both powers of two
+    scale = pow2_reciprocal(inv_max)
     rn = pn * BN + tl.arange(0, BN)
     rk = pk * BK + tl.arange(0, BK)
     if EVEN:
@@ -259,8 +271,7 @@ def _transposed_e4m3_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.con
         tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], wt8)
     else:
         tl.store(WT + rk[:, None].to(tl.int64) * N + rn[None, :], wt8, mask=tl.trans(mask))
-    if pn == 0:
-        tl.store(INV + rk, tl.zeros((BK,), dtype=tl.float32) + inv_max, mask=rk < K)
+    _store_scale_b(INV, inv_max, pn, pk, K, BK)
 
 
 _launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
