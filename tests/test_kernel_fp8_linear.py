@@ -275,3 +275,91 @@ def test_the_seed_mlps_silu_and_nothing_else_folds_into_the_down_casts():
     assert not fp8_linear.fold_mlp_activation(swiglu) and swiglu.down.act is None  # silu(g) * u: two inputs, nothing folded
     plain = FeedForward(32, 64)
     assert not fp8_linear.fold_mlp_activation(plain)  # down not float8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,width,pieces", [(7, 40, 3), (9, 64, 2), (5, 123, 1), (2, 16, 3)], ids=["7x3x40", "9x2x64", "5x123", "2x3x16"])
+def test_the_pieces_cast_is_the_rowwise_cast_of_their_concatenation(rows, width, pieces, dtype):
+    """dY's cast over pieces read side by side (in_proj's dq, dk, dv): the same bits and scales as
+    the rowwise cast of the concatenated tensor, from pieces that are views with their own row
+    strides, rows not a multiple of the programs' share (the last program's share ragged); the column
+    sums those of the concatenation in fp32 (the bias gradient before rounding), to fp32's summation order."""
+    whole = _inputs((rows, width * pieces + 5), dtype)  # 5 columns past the pieces: each piece's rows 5 + width * pieces apart
+    parts = [whole[:, i * width:(i + 1) * width] for i in range(pieces)]
+    cat = torch.cat(parts, dim=-1)
+    y8, inv, sums = fp8_linear.rowwise_e4m3_pieces(parts, col_sum=True)
+    ref8, ref_inv = rowwise_e4m3(cat)
+    assert torch.equal(_bits(y8), _bits(ref8)) and torch.equal(inv, ref_inv)
+    torch.testing.assert_close(sums, cat.float().sum(0), atol=1e-5, rtol=1e-5)
+    y8, inv, none = fp8_linear.rowwise_e4m3_pieces(parts, col_sum=False)
+    assert torch.equal(_bits(y8), _bits(ref8)) and torch.equal(inv, ref_inv) and none is None
+
+
+def test_the_pieces_cast_outside_its_terms_casts_the_concatenation():
+    """Pieces of unequal widths, or more than MAX_PIECES: concatenated first, then the plain cast."""
+    x = _inputs((6, 100), torch.bfloat16)
+    for parts in ([x[:, :30], x[:, 30:]], [x[:, i * 20:(i + 1) * 20] for i in range(5)]):
+        y8, inv, sums = fp8_linear.rowwise_e4m3_pieces(parts, col_sum=True)
+        ref8, ref_inv = rowwise_e4m3(torch.cat(parts, dim=-1))
+        assert torch.equal(_bits(y8), _bits(ref8)) and torch.equal(inv, ref_inv)
+        torch.testing.assert_close(sums, torch.cat(parts, dim=-1).float().sum(0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("transpose_from", ["e4m3", "input"])
+@pytest.mark.parametrize("float8_grad_weight", [False, True], ids=["gw_hp", "gw_tensorwise"])
+def test_split_forward_is_forward_in_pieces_with_the_same_gradients(float8_grad_weight, transpose_from, monkeypatch):
+    """split_forward(x, 3): forward(x).chunk(3, -1) to the bit, and from the pieces' gradients the same
+    dX and dW bits as from their concatenation; db to fp32's summation order, rounded once to bf16."""
+    monkeypatch.setattr(fp8_linear, "TRANSPOSE_FROM", transpose_from)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, 32, generator=g).to(DEVICE, torch.bfloat16)
+    lin = torch.nn.Linear(32, 3 * 16, bias=True).to(DEVICE, torch.bfloat16)
+    swap_to_float8(lin, float8_grad_weight)
+    dys = [torch.randn(2, 24, 16, generator=g).to(DEVICE, torch.bfloat16) * s for s in (1.0, 30.0, 0.01)]  # the row scale set by the middle piece
+
+    x1 = x.clone().requires_grad_()
+    pieces = lin.split_forward(x1, 3)
+    torch.autograd.backward(pieces, dys)
+    grads = (x1.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+    lin.zero_grad()
+    x2 = x.clone().requires_grad_()
+    y = lin(x2)
+    y.backward(torch.cat(dys, dim=-1))
+
+    assert len(pieces) == 3 and all(torch.equal(p, c) for p, c in zip(pieces, y.chunk(3, -1)))
+    assert torch.equal(grads[0], x2.grad) and torch.equal(grads[1], lin.weight.grad)
+    torch.testing.assert_close(grads[2], lin.bias.grad, atol=0, rtol=2 ** -8)  # one bf16 rounding apart at most
+
+
+def test_attention_splits_a_float8_in_proj_and_trains_as_one_projection(monkeypatch):
+    """mini_llm's attention with a float8 in_proj takes q, k, v through split_forward; the output
+    and every gradient are those of the same linear called whole and chunked (in_proj's bias to
+    fp32's summation order)."""
+    from src.models.mini_llm import Attention
+
+    torch.manual_seed(0)
+    attn = Attention(64, 4, causal=True).to(DEVICE, torch.bfloat16)
+    swap_to_float8(attn.in_proj, float8_grad_weight=True)
+    calls = []
+    split = Float8RowwiseLinear.split_forward
+    monkeypatch.setattr(Float8RowwiseLinear, "split_forward", lambda self, x, n: calls.append(n) or split(self, x, n))
+    x = torch.randn(2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
+    dy = torch.randn(2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
+
+    def run():
+        xg = x.clone().requires_grad_()
+        attn.zero_grad()
+        y = attn(xg)
+        y.backward(dy)
+        return y, xg.grad, {n: p.grad.clone() for n, p in attn.named_parameters()}
+
+    y, dx, grads = run()
+    assert calls == [3]
+    monkeypatch.setattr(Float8RowwiseLinear, "split_forward", None)  # split_projection's plain path: in_proj(x).chunk(3, -1)
+    y_ref, dx_ref, grads_ref = run()
+    assert calls == [3] and torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    for name in grads:
+        if name == "in_proj.bias":
+            torch.testing.assert_close(grads[name], grads_ref[name], atol=0, rtol=2 ** -8)
+        else:
+            assert torch.equal(grads[name], grads_ref[name]), name

@@ -38,12 +38,15 @@ float8 block both ways and compiles it).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher, meta_key
 from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 from kernels.triton.rows import warps_for
@@ -94,6 +97,18 @@ FROM_E4M3_TILE = (128, 128)
 FROM_E4M3_WARPS = 4
 # What the casts of X may apply first (ACT, the index): none, or SiLU (`act="silu"`).
 ACTS = (None, "silu")
+# dY's rowwise cast where the linear has a bias, or where its output was handed on in pieces
+# (`split_forward`: in_proj's q, k and v): each program walks a fixed share of rows, SUM_STAGES rows'
+# loads in flight (tl.range num_stages), casting each row as _rowwise_e4m3 does from up to MAX_PIECES
+# tensors read side by side, and keeps its column sums as one fp32 row of partials, summed after (the
+# RMSNorm backward's dw, kernels/triton/rms_norm.py). So in_proj's dq, dk, dv are cast where attention's
+# backward wrote them, and the bias gradient comes out of the same read: in the float8 step on an H200
+# Inductor had stacked them into one 8192 x 6144 tensor (47 us a block) and read them a third time for
+# the bias (51 us), 1.2 ms a step, and summed out_proj's dY for its bias (13 us a block).
+SUM_PROGRAMS_PER_SM = 2
+SUM_STAGES = 4
+SUM_WARPS = 8
+MAX_PIECES = 3
 
 
 @triton.jit
@@ -274,7 +289,55 @@ def _transposed_e4m3_from_rowwise(Q, INV_ROW, WT, INV_MAX, INV, N, K, BN: tl.con
     _store_scale_b(INV, inv_max, pn, pk, K, BK)
 
 
+@triton.jit
+def _rowwise_e4m3_pieces(X0, X1, X2, Y, INV, PART, M, NP, stride0, stride1, stride2, rows_per_program, BLOCK: tl.constexpr, PIECES: tl.constexpr,
+                         SUM: tl.constexpr, STAGES: tl.constexpr):
+    """_rowwise_e4m3 of the row-wise concatenation [X0 | X1 | X2][:, :PIECES * NP] (each (M, NP), rows
+    `stride` apart) into Y (M, PIECES * NP), rows_per_program rows a program; with SUM, the program's
+    column sums (fp32) stored as its row of PART."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < NP
+    n = NP * PIECES
+    acc0 = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    start = pid.to(tl.int64) * rows_per_program  # an int64 loop: the rows' offsets below are too
+    end = tl.minimum(start + rows_per_program, M)
+    for r in tl.range(start, end, num_stages=STAGES):
+        x0 = tl.load(X0 + r * stride0 + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x0), axis=0)
+        if PIECES > 1:
+            x1 = tl.load(X1 + r * stride1 + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=0))
+        if PIECES > 2:
+            x2 = tl.load(X2 + r * stride2 + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=0))
+        scale, inv = pow2_scale(amax)
+        out = Y + r * n + cols
+        tl.store(out, e4m3_rne(x0 * scale).to(Y.dtype.element_ty), mask=mask)
+        if SUM:
+            acc0 += x0
+        if PIECES > 1:
+            tl.store(out + NP, e4m3_rne(x1 * scale).to(Y.dtype.element_ty), mask=mask)
+            if SUM:
+                acc1 += x1
+        if PIECES > 2:
+            tl.store(out + 2 * NP, e4m3_rne(x2 * scale).to(Y.dtype.element_ty), mask=mask)
+            if SUM:
+                acc2 += x2
+        tl.store(INV + r, inv)
+    if SUM:
+        part = PART + pid.to(tl.int64) * n + cols
+        tl.store(part, acc0, mask=mask)
+        if PIECES > 1:
+            tl.store(part + NP, acc1, mask=mask)
+        if PIECES > 2:
+            tl.store(part + 2 * NP, acc2, mask=mask)
+
+
 _launch_rowwise, _launch_transposed = Launcher(_rowwise_e4m3), Launcher(_transposed_e4m3)
+_launch_pieces = Launcher(_rowwise_e4m3_pieces)
 _launch_from_rowwise = Launcher(_transposed_e4m3_from_rowwise)
 
 
@@ -291,6 +354,33 @@ def rowwise_e4m3(x: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor,
     meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, ACT=ACTS.index(act), num_warps=warps_for(block, ROWWISE_WARPS))
     _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, y, inv, m, n, x.stride(0)), meta, meta_key(meta))
     return y, inv
+
+
+def rowwise_e4m3_pieces(pieces: Sequence[torch.Tensor], col_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y8, inv, sums): the row-wise concatenation of `pieces` (each (M, NP), unit column stride, up to
+    MAX_PIECES) cast as `rowwise_e4m3` casts it, the same bits, without the concatenation ever
+    written; with `col_sum` also its column sums (fp32, (PIECES * NP,): a bias's gradient before its
+    rounding), else None."""
+    pieces = [p if p.stride(-1) == 1 else p.contiguous() for p in pieces]
+    m, np_ = pieces[0].shape
+    if len(pieces) > MAX_PIECES or triton.next_power_of_2(np_) > MAX_BLOCK or any(p.shape != (m, np_) for p in pieces):
+        x = torch.cat(list(pieces), dim=-1)  # beyond the kernel's terms: one tensor, the plain cast
+        y, inv = rowwise_e4m3(x)
+        return y, inv, (x.float().sum(0) if col_sum else None)
+    n = np_ * len(pieces)
+    y = torch.empty((m, n), dtype=E4M3, device=pieces[0].device)
+    inv = torch.empty((m, 1), dtype=torch.float32, device=pieces[0].device)
+    index = device_index(pieces[0])
+    rows_per_program = triton.cdiv(m, max(1, min(m, sm_count(index) * SUM_PROGRAMS_PER_SM)))
+    programs = triton.cdiv(m, rows_per_program) if m else 0
+    part = torch.empty((programs, n), dtype=torch.float32, device=y.device) if col_sum else inv
+    block = triton.next_power_of_2(np_)
+    stages = pipeline_stages(SUM_STAGES, len(pieces) * block * pieces[0].element_size(), index)
+    meta = dict(BLOCK=block, PIECES=len(pieces), SUM=col_sum, STAGES=stages, num_warps=SUM_WARPS)
+    xs = [*pieces, *[pieces[0]] * (MAX_PIECES - len(pieces))]  # unused pointers: the first piece again
+    if programs:
+        _launch_pieces.launch((programs,), (*xs, y, inv, part, m, np_, *(x.stride(0) for x in xs), rows_per_program), meta, meta_key(meta))
+    return y, inv, (part.sum(0) if col_sum else None)
 
 
 def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor, act: str | None = None, w8: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -339,7 +429,8 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
     (ACTS) the input is the activation's: y = act(x) W^T + b, act applied inside X's casts."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool, act: str | None = None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool, act: str | None = None,
+                pieces: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_inv = rowwise_e4m3(x2, act)
         if float8_grad_weight:
@@ -357,28 +448,36 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(x2, weight, w_inv)
         ctx.has_bias, ctx.float8_grad_weight, ctx.act = bias is not None, float8_grad_weight, act
-        return y.view(*x.shape[:-1], weight.shape[0])
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y if pieces == 1 else y.chunk(pieces, -1)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dy8, dy_inv = rowwise_e4m3(dy2)
+    def backward(ctx, *dys: torch.Tensor):
+        # the output's gradient, or its pieces' (pieces > 1), each read where autograd left it: dY as
+        # one tensor exists only where a path below needs it in the input's dtype (`whole`)
+        rows = [d.reshape(-1, d.shape[-1]) for d in dys]
+        dy8, dy_inv, db = rowwise_e4m3_pieces(rows, ctx.has_bias) if ctx.has_bias or len(rows) > 1 else (*rowwise_e4m3(rows[0]), None)
+        whole = rows[0] if len(rows) == 1 else None
         if ctx.float8_grad_weight:
             xt8, xt_inv, weight, w_inv, *kept = ctx.saved_tensors
             u = kept[0] if ctx.act else None  # the activation's input, kept for its gradient
-            dyt8, _, dyt_inv = transposed_e4m3(dy2, dy_inv, w8=dy8)
+            if whole is None and TRANSPOSE_FROM != "e4m3":
+                whole = torch.cat(rows, dim=-1)
+            # from dY's e4m3 bytes (TRANSPOSE_FROM), dY itself only its shape: the pieces' cast stands in
+            dyt8, _, dyt_inv = transposed_e4m3(whole if whole is not None else dy8, dy_inv, w8=dy8)
             dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=False)
         else:
+            dy2 = whole if whole is not None else torch.cat(rows, dim=-1)
             x2, weight, w_inv = ctx.saved_tensors
             u = x2 if ctx.act else None
             x_in = F.silu(u) if ctx.act else x2  # the activation again: only its input was kept
             dw = (dy2.t() @ x_in.to(dy2.dtype)).to(weight.dtype)
         wt8, wt_inv, _ = transposed_e4m3(weight, w_inv)
-        dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dy.dtype, use_fast_accum=False)
+        dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dys[0].dtype, use_fast_accum=False)
         if ctx.act:  # the gradient through the activation (SiLU, ACTS' one), as its own backward computes it
             dx = torch.ops.aten.silu_backward(dx, u.to(dx.dtype))
-        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx.view(*dy.shape[:-1], weight.shape[1]), dw, db, None, None
+        db = db.to(weight.dtype) if ctx.has_bias else None
+        return dx.view(*dys[0].shape[:-1], weight.shape[1]), dw, db, None, None, None
 
 
 class Float8RowwiseLinear(nn.Linear):
@@ -391,6 +490,12 @@ class Float8RowwiseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act)
+
+    def split_forward(self, x: torch.Tensor, pieces: int) -> tuple[torch.Tensor, ...]:
+        """forward(x).chunk(pieces, -1), the same views, with backward taking the pieces' gradients
+        apart: their cast reads each where it lies instead of a copy stacking them into one tensor
+        (src/models/mini_llm.py's split_projection asks for it)."""
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, pieces)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", act={self.act}" if self.act else "")

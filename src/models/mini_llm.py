@@ -15,6 +15,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def split_projection(linear: nn.Module, x: torch.Tensor, pieces: int) -> tuple[torch.Tensor, ...]:
+    """linear(x).chunk(pieces, -1). A linear with `split_forward` (kernels/triton/fp8_linear.py)
+    returns the chunks itself and takes their gradients apart in backward, where autograd would
+    first copy them into one tensor (in_proj's 8192 x 6144 gradient a block at the seed's shapes)."""
+    split = getattr(linear, "split_forward", None)
+    return split(x, pieces) if split is not None else linear(x).chunk(pieces, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, causal: bool = True):
         super().__init__()
@@ -28,11 +36,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         # q, k, v split off the token axis and only then viewed as (B, nh, T, hs): backward's dq, dk
-        # and dv (token-major, as the fused kernels write them) stack back into in_proj's gradient in
-        # one contiguous copy. permute(2, 0, 3, 1, 4).unbind(0), the same views, stacks them head-major
-        # and then copies again to make them token-major.
-        q, k, v = self.in_proj(x).view(B, T, 3, self.n_heads, C // self.n_heads).unbind(2)  # each (B, T, nh, hs)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal)
+        # and dv (token-major, as the fused kernels write them) join back into in_proj's gradient in
+        # one contiguous copy, or none (split_projection). permute(2, 0, 3, 1, 4).unbind(0), the same
+        # views, stacks them head-major and then copies again to make them token-major.
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in split_projection(self.in_proj, x, 3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.out_proj(y)
 
