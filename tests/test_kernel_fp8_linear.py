@@ -363,3 +363,64 @@ def test_attention_splits_a_float8_in_proj_and_trains_as_one_projection(monkeypa
             torch.testing.assert_close(grads[name], grads_ref[name], atol=0, rtol=2 ** -8)
         else:
             assert torch.equal(grads[name], grads_ref[name]), name
+
+
+def _silu_grad_as_stored(dh: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """dU = dH * silu'(U) in fp32 as aten's silu_backward computes it (s = 1 / (1 + e^-u), dH * s *
+    (1 + u * (1 - s))), rounded to dH's dtype."""
+    uf, s = u.float(), 1 / (1 + torch.exp(-u.float()))
+    return (dh.float() * s * (1 + uf * (1 - s))).to(dh.dtype)
+
+
+@pytest.mark.parametrize("shape,max_block", [((5, 123), None), ((3, 300), 64)], ids=["5x123", "3x300-chunked"])
+def test_rowwise_cast_of_silus_gradient_casts_du_as_stored(shape, max_block, monkeypatch):
+    """act="silu_grad": the cast of dU = dH * silu'(U), computed from dH and U as SiLU's backward
+    stores it in bf16, without dU in memory; the same scales, and aten's silu_backward to a bf16 ulp."""
+    if max_block:
+        monkeypatch.setattr(fp8_linear, "MAX_BLOCK", max_block)
+    u = _inputs(shape, torch.bfloat16, seed=6) * 0.05
+    dh = _inputs(shape, torch.bfloat16, seed=7)
+    du = _silu_grad_as_stored(dh, u)
+    torch.testing.assert_close(du, torch.ops.aten.silu_backward(dh, u), atol=0, rtol=2 ** -7)
+    y8, inv = rowwise_e4m3(dh, "silu_grad", u)
+    ref8, ref_inv = rowwise_e4m3(du)
+    assert torch.equal(inv, ref_inv)
+    _within_an_e4m3_step(y8, ref8)
+
+
+@pytest.mark.parametrize("float8_grad_weight", [False, True], ids=["gw_hp", "gw_tensorwise"])
+def test_the_folded_mlp_takes_silus_gradient_in_ups_cast(float8_grad_weight):
+    """With up a float8 linear too, the fold pairs them: down's backward hands back d silu(U), and
+    up's cast of dY takes SiLU's gradient from U (gw_tensorwise; gw_hp needs dU in bf16 for its grad
+    weight, so SiLU's backward runs as its own op in up's backward). Against the fold of SiLU's forward
+    alone: the same output and down's gradient, bit for bit; up's and x's to an e4m3 step of dU
+    (gw_tensorwise), or bit for bit (gw_hp)."""
+    from src.models.mini_llm import FeedForward
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
+    dy = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
+
+    def run(pair: bool):
+        torch.manual_seed(0)
+        mlp = FeedForward(32, 64).to(DEVICE, torch.bfloat16)
+        for lin in (mlp.up, mlp.down):
+            swap_to_float8(lin, float8_grad_weight)
+        assert fp8_linear.fold_mlp_activation(mlp)
+        assert (mlp.up.act_out, mlp.down.act_grad_by_producer) == ("silu", True) and "act_out=silu" in repr(mlp.up)
+        if not pair:
+            mlp.up.act_out, mlp.down.act_grad_by_producer = None, False  # SiLU's backward in down's, as before the pairing
+        xg = x.clone().requires_grad_()
+        y = mlp(xg)
+        y.backward(dy)
+        return y, xg.grad, mlp.up.weight.grad, mlp.down.weight.grad
+
+    y, dx, dw_up, dw_down = run(pair=True)
+    y_ref, dx_ref, dw_up_ref, dw_down_ref = run(pair=False)
+    assert torch.equal(y, y_ref) and torch.equal(dw_down, dw_down_ref)
+    if float8_grad_weight:
+        torch.testing.assert_close(dx, dx_ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(dw_up, dw_up_ref, atol=2e-2, rtol=2e-2)
+        assert ((dx.float() - dx_ref.float()).norm() / dx_ref.float().norm()).item() < 0.01
+    else:
+        assert torch.equal(dx, dx_ref) and torch.equal(dw_up, dw_up_ref)

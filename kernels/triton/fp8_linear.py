@@ -95,8 +95,10 @@ TRANSPOSE_FROMS = ("input", "e4m3")
 # and 4 warps 7.43, the fastest of 32 settings on an H200 (docs/PERFORMANCE.md section 7, TRANSPOSE_FROM).
 FROM_E4M3_TILE = (128, 128)
 FROM_E4M3_WARPS = 4
-# What the casts of X may apply first (ACT, the index): none, or SiLU (`act="silu"`).
-ACTS = (None, "silu")
+# What the rowwise cast may apply first (ACT, the index): none, SiLU (`act="silu"`, the casts of X),
+# or SiLU's gradient ("silu_grad", the cast of dY: the tensor read is d silu(U), and U is read beside
+# it, so dU = d silu(U) * silu'(U) is cast as it is computed and never stored).
+ACTS = (None, "silu", "silu_grad")
 # dY's rowwise cast where the linear has a bias, or where its output was handed on in pieces
 # (`split_forward`: in_proj's q, k and v): each program walks a fixed share of rows, SUM_STAGES rows'
 # loads in flight (tl.range num_stages), casting each row as _rowwise_e4m3 does from up to MAX_PIECES
@@ -128,6 +130,28 @@ def _act(x, ACT: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _silu_grad(dh, u, dtype: tl.constexpr):
+    """dU = dH * silu'(U) (fp32 in, fp32 out), aten's silu_backward: s = 1 / (1 + e^-u), dH * s * (1 + u *
+    (1 - s)), the division approximate as in _act, rounded to `dtype` as that kernel stores it."""
+    sig = tl.fdiv(tl.full(u.shape, 1.0, tl.float32), 1.0 + tl.exp(-u), ieee_rounding=False)
+    du = dh * sig * (1.0 + u * (1.0 - sig))
+    if dtype == tl.bfloat16:
+        du = bf16_rne(du).to(tl.float32)
+    elif dtype != tl.float32:
+        du = du.to(dtype).to(tl.float32)
+    return du
+
+
+@triton.jit
+def _rowwise_load(X, G, rows, offs, stride_x, stride_g, mask, ACT: tl.constexpr):
+    """The rowwise cast's input tile in fp32: X's, through ACT (ACTS; silu_grad also reads G, U)."""
+    x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACT == 2:
+        return _silu_grad(x, tl.load(G + rows[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
+    return _act(x, ACT, X.dtype.element_ty)
+
+
+@triton.jit
 def e4m3_rne(v):
     """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32: three mantissa
     bits kept with the carry into the exponent, or e4m3's subnormal step of 2**-9 below 2**-6."""
@@ -156,14 +180,15 @@ def pow2_reciprocal(x):
 
 
 @triton.jit
-def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr, ACT: tl.constexpr):
-    """ROWS rows a program: each row's amax, then y = rne(x * s) and 1/s; x = act(X) (ACT, _act)."""
+def _rowwise_e4m3(X, G, Y, INV, M, N, stride_x, stride_g, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr, ACT: tl.constexpr):
+    """ROWS rows a program: each row's amax, then y = rne(x * s) and 1/s; x = act(X) (ACT,
+    _rowwise_load; G read only by silu_grad)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_mask = rows < M
     cols = tl.arange(0, BLOCK)
     if CHUNKS == 1:
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = _act(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32), ACT, X.dtype.element_ty)
+        x = _rowwise_load(X, G, rows, cols, stride_x, stride_g, mask, ACT)
         scale, inv = pow2_scale(tl.max(tl.abs(x), axis=1))
         tl.store(Y + rows[:, None] * N + cols[None, :], e4m3_rne(x * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
     else:
@@ -171,12 +196,12 @@ def _rowwise_e4m3(X, Y, INV, M, N, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.con
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
             mask = row_mask[:, None] & (offs < N)[None, :]
-            amax = tl.maximum(amax, tl.abs(_act(tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32), ACT, X.dtype.element_ty)))
+            amax = tl.maximum(amax, tl.abs(_rowwise_load(X, G, rows, offs, stride_x, stride_g, mask, ACT)))
         scale, inv = pow2_scale(tl.max(amax, axis=1))
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
             mask = row_mask[:, None] & (offs < N)[None, :]
-            x = _act(tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32), ACT, X.dtype.element_ty)
+            x = _rowwise_load(X, G, rows, offs, stride_x, stride_g, mask, ACT)
             tl.store(Y + rows[:, None] * N + offs[None, :], e4m3_rne(x * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
     tl.store(INV + rows, inv, mask=row_mask)
 
@@ -341,18 +366,22 @@ _launch_pieces = Launcher(_rowwise_e4m3_pieces)
 _launch_from_rowwise = Launcher(_transposed_e4m3_from_rowwise)
 
 
-def rowwise_e4m3(x: torch.Tensor, act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rowwise_e4m3(x: torch.Tensor, act: str | None = None, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, inv): x (M, N) with unit column stride, or act(x) (ACTS), in e4m3, a scale a row; inv
-    (M, 1) fp32 = 1/s, the scale_a (or, viewed (1, M), scale_b) _scaled_mm takes."""
+    (M, 1) fp32 = 1/s, the scale_a (or, viewed (1, M), scale_b) _scaled_mm takes. act="silu_grad":
+    x is d silu(u), and what is cast is dU = x * silu'(u), u of x's shape."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if act == "silu_grad" and u.stride(-1) != 1:
+        u = u.contiguous()
     m, n = x.shape
     y = torch.empty((m, n), dtype=E4M3, device=x.device)
     inv = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
     chunks = triton.cdiv(n, block)
     meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, ACT=ACTS.index(act), num_warps=warps_for(block, ROWWISE_WARPS))
-    _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, y, inv, m, n, x.stride(0)), meta, meta_key(meta))
+    g = u if act == "silu_grad" else x  # read only by silu_grad
+    _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, g, y, inv, m, n, x.stride(0), g.stride(0)), meta, meta_key(meta))
     return y, inv
 
 
@@ -430,7 +459,7 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool, act: str | None = None,
-                pieces: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                pieces: int = 1, act_out: str | None = None, act_grad_by_producer: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_inv = rowwise_e4m3(x2, act)
         if float8_grad_weight:
@@ -442,12 +471,14 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         # the bias added in the GEMM's epilogue (CUTLASS's rowwise kernel takes a bf16 one): a separate
         # add would read and write the output again, 8192 x 6144 bf16 for qkv (0.2 GB a block)
         y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv.view(1, -1), bias=bias, out_dtype=x.dtype, use_fast_accum=True)
-        if float8_grad_weight:
-            # with act, the activation's input too: its gradient needs it (the separate activation kept it)
-            ctx.save_for_backward(xt8, xt_inv, weight, w_inv, *((x2,) if act else ()))
-        else:
-            ctx.save_for_backward(x2, weight, w_inv)
-        ctx.has_bias, ctx.float8_grad_weight, ctx.act = bias is not None, float8_grad_weight, act
+        kept = {}
+        if act and float8_grad_weight and not act_grad_by_producer:
+            kept["u"] = x2  # the activation's input: its gradient needs it (the separate activation kept it)
+        if act_out:
+            kept["out"] = y  # the activation's input here is this output: its gradient is taken in dY's cast
+        ctx.save_for_backward(*((xt8, xt_inv, weight, w_inv) if float8_grad_weight else (x2, weight, w_inv)), *kept.values())
+        ctx.kept = tuple(kept)
+        ctx.has_bias, ctx.float8_grad_weight, ctx.act, ctx.act_grad_by_producer = bias is not None, float8_grad_weight, act, act_grad_by_producer
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if pieces == 1 else y.chunk(pieces, -1)
 
@@ -456,11 +487,22 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         # the output's gradient, or its pieces' (pieces > 1), each read where autograd left it: dY as
         # one tensor exists only where a path below needs it in the input's dtype (`whole`)
         rows = [d.reshape(-1, d.shape[-1]) for d in dys]
-        dy8, dy_inv, db = rowwise_e4m3_pieces(rows, ctx.has_bias) if ctx.has_bias or len(rows) > 1 else (*rowwise_e4m3(rows[0]), None)
-        whole = rows[0] if len(rows) == 1 else None
+        saved = ctx.saved_tensors
+        kept = dict(zip(ctx.kept, saved[len(saved) - len(ctx.kept):]))
+        out = kept.get("out")  # act_out: the gradient arriving is d act(Y), act's gradient is this cast's
+        if out is not None and not (ctx.float8_grad_weight and TRANSPOSE_FROM == "e4m3" and len(rows) == 1 and not ctx.has_bias):
+            # a path below needs dY in the input's dtype: act's gradient as its own op first
+            rows, out = [torch.ops.aten.silu_backward(torch.cat(rows, dim=-1) if len(rows) > 1 else rows[0], out)], None
+        if out is not None:
+            (dy8, dy_inv), db, whole = rowwise_e4m3(rows[0], "silu_grad", out), None, None
+        elif ctx.has_bias or len(rows) > 1:
+            dy8, dy_inv, db = rowwise_e4m3_pieces(rows, ctx.has_bias)
+            whole = rows[0] if len(rows) == 1 else None
+        else:
+            (dy8, dy_inv), db, whole = rowwise_e4m3(rows[0]), None, rows[0]
         if ctx.float8_grad_weight:
-            xt8, xt_inv, weight, w_inv, *kept = ctx.saved_tensors
-            u = kept[0] if ctx.act else None  # the activation's input, kept for its gradient
+            xt8, xt_inv, weight, w_inv = saved[:4]
+            u = kept.get("u")  # the activation's input, kept for its gradient
             if whole is None and TRANSPOSE_FROM != "e4m3":
                 whole = torch.cat(rows, dim=-1)
             # from dY's e4m3 bytes (TRANSPOSE_FROM), dY itself only its shape: the pieces' cast stands in
@@ -468,37 +510,42 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
             dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=False)
         else:
             dy2 = whole if whole is not None else torch.cat(rows, dim=-1)
-            x2, weight, w_inv = ctx.saved_tensors
+            x2, weight, w_inv = saved[:3]
             u = x2 if ctx.act else None
             x_in = F.silu(u) if ctx.act else x2  # the activation again: only its input was kept
             dw = (dy2.t() @ x_in.to(dy2.dtype)).to(weight.dtype)
         wt8, wt_inv, _ = transposed_e4m3(weight, w_inv)
         dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dys[0].dtype, use_fast_accum=False)
-        if ctx.act:  # the gradient through the activation (SiLU, ACTS' one), as its own backward computes it
+        if ctx.act and not ctx.act_grad_by_producer:  # the gradient through the activation (SiLU, ACTS' one), as its own backward computes it
             dx = torch.ops.aten.silu_backward(dx, u.to(dx.dtype))
         db = db.to(weight.dtype) if ctx.has_bias else None
-        return dx.view(*dys[0].shape[:-1], weight.shape[1]), dw, db, None, None, None
+        return dx.view(*dys[0].shape[:-1], weight.shape[1]), dw, db, None, None, None, None, None
 
 
 class Float8RowwiseLinear(nn.Linear):
     """nn.Linear with the float8 GEMMs above: the same parameters, so state dicts, FSDP2 sharding
     and checkpoints see the same tensors. Made by swapping an nn.Linear's class (`swap_to_float8`).
-    `act` (ACTS, set by `fold_mlp_activation`): the activation this layer applies to its input first."""
+    Set by `fold_mlp_activation` on an MLP's pair of linears: `act` (ACTS), the activation this layer
+    applies to its input first; `act_out`, the activation applied to this layer's output, which is handed
+    on as its input U (the next layer's `act` applies it); `act_grad_by_producer`, this layer's backward
+    returns the gradient of act(x), and the layer that made x (its `act_out`) takes act's gradient."""
 
     float8_grad_weight = False
     act: str | None = None
+    act_out: str | None = None
+    act_grad_by_producer = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act)
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, 1, self.act_out, self.act_grad_by_producer)
 
     def split_forward(self, x: torch.Tensor, pieces: int) -> tuple[torch.Tensor, ...]:
         """forward(x).chunk(pieces, -1), the same views, with backward taking the pieces' gradients
         apart: their cast reads each where it lies instead of a copy stacking them into one tensor
         (src/models/mini_llm.py's split_projection asks for it)."""
-        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, pieces)
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, pieces, self.act_out, self.act_grad_by_producer)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (f", act={self.act}" if self.act else "")
+        return super().extra_repr() + (f", act={self.act}" if self.act else "") + (f", act_out={self.act_out}" if self.act_out else "")
 
 
 def swap_to_float8(linear: nn.Linear, float8_grad_weight: bool = False) -> None:
@@ -514,10 +561,15 @@ def fold_mlp_activation(mlp: nn.Module) -> bool:
     """Fold an MLP's SiLU into its down projection's casts: for a module with `act` an nn.SiLU and
     `down` a Float8RowwiseLinear (the seed's Linear -> SiLU -> Linear, src/models/mini_llm.py's
     FeedForward), `act` becomes nn.Identity and `down` applies SiLU to its input inside X's casts.
-    The parameters are untouched. Returns whether it folded."""
-    act, down = getattr(mlp, "act", None), getattr(mlp, "down", None)
+    Where `up` is a Float8RowwiseLinear too, SiLU's gradient goes into up's cast of dY: down's
+    backward hands back d silu(U), and up's cast reads it beside U, its own output, so dU (8192 x
+    8192 bf16 a block at the seed's shapes) is never written and read back. The parameters are
+    untouched. Returns whether it folded."""
+    act, up, down = getattr(mlp, "act", None), getattr(mlp, "up", None), getattr(mlp, "down", None)
     if type(act) is not nn.SiLU or type(down) is not Float8RowwiseLinear or down.act is not None:
         return False
     mlp.act = nn.Identity()
     down.act = "silu"
+    if type(up) is Float8RowwiseLinear and up.act_out is None:
+        up.act_out, down.act_grad_by_producer = "silu", True
     return True
