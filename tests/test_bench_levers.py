@@ -152,7 +152,9 @@ def test_fp8_gemms_times_every_gemm_of_a_block_with_its_host_cost():
 def test_fp8_casts_run_each_linears_casts_as_the_linear_does(monkeypatch):
     """src/bench/fp8_casts.py's passes in Triton's interpreter: X^T and dY^T read their rowwise cast's
     e4m3 bytes (1 byte an element) where fp8_linear.TRANSPOSE_FROM says so, the bf16 operand (2)
-    otherwise; W^T always reads W; the down projection's X casts apply SiLU unless it is apart."""
+    otherwise; W^T always reads W; the down projection's X casts apply SiLU unless it is apart, and
+    up's dY cast SiLU's gradient (reading U too); qkv's dY is cast from three pieces, and the biased
+    linears' dY casts sum their columns, as Float8RowwiseLinearFunction's backward runs them."""
     pytest.importorskip("triton")
     import torch
 
@@ -164,6 +166,10 @@ def test_fp8_casts_run_each_linears_casts_as_the_linear_does(monkeypatch):
     assert [(c.operand, c.kind, c.act) for c in by_name["down", "forward"]] == [("X", "rowwise", "silu"), ("X", "transposed", "silu"), ("W", "rowwise", None)]
     assert all(c.act is None for c in by_name["up", "forward"])
     assert all(c.act is None for _, _, casts in fp8_casts.linear_passes(32, 16, 64, "rowwise_with_gw_tensorwise", act_in_cast=False) for c in casts)
+    dy = {linear: by_name[linear, "backward"][0] for linear in ("qkv", "out", "up", "down")}
+    assert [(d.act, d.pieces, d.col_sum) for d in dy.values()] == [(None, 3, True), (None, 1, True), ("silu_grad", 1, False), (None, 1, False)]
+    assert dy["up"].nbytes == 32 * 64 * (2 + 2 + 1) + 4 * 32  # dY and U read, e4m3 written
+    assert fp8_casts.linear_passes(32, 16, 64, "rowwise_with_gw_hp")[5][2][0].act is None  # gw_hp: dU in bf16, SiLU's gradient apart
     dyt, wt = by_name["qkv", "backward"][1:]
     assert (dyt.operand, dyt.kind, dyt.after_rowwise, wt.after_rowwise) == ("dY", "transposed", True, False)
     assert dyt.nbytes == 32 * 48 * 2 + 4 * (32 + 48) and wt.nbytes == 48 * 16 * 3 + 4 * 16
@@ -181,8 +187,16 @@ def test_fp8_casts_run_each_linears_casts_as_the_linear_does(monkeypatch):
             launched.append(self.name)
             return self.real.launch(*args)
 
-    for kernel in ("_launch_from_rowwise", "_launch_transposed"):
+    real = {kernel: getattr(fp8, kernel) for kernel in ("_launch_pieces", "_launch_rowwise")}
+    for kernel in ("_launch_from_rowwise", "_launch_transposed", *real):
         monkeypatch.setattr(fp8, kernel, Spy(kernel))
+    monkeypatch.setattr(fp8, "TRANSPOSE_FROM", "e4m3")
+    run = fp8_casts.make_pass(by_name["qkv", "backward"] + by_name["up", "backward"], torch.device("cpu"))
+    launched.clear()
+    run()
+    assert launched == ["_launch_pieces", "_launch_from_rowwise", "_launch_transposed", "_launch_rowwise", "_launch_from_rowwise", "_launch_transposed"]
+    for kernel, launcher in real.items():
+        monkeypatch.setattr(fp8, kernel, launcher)
     for source in ("input", "e4m3"):
         monkeypatch.setattr(fp8, "TRANSPOSE_FROM", source)
         launched.clear()

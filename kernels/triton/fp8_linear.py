@@ -111,6 +111,9 @@ SUM_PROGRAMS_PER_SM = 2
 SUM_STAGES = 4
 SUM_WARPS = 8
 MAX_PIECES = 3
+# The rowwise cast of dY with SiLU's gradient (act="silu_grad") reads two tensors and computes an
+# exponential and a division an element: warps by block width, apart from the plain cast's.
+SILU_GRAD_WARPS = {4096: 8}
 
 
 @triton.jit
@@ -379,7 +382,7 @@ def rowwise_e4m3(x: torch.Tensor, act: str | None = None, u: torch.Tensor | None
     inv = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
     chunks = triton.cdiv(n, block)
-    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, ACT=ACTS.index(act), num_warps=warps_for(block, ROWWISE_WARPS))
+    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, ACT=ACTS.index(act), num_warps=warps_for(block, SILU_GRAD_WARPS if act == "silu_grad" else ROWWISE_WARPS))
     g = u if act == "silu_grad" else x  # read only by silu_grad
     _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, g, y, inv, m, n, x.stride(0), g.stride(0)), meta, meta_key(meta))
     return y, inv

@@ -1,7 +1,7 @@
 """The float8 casts of a mini_llm step, each at its own shape, against the copy ceiling.
 
     python -m src.bench.fp8_casts [--tokens 8192] [--dim 2048] [--hidden 8192] [--layers 12]
-        [--recipe rowwise_with_gw_tensorwise] [--sweep [rowwise] [transposed] [from]] [--out DIR]
+        [--recipe rowwise_with_gw_tensorwise] [--sweep [rowwise] [transposed] [from] [dy]] [--out DIR]
 
 kernels/triton/fp8_linear.py casts every operand of a block's float8 GEMMs: per linear, the input X
 and the weight W rowwise in forward, the output's gradient dY rowwise and W^T tensorwise in
@@ -19,7 +19,8 @@ other (X^T straight after X's rowwise cast, which L2 may still hold part of), ch
 --sweep times the step's casts, pass by pass as the linears run them, under the launch settings
 the module keeps as constants (the rowwise cast's rows a program and warps; the transposed cast's
 tile, warps, walk, which tile is transposed, whether TMA moves the tiles, and what X^T and dY^T
-are cast from), and prints the step's sum for each: the module constants take the fastest.
+are cast from; dY's cast over pieces and the one with SiLU's gradient), and prints the step's sum
+for each: the module constants take the fastest.
 """
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ class Cast:
     rows: int
     cols: int
     after_rowwise: bool = False  # a transposed cast that follows the operand's rowwise cast (X^T, dY^T)
-    act: str | None = None       # applied inside the cast (the down projection's X with the MLP's SiLU folded in)
+    act: str | None = None       # applied inside the cast (fp8_linear.ACTS: SiLU on down's X, SiLU's gradient on up's dY, reading U too)
+    pieces: int = 1              # a rowwise cast read from this many tensors side by side (qkv's dY: dq, dk, dv)
+    col_sum: bool = False        # a rowwise cast that also sums its columns (a bias's gradient)
 
     @property
     def from_e4m3(self) -> bool:
@@ -60,7 +63,7 @@ class Cast:
         """Read its source once (bf16, or e4m3 and the rows' scales), write e4m3 once, plus the fp32
         scales written (a row's, or the repeated one)."""
         if self.kind == "rowwise":
-            return self.rows * self.cols * (2 + 1) + 4 * self.rows
+            return self.rows * self.cols * (2 + 1 + (2 if self.act == "silu_grad" else 0)) + 4 * self.rows
         if self.from_e4m3:
             return self.rows * self.cols * (1 + 1) + 4 * (self.rows + self.cols)
         return self.rows * self.cols * (2 + 1) + 4 * self.cols
@@ -69,13 +72,18 @@ class Cast:
 def linear_passes(tokens: int, dim: int, hidden: int, recipe: str, act_in_cast: bool = True) -> list[tuple[str, str, list[Cast]]]:
     """(linear, pass, its casts in the order Float8RowwiseLinearFunction runs them) for a block's
     linears: forward X rowwise (X^T right after it), W rowwise; backward dY rowwise (dY^T right
-    after it), W^T. `act_in_cast`: the down projection's X casts apply SiLU (precision.fp8_act_in_cast)."""
+    after it), W^T. `act_in_cast`: the down projection's X casts apply SiLU (precision.fp8_act_in_cast),
+    and, with the grad weight in float8, up's dY cast SiLU's gradient (the pair fold_mlp_activation
+    makes). qkv's dY is cast from dq, dk and dv (split_forward), and the two biased linears' dY casts
+    sum their columns."""
     gw_float8 = TRITON_RECIPES[recipe]
     passes = []
     for name, fan_in, fan_out in block_linears(dim, hidden):
         act = "silu" if act_in_cast and name == "down" else None
+        dy_act = "silu_grad" if act_in_cast and gw_float8 and name == "up" else None
         forward = [Cast(name, "X", "rowwise", tokens, fan_in, act=act)] + ([Cast(name, "X", "transposed", tokens, fan_in, True, act)] if gw_float8 else [])
-        backward = [Cast(name, "dY", "rowwise", tokens, fan_out)] + ([Cast(name, "dY", "transposed", tokens, fan_out, True)] if gw_float8 else [])
+        backward = [Cast(name, "dY", "rowwise", tokens, fan_out, act=dy_act, pieces=3 if name == "qkv" else 1, col_sum=name in ("qkv", "out"))]
+        backward += [Cast(name, "dY", "transposed", tokens, fan_out, True)] if gw_float8 else []
         passes += [(name, "forward", forward + [Cast(name, "W", "rowwise", fan_out, fan_in)]),
                    (name, "backward", backward + [Cast(name, "W", "transposed", fan_out, fan_in)])]
     return passes
@@ -91,14 +99,24 @@ def make_pass(casts: list[Cast], device: torch.device, seed: int = 0) -> Callabl
     for c in casts:
         if c.operand not in operands:
             operands[c.operand] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
-    acts = {c.operand: c.act for c in casts}
-    saved = {name: fp8.rowwise_e4m3(t, acts[name]) for name, t in operands.items()}
+        if c.act == "silu_grad" and "U" not in operands:  # SiLU's input beside dY
+            operands["U"] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
+    # pieces as the step has them: tensors of their own, not views of one
+    parts = {c.operand: [p.contiguous() for p in operands[c.operand].chunk(c.pieces, -1)] for c in casts if c.pieces > 1}
+
+    def rowwise_cast(c: Cast) -> tuple[torch.Tensor, torch.Tensor]:
+        if c.pieces > 1 or c.col_sum:
+            return fp8.rowwise_e4m3_pieces(parts.get(c.operand, [operands[c.operand]]), c.col_sum)[:2]
+        return fp8.rowwise_e4m3(operands[c.operand], c.act, operands.get("U"))
+
+    saved = {c.operand: rowwise_cast(c) for c in casts if c.kind == "rowwise"}
+    saved.update({c.operand: fp8.rowwise_e4m3(operands[c.operand], c.act) for c in casts if c.operand not in saved})
 
     def run() -> None:
         rowwise = dict(saved)
         for c in casts:
             if c.kind == "rowwise":
-                rowwise[c.operand] = fp8.rowwise_e4m3(operands[c.operand], c.act)
+                rowwise[c.operand] = rowwise_cast(c)
             else:
                 q, inv = rowwise[c.operand]
                 fp8.transposed_e4m3(operands[c.operand], inv, c.act, w8=q if c.after_rowwise else None)
@@ -155,6 +173,12 @@ FROM_SETTINGS = [dict(TRANSPOSE_FROM="input")] + [dict(TRANSPOSE_FROM="e4m3", FR
                                                   for tile, warps, of in itertools.product(TILES, [4, 8], ["e4m3", "input"])]
 
 
+# dY's casts of the backward pass's own kinds: the cast over pieces with column sums (programs an SM,
+# pipeline stages, warps), then SiLU's gradient's warps
+DY_SETTINGS = ([dict(SUM_PROGRAMS_PER_SM=p, SUM_STAGES=st, SUM_WARPS=w) for p, st, w in itertools.product([1, 2, 4, 8], [1, 2, 4], [4, 8, 16])]
+               + [dict(SILU_GRAD_WARPS=w) for w in ({4096: 8}, {8192: 16}, {4096: 16}, {8192: 32}, {2048: 4})])
+
+
 def transpose_orders(tile: dict) -> list[dict]:
     return [dict(tile, TRANSPOSE_OF=of, TRANSPOSE_WALK=walk, TRANSPOSE_TMA=tma)
             for tma, of, walk in itertools.product([False, True], fp8.TRANSPOSE_OFS, fp8.WALKS)]
@@ -191,6 +215,8 @@ def sweep(passes: list[tuple[str, str, list[Cast]]], device: torch.device, layer
         results += tiles + [_step_under(s, "transposed", passes, device, layers) for s in transpose_orders(best) if s != best]
     if "from" in kinds:
         results += [_step_under(s, "from", passes, device, layers) for s in FROM_SETTINGS]
+    if "dy" in kinds:
+        results += [_step_under(s, "dy", passes, device, layers) for s in DY_SETTINGS]
     return results
 
 
@@ -225,9 +251,10 @@ def main() -> None:
     add_block_shape_args(p)
     p.add_argument("--layers", type=int, default=12, help="blocks a step")
     p.add_argument("--recipe", default="rowwise_with_gw_tensorwise", choices=sorted(TRITON_RECIPES))
-    p.add_argument("--sweep", nargs="*", choices=["rowwise", "transposed", "from"], default=None,
+    p.add_argument("--sweep", nargs="*", choices=["rowwise", "transposed", "from", "dy"], default=None,
                    help="also time the step's casts under each launch setting of these kinds of cast (rowwise and transposed if none "
-                        "is named; from: X^T and dY^T read from the bf16 operand or from the rowwise cast's bytes, fp8_linear.TRANSPOSE_FROM)")
+                        "is named; from: X^T and dY^T read from the bf16 operand or from the rowwise cast's bytes, fp8_linear.TRANSPOSE_FROM; "
+                        "dy: the cast over pieces with column sums, and the cast with SiLU's gradient)")
     p.add_argument("--act-apart", action="store_true", help="the MLP's SiLU as a pass of its own (precision.fp8_act_in_cast=false): "
                    "the down projection's X casts without it")
     p.add_argument("--out", default=None, help="directory for casts.json (and sweep.json)")
