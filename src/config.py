@@ -209,8 +209,10 @@ class PrecisionConfig:
     fp8_act_in_cast: bool | None = None
     """fp8_impl=triton, model.mlp=silu: the MLP's SiLU applied inside the down projection's float8 casts, which then
     read the up projection's output, instead of in a pass of its own over the hidden activations (read and write
-    0.27 GB a block of the seed's step); unset: on wherever it applies (fp8_impl=triton and model.mlp=silu). On one
-    H200 +exp=fsdp4_fp8's step is level with it (55.2 against 55.6 ms, the same peak; docs/PERFORMANCE.md section 7)"""
+    0.27 GB a block of the seed's step), and SiLU's gradient inside the up projection's cast of dY, which then reads
+    U beside it, instead of silu_backward's pass; unset: on wherever it applies (fp8_impl=triton and model.mlp=silu).
+    On one H200 +exp=fsdp4_fp8's step is level with it (55.2 against 55.6 ms for the forward's fold, the same peak;
+    53.05 against 53.25 median for the backward's; docs/PERFORMANCE.md section 7)"""
 
 
 @dataclass

@@ -62,6 +62,7 @@ def test_categories_by_name_and_by_the_range_a_kernel_was_launched_in():
     assert category("nvjet_tst_192x192_64x4_1x2_h_bz_coopA_TNT") == "gemm"
     # the float8 casts are casts (the float8 step's 7.5 ms of them once read as "other"); float8 GEMMs stay GEMMs
     assert category("_rowwise_e4m3") == category("_transposed_e4m3_1") == category("_transposed_e4m3_from_rowwise_4") == "norm_elementwise_cast"
+    assert category("_rowwise_e4m3_pieces") == "norm_elementwise_cast"
     assert category("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::float_e4m3_t>>") == "gemm"
     assert category("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
 

@@ -21,7 +21,16 @@ own kernel would store it. The seed's MLP, down(silu(up(x))), loses SiLU's pass 
 activations (read U, write X: 0.27 GB a block at 8192 tokens x 8192, 1.15 ms of kernels a float8
 step on an H200), since X's rowwise cast reads U in its place (and X^T is cast from its bytes); the
 cast's extra arithmetic takes back about as much, so the step is level (docs/PERFORMANCE.md section 7).
-Backward returns dU = dX * silu'(U) from the U it keeps, which the separate SiLU kept too.
+Backward returns dU = dX * silu'(U) from the U it keeps, which the separate SiLU kept too; or, where
+up is a float8 linear as well (`fold_mlp_activation` pairs them: up's `act_out`, down's
+`act_grad_by_producer`), down returns dX and up's cast of dY takes SiLU's gradient from U as it reads it
+(`act="silu_grad"`), so dU is not written either.
+
+dY is cast where autograd leaves it. A linear whose output is handed on in pieces (`split_forward`:
+attention's in_proj, whose q, k and v are chunks of one GEMM) gets their gradients apart, and the cast
+reads them side by side (`rowwise_e4m3_pieces`) instead of after a copy stacking them; with a bias the
+same pass sums dY's columns for its gradient. On an H200 these took 2.45 ms a step of separate kernels
+away (docs/PERFORMANCE.md section 7).
 
 Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
 scaling is exact and the inverse handed to _scaled_mm is exact too. The cast rounds to nearest,
@@ -106,13 +115,17 @@ ACTS = (None, "silu", "silu_grad")
 # RMSNorm backward's dw, kernels/triton/rms_norm.py). So in_proj's dq, dk, dv are cast where attention's
 # backward wrote them, and the bias gradient comes out of the same read: in the float8 step on an H200
 # Inductor had stacked them into one 8192 x 6144 tensor (47 us a block) and read them a third time for
-# the bias (51 us), 1.2 ms a step, and summed out_proj's dY for its bias (13 us a block).
+# the bias (51 us), 1.2 ms a step, and summed out_proj's dY for its bias (13 us a block). The row loop
+# reads slower than one program a row (qkv's dY 68 us, 2.2 TB/s, against 50 for the plain cast of one
+# tensor); of 36 settings (src/bench/fp8_casts.py --sweep dy, one H200) these were within 0.2% of the best,
+# one stage (the loop as written) 8-20% slower.
 SUM_PROGRAMS_PER_SM = 2
 SUM_STAGES = 4
 SUM_WARPS = 8
 MAX_PIECES = 3
 # The rowwise cast of dY with SiLU's gradient (act="silu_grad") reads two tensors and computes an
-# exponential and a division an element: warps by block width, apart from the plain cast's.
+# exponential and a division an element: warps by block width, apart from the plain cast's (4 to 32 warps
+# at 8192 wide within 0.6% of each other, --sweep dy).
 SILU_GRAD_WARPS = {4096: 8}
 
 
