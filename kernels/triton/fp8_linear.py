@@ -130,18 +130,24 @@ SILU_GRAD_WARPS = {4096: 8}
 
 
 @triton.jit
+def _as_stored(x, dtype: tl.constexpr):
+    """x (fp32) rounded to `dtype` as a torch kernel storing it would (bf16 to nearest even by the
+    bits: the interpreter's cast truncates), back in fp32."""
+    if dtype == tl.bfloat16:
+        x = bf16_rne(x).to(tl.float32)
+    elif dtype != tl.float32:
+        x = x.to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _act(x, ACT: tl.constexpr, dtype: tl.constexpr):
     """x (fp32) through the activation ACT (0: none, 1: SiLU), rounded to `dtype` as the
-    activation's own kernel would store it (bf16 to nearest even by the bits: the interpreter's cast
-    truncates), back in fp32."""
+    activation's own kernel would store it, back in fp32."""
     if ACT == 1:
         # x / (1 + e^-x), torch's formula, with the division approximate (div.full.f32, 2 ulp): an IEEE
         # division is a dozen instructions an element, and two casts of the hidden activations run it
-        x = tl.fdiv(x, 1.0 + tl.exp(-x), ieee_rounding=False)
-        if dtype == tl.bfloat16:
-            x = bf16_rne(x).to(tl.float32)
-        elif dtype != tl.float32:
-            x = x.to(dtype).to(tl.float32)
+        x = _as_stored(tl.fdiv(x, 1.0 + tl.exp(-x), ieee_rounding=False), dtype)
     return x
 
 
@@ -150,12 +156,7 @@ def _silu_grad(dh, u, dtype: tl.constexpr):
     """dU = dH * silu'(U) (fp32 in, fp32 out), aten's silu_backward: s = 1 / (1 + e^-u), dH * s * (1 + u *
     (1 - s)), the division approximate as in _act, rounded to `dtype` as that kernel stores it."""
     sig = tl.fdiv(tl.full(u.shape, 1.0, tl.float32), 1.0 + tl.exp(-u), ieee_rounding=False)
-    du = dh * sig * (1.0 + u * (1.0 - sig))
-    if dtype == tl.bfloat16:
-        du = bf16_rne(du).to(tl.float32)
-    elif dtype != tl.float32:
-        du = du.to(dtype).to(tl.float32)
-    return du
+    return _as_stored(dh * sig * (1.0 + u * (1.0 - sig)), dtype)
 
 
 @triton.jit
