@@ -34,9 +34,9 @@ away (docs/PERFORMANCE.md section 7).
 
 Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
 scaling is exact and the inverse handed to _scaled_mm is exact too. The cast rounds to nearest,
-ties to even, in integer arithmetic (`e4m3_rne`) before the final conversion, because Triton's
-interpreter converts float32 to e4m3 with ties away from zero and a wrong carry (-124.5 became -64
-on Triton 3.6); on a GPU the result is the same bits as the hardware's rounding.
+ties to even: on a GPU by the conversion itself (cvt.rn), under Triton's interpreter in integer
+arithmetic first (`e4m3_rne`), because the interpreter converts float32 to e4m3 with ties away from
+zero and a wrong carry (-124.5 became -64 on Triton 3.6). Both give the same bits.
 
 On an H200 (src/bench/fp8_gemms.py, docs/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
 this way against 3.48 in bf16 (11.6 ms a step). torchao's casts for the same recipe, compiled by
@@ -57,7 +57,7 @@ import triton.language as tl
 
 from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher, meta_key
-from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
+from kernels.triton.rounding import INTERPRETED, bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 from kernels.triton.rows import warps_for
 
 E4M3 = torch.float8_e4m3fn
@@ -131,9 +131,9 @@ SILU_GRAD_WARPS = {4096: 8}
 
 @triton.jit
 def _as_stored(x, dtype: tl.constexpr):
-    """x (fp32) rounded to `dtype` as a torch kernel storing it would (bf16 to nearest even by the
-    bits: the interpreter's cast truncates), back in fp32."""
-    if dtype == tl.bfloat16:
+    """x (fp32) rounded to `dtype` as a torch kernel storing it would, back in fp32 (bf16 to nearest
+    even; under the interpreter, whose cast truncates, by the bits)."""
+    if dtype == tl.bfloat16 and INTERPRETED:
         x = bf16_rne(x).to(tl.float32)
     elif dtype != tl.float32:
         x = x.to(dtype).to(tl.float32)
@@ -170,14 +170,17 @@ def _rowwise_load(X, G, rows, offs, stride_x, stride_g, mask, ACT: tl.constexpr)
 
 @triton.jit
 def e4m3_rne(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32: three mantissa
+    """v (fp32, |v| <= 448) as fp32 whose conversion to e4m3 is v's nearest e4m3 value, ties to even.
+    On a GPU that is v (the conversion rounds so); under the interpreter v rounded here: three mantissa
     bits kept with the carry into the exponent, or e4m3's subnormal step of 2**-9 below 2**-6."""
-    bits = v.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
-    # 1.5 * 2**14: fp32's spacing between 2**14 and 2**15 is 2**-9, so the add rounds |v| there
-    sub = ((tl.abs(v) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -2147483648)  # the sign kept, -0 too
-    return tl.where(tl.abs(v) < 0.015625, sub.to(tl.float32, bitcast=True), normal)
+    if INTERPRETED:
+        bits = v.to(tl.int32, bitcast=True)
+        lsb = (bits >> 20) & 1
+        normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+        # 1.5 * 2**14: fp32's spacing between 2**14 and 2**15 is 2**-9, so the add rounds |v| there
+        sub = ((tl.abs(v) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -2147483648)  # the sign kept, -0 too
+        v = tl.where(tl.abs(v) < 0.015625, sub.to(tl.float32, bitcast=True), normal)
+    return v
 
 
 @triton.jit

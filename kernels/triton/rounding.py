@@ -3,8 +3,16 @@ the same bits: the interpreter's own fp32 -> bf16 cast truncates where a GPU's r
 even. Kernels import these by name (kernels/triton/pdl.py says why)."""
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Whether this process runs Triton's interpreter (decided at import, as triton.jit decides it). A
+# rounding that a GPU's conversion does by itself, to nearest even, is done by the bits only there:
+# on an H200 the integer rounding before each e4m3 conversion is ~8 instructions an element, and the
+# casts that read e4m3 (1 byte an element) have little else to hide it behind.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
