@@ -131,9 +131,9 @@ SILU_GRAD_WARPS = {4096: 8}
 
 @triton.jit
 def _as_stored(x, dtype: tl.constexpr):
-    """x (fp32) rounded to `dtype` as a torch kernel storing it would, back in fp32 (bf16 to nearest
-    even; under the interpreter, whose cast truncates, by the bits)."""
-    if dtype == tl.bfloat16 and INTERPRETED:
+    """x (fp32) rounded to `dtype` as a torch kernel storing it would (bf16 to nearest even: bf16_rne,
+    as the interpreter's cast truncates), back in fp32."""
+    if dtype == tl.bfloat16:
         x = bf16_rne(x).to(tl.float32)
     elif dtype != tl.float32:
         x = x.to(dtype).to(tl.float32)

@@ -17,9 +17,12 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 @triton.jit
 def bf16_rne(x):
-    """fp32 -> bf16, rounded to nearest even by the bits, as torch's .to(torch.bfloat16) does for
-    every non-NaN value (a NaN stays a NaN: 0x7FC0)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    """fp32 -> bf16, rounded to nearest even, as torch's .to(torch.bfloat16) does for every non-NaN
+    value: on a GPU by the conversion itself, under the interpreter by the bits (a NaN stays a NaN:
+    0x7FC0 there, the GPU's own NaN on a GPU)."""
+    if INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
