@@ -1,18 +1,20 @@
-"""Roundings the kernels share, written in integer arithmetic so a GPU and Triton's interpreter give
-the same bits: the interpreter's own fp32 -> bf16 cast truncates where a GPU's rounds to nearest
-even. Kernels import these by name (kernels/triton/pdl.py says why)."""
+"""Roundings the kernels share. On a GPU the conversion itself rounds to nearest even; Triton's
+interpreter's does not (its fp32 -> bf16 cast truncates), so there they round in integer arithmetic
+first, and a GPU and the interpreter give the same bits. Kernels import these by name
+(kernels/triton/pdl.py says why)."""
 from __future__ import annotations
 
 import os
 
 import triton
 import triton.language as tl
+from triton import knobs
 
-# Whether this process runs Triton's interpreter (decided at import, as triton.jit decides it). A
-# rounding that a GPU's conversion does by itself, to nearest even, is done by the bits only there:
-# on an H200 the integer rounding before each e4m3 conversion is ~8 instructions an element, and the
-# casts that read e4m3 (1 byte an element) have little else to hide it behind.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# Whether this process runs Triton's interpreter (read at import, as triton.jit reads it). A rounding
+# that a GPU's conversion does by itself, to nearest even, is done by the bits only there: on an H200
+# the integer rounding before each e4m3 conversion (~8 instructions an element) held the float8 casts
+# at 1.7-3.1 TB/s; without it they take 6.55 ms a step against 9.02 (docs/PERFORMANCE.md section 7).
+INTERPRETED = tl.constexpr(bool(getattr(knobs.runtime, "interpret", os.environ.get("TRITON_INTERPRET") == "1")))
 
 
 @triton.jit
