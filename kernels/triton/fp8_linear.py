@@ -40,8 +40,8 @@ zero and a wrong carry (-124.5 became -64 on Triton 3.6). Both give the same bit
 
 On an H200 (src/bench/fp8_gemms.py, docs/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
 this way against 3.48 in bf16 (11.6 ms a step). torchao's casts for the same recipe, compiled by
-Inductor, gave back all but 1.7 ms of it; with these the seed's compiled step takes 61.5 ms against
-bf16's 68.6 (docs/PERFORMANCE.md section 7). Eager blocks launch the casts from Python, about 12
+Inductor, gave back all but 1.7 ms of it; with these, in +exp=fsdp4_fp8, the seed's step takes 50-51 ms
+on one H200 against 67-69 for the same step in bf16 (docs/PERFORMANCE.md section 7). Eager blocks launch the casts from Python, about 12
 launches a linear, and are host-bound: use compiled ones (kernels=compile; kernels=auto times the
 float8 block both ways and compiles it).
 """
