@@ -211,8 +211,9 @@ class PrecisionConfig:
     read the up projection's output, instead of in a pass of its own over the hidden activations (read and write
     0.27 GB a block of the seed's step), and SiLU's gradient inside the up projection's cast of dY, which then reads
     U beside it, instead of silu_backward's pass; unset: on wherever it applies (fp8_impl=triton and model.mlp=silu).
-    On one H200 +exp=fsdp4_fp8's step is level with it (55.2 against 55.6 ms for the forward's fold, the same peak;
-    53.05 against 53.25 median for the backward's; docs/PERFORMANCE.md section 7)"""
+    On one H200 +exp=fsdp4_fp8's step was level with it while the casts rounded by the bits (55.2 against 55.6 ms for
+    the forward's fold; 53.05 against 53.25 median for the backward's); with the GPU's own rounding, 52.7-52.8 against
+    54.4-56.3 ms apart and 0.27 GB less peak, in one call (docs/PERFORMANCE.md section 7)"""
 
 
 @dataclass
