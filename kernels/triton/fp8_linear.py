@@ -20,8 +20,8 @@ activation's input U and casts silu(U), each element rounded to U's dtype first,
 own kernel would store it. The seed's MLP, down(silu(up(x))), loses SiLU's pass over the hidden
 activations (read U, write X: 0.27 GB a block at 8192 tokens x 8192, 1.15 ms of kernels a float8
 step on an H200), since X's rowwise cast reads U in its place (and X^T is cast from its bytes); the
-cast's extra arithmetic took back about as much while the casts rounded by the bits; since they round by the
-GPU's conversion the step is 1.6-3.6 ms faster with it, in one call (docs/PERFORMANCE.md section 7).
+cast's extra arithmetic took back about as much while the casts rounded by the bits; since they round
+by the GPU's conversion the step is 1.6-3.6 ms faster with it, in one call (docs/PERFORMANCE.md 7).
 Backward returns dU = dX * silu'(U) from the U it keeps, which the separate SiLU kept too; or, where
 up is a float8 linear as well (`fold_mlp_activation` pairs them: up's `act_out`, down's
 `act_grad_by_producer`), down returns dX and up's cast of dY takes SiLU's gradient from U as it reads it
@@ -41,10 +41,10 @@ zero and a wrong carry (-124.5 became -64 on Triton 3.6). Both give the same bit
 
 On an H200 (src/bench/fp8_gemms.py, docs/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
 this way against 3.48 in bf16 (11.6 ms a step). torchao's casts for the same recipe, compiled by
-Inductor, gave back all but 1.7 ms of it; with these, in +exp=fsdp4_fp8, the seed's step takes 50-51 ms
-on one H200 against 67-69 for the same step in bf16 (docs/PERFORMANCE.md section 7). Eager blocks launch the casts from Python, about 12
-launches a linear, and are host-bound: use compiled ones (kernels=compile; kernels=auto times the
-float8 block both ways and compiles it).
+Inductor, gave back all but 1.7 ms of it; with these, in +exp=fsdp4_fp8, the seed's step takes 50-53
+ms on one H200 against 67-69 for the same step in bf16 (docs/PERFORMANCE.md section 7). Eager blocks
+launch the casts from Python, about 12 launches a linear, and are host-bound: use compiled ones
+(kernels=compile; kernels=auto times the float8 block both ways and compiles it).
 """
 from __future__ import annotations
 
