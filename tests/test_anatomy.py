@@ -103,6 +103,48 @@ def test_a_gpu_trace_ties_kernels_to_the_fsdp_and_optimizer_ranges_they_were_lau
     assert metrics(a)["anatomy.step_over_floor"] == pytest.approx(1.5)
 
 
+def test_a_device_behind_its_host_counts_only_the_profiled_steps_work():
+    """Graph replays queue a step ahead: the window opens with the step before it still running on the
+    device (its GEMM tail, launched before the window, and its optimizer kernel, whose launch the trace
+    lacks) and closes with the last step's work still queued (a graph launched at 480 runs 560-760).
+    Only what the window's step launched counts, and its device time is its own kernels' span."""
+    events = [
+        _x("ProfilerStep#5", "user_annotation", 0, 500),
+        _x("cudaLaunchKernel", "cuda_runtime", -400, 2, correlation=1),  # the step before's GEMM
+        _x("cudaGraphLaunch", "cuda_runtime", 20, 5, correlation=2),
+        _x("Optimizer.step#TritonAdamW.step", "user_annotation", 470, 20),
+        _x("cudaLaunchKernel", "cuda_runtime", 480, 2, correlation=3),
+        _x("nvjet_sm90_qqtst_gemm", "kernel", 0, 100, pid=0, tid=7, device=0, stream=7, correlation=1),
+        _x("_adamw_tiles", "kernel", 100, 50, pid=0, tid=7, device=0, stream=7, correlation=99),  # launch not in the trace
+        _x("nvjet_sm90_qqtst_gemm", "kernel", 150, 300, pid=0, tid=7, device=0, stream=7, correlation=2),
+        _x("_rowwise_e4m3", "kernel", 450, 100, pid=0, tid=7, device=0, stream=7, correlation=2),
+        _x("_adamw_tiles", "kernel", 560, 200, pid=0, tid=7, device=0, stream=7, correlation=3),
+    ]
+    a = anatomy_from_trace({"traceEvents": events})
+    cats = a["categories_ms"]
+    assert cats["gemm"] == pytest.approx(0.300)  # the step before's 100 us GEMM left out
+    assert cats["optimizer"] == pytest.approx(0.200)  # its own update, run after the window; not the one before
+    assert cats["norm_elementwise_cast"] == pytest.approx(0.100)
+    assert a["step_ms"] == pytest.approx(0.610) and a["idle_ms"] == pytest.approx(0.010)  # 150-760, idle [550, 560)
+
+
+def test_a_kernel_whose_launch_is_not_traced_counts_inside_the_steps_span():
+    """A kernel with no launch in the trace (a driver-side copy) that runs among the step's kernels is the
+    step's; a trace without step ranges keeps every kernel."""
+    events = [
+        _x("ProfilerStep#1", "user_annotation", 0, 300),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 2, correlation=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 20, 2, correlation=2),
+        _x("nvjet_tst_gemm", "kernel", 30, 100, pid=0, tid=7, device=0, stream=7, correlation=1),
+        _x("Memset (Device)", "gpu_memset", 140, 10, pid=0, tid=7, device=0, stream=7, correlation=50),
+        _x("nvjet_tst_gemm", "kernel", 160, 100, pid=0, tid=7, device=0, stream=7, correlation=2),
+    ]
+    a = anatomy_from_trace({"traceEvents": events})
+    assert a["categories_ms"]["other"] == pytest.approx(0.010) and a["step_ms"] == pytest.approx(0.230)
+    bare = anatomy_from_trace({"traceEvents": [e for e in events if e["name"] != "ProfilerStep#1"]})
+    assert bare["step_ms"] == pytest.approx(0.230) and bare["categories_ms"]["gemm"] == pytest.approx(0.200)
+
+
 def test_top_kernels_name_what_each_category_is_made_of():
     """Launches of one kernel group by name less the call's arguments, so a cast and an add (two
     instantiations of one elementwise kernel) stay apart; longest first, per step. The table shows
