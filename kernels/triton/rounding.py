@@ -4,8 +4,6 @@ first, and a GPU and the interpreter give the same bits. Kernels import these by
 (kernels/triton/pdl.py says why)."""
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from triton import knobs
@@ -14,7 +12,7 @@ from triton import knobs
 # that a GPU's conversion does by itself, to nearest even, is done by the bits only there: on an H200
 # the integer rounding before each e4m3 conversion (~8 instructions an element) held the float8 casts
 # at 1.7-3.1 TB/s; without it they take 6.55 ms a step against 9.02 (docs/PERFORMANCE.md section 7).
-INTERPRETED = tl.constexpr(bool(getattr(knobs.runtime, "interpret", os.environ.get("TRITON_INTERPRET") == "1")))
+INTERPRETED = tl.constexpr(bool(knobs.runtime.interpret))
 
 
 @triton.jit

@@ -226,19 +226,20 @@ def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
     }
 
 
-def steps_work(kernels: list[Kernel], launched_in: list[bool]) -> list[Kernel]:
-    """The kernels the profiled steps launched: those whose launch call lies inside a ProfilerStep
-    range (`launched_in`), and those whose launch is not in the trace if they start and end inside
+def steps_work(kernels: list[Kernel], in_steps: list[tuple[float, float]]) -> list[Kernel]:
+    """The kernels the profiled steps launched: those whose launch call returned inside a ProfilerStep
+    range (`in_steps`, merged), and those whose launch is not in the trace if they start and end inside
     the span of the first set on the device. A device behind its host (blocks replayed from CUDA
     graphs, where the host queues well ahead) runs the tail of the step before the window inside it,
     and the last step's tail after it: counting every kernel in the trace, +exp=fsdp4_fp8's profile
     on an H200 read 4 AdamW updates in 3 steps and a 61 ms step (docs/PERFORMANCE.md section 7, the
     last subsection)."""
-    ours = [k for k, inside in zip(kernels, launched_in) if inside]
+    inside = [k.launched is not None and _inside(in_steps, k.launched) for k in kernels]
+    ours = [k for k, mine in zip(kernels, inside) if mine]
     if not ours:
         return kernels  # no step ranges, or no launches traced: every kernel, as recorded
     start, end = min(k.ts for k in ours), max(k.ts + k.dur for k in ours)
-    return [k for k, inside in zip(kernels, launched_in) if inside or (k.launched is None and start <= k.ts and k.ts + k.dur <= end)]
+    return [k for k, mine in zip(kernels, inside) if mine or (k.launched is None and start <= k.ts and k.ts + k.dur <= end)]
 
 
 def _self_times(ops: list[dict]) -> list[float]:
@@ -279,8 +280,7 @@ def anatomy_from_trace(trace: dict, flops_per_step: float | None = None, gemm_pe
         for e in device:
             devices[e.get("args", {}).get("device")] += 1
         mine = max(devices, key=devices.get)  # a rank's own GPU; a stray event of another is left out
-        in_steps = merge((e["ts"], e["ts"] + e["dur"]) for e in step_spans)
-        kernels, launched_in = [], []
+        kernels = []
         for e in device:
             args = e.get("args", {})
             if args.get("device") != mine:
@@ -290,8 +290,8 @@ def anatomy_from_trace(trace: dict, flops_per_step: float | None = None, gemm_pe
             kernels.append(Kernel(e["name"], e["ts"], e["dur"], args.get("stream", 0),
                                   category(e["name"], _inside(fsdp.get(tid, []), ts), _inside(optim.get(tid, []), ts)),
                                   launched=launch["ts"] + launch["dur"] if launch is not None else None))
-            launched_in.append(launch is not None and _inside(in_steps, ts))
-        out.update(source="device kernels", **device_anatomy(steps_work(kernels, launched_in), steps))
+        in_steps = merge((e["ts"], e["ts"] + e["dur"]) for e in step_spans)
+        out.update(source="device kernels", **device_anatomy(steps_work(kernels, in_steps), steps))
     else:
         comm = _ranges(events, COMM_RANGE)
         by_cat: dict[str, float] = defaultdict(float)
