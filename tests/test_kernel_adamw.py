@@ -162,6 +162,28 @@ def test_optim_impl_triton_builds_it_and_is_refused_where_it_cannot_run(monkeypa
         validate(compose_config(["+exp=fsdp4", "dist.nproc=1", "optim.impl=triton", "sharding=fsdp2_offload"]), cuda_device_count=1)
 
 
+@pytest.mark.parametrize("value", ["1", "true", "on", "0"])
+def test_the_interpreter_is_read_as_triton_reads_it(monkeypatch, value):
+    """TRITON_INTERPRET as Triton's own knob parses it: each spelling that makes Triton interpret lets a
+    CPU run of the Triton optimizer through the checks (only "1" did, and `true` was refused with a
+    line asking for TRITON_INTERPRET=1); "0" is refused."""
+    from kernels.triton.device import interpreted
+    from src.fusion.registry import interpreter_fault
+    from src.validate import validate
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreted() == (value != "0")
+    cfg = compose_config(["optim.impl=triton", "dist.nproc=1", "kernels=eager"])
+    if value == "0":
+        with pytest.raises(ConfigError, match="optim.impl=triton runs a Triton kernel.*backend=cpu"):
+            validate(cfg, cuda_device_count=0)
+    elif interpreter_fault():
+        with pytest.raises(ConfigError, match="interpreter"):
+            validate(cfg, cuda_device_count=0)
+    else:
+        validate(cfg, cuda_device_count=0)
+
+
 def _run(tmp_path: Path, name: str, overrides: list[str], precision: str = "fp32", steps: int = 4) -> list[dict]:
     from src.train.worker import train
 

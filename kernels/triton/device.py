@@ -13,6 +13,17 @@ import torch
 SMEM_HEADROOM = 16 * 1024
 
 
+def interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels: TRITON_INTERPRET read by Triton's own knob, as
+    `triton.jit` reads it (1, true, on or yes; a check of the variable against "1" alone refused a run
+    Triton would have interpreted), read at each call. False where Triton is not installed."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    return bool(knobs.runtime.interpret)
+
+
 def device_index(t: torch.Tensor) -> int:
     """t's CUDA device index, or -1 off CUDA."""
     if not t.is_cuda:

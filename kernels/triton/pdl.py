@@ -27,13 +27,11 @@ its own and imports the JIT functions it calls by name, so a module it hangs off
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import compute_major, device_index
+from kernels.triton.device import compute_major, device_index, interpreted
 
 ENABLED = False
 
@@ -48,7 +46,7 @@ def available(t: torch.Tensor) -> bool:
 
 @torch.compiler.assume_constant_result  # a constant to Dynamo, as device.py's answers are
 def _available_on(index: int) -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1" and compute_major(index) >= 9
+    return not interpreted() and compute_major(index) >= 9
 
 
 def use_gdc(t: torch.Tensor) -> bool:

@@ -13,13 +13,13 @@ the unsharded tensors FSDP2 gathers for each block's forward and backward.
 """
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.nn as nn
 
+from kernels.triton.device import interpreted
 from src.models.mini_llm import SiLUMul
 
 
@@ -138,7 +138,7 @@ def triton_usable(device_type: str) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed (pip install triton)"
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs the kernels whatever the device
+    if interpreted():  # the interpreter runs the kernels whatever the device
         return interpreter_fault()
     if device_type == "cuda":
         return None

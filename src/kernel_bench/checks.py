@@ -3,12 +3,11 @@ and shapes, and whether Triton can run them here at these sizes."""
 from __future__ import annotations
 
 import math
-import os
 
 from omegaconf import DictConfig
 
 from src.compose import ConfigError
-from src.fusion.registry import triton_usable
+from src.fusion.registry import interpreted, triton_usable
 
 KERNELS_ON_CPU = "TRITON_INTERPRET=1 python -m src.run +exp=kernels_cpu"
 _INTERPRETER_MAX_ELEMENTS = 1 << 20  # a [64, 256] row takes ~1 s in the interpreter; [8192, 4096] ~90 s
@@ -37,7 +36,7 @@ def check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) ->
             raise ConfigError(f"kernel_bench.shapes.{op}={None if shapes is None else [list(s) for s in shapes]}: give a list of {form} with positive sizes")
     if "triton" in b.providers:
         why_not = triton_usable(backend)
-        if why_not and backend == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if why_not and backend == "cpu" and not interpreted():
             raise ConfigError(f"kernel_bench.providers has triton, which runs on a CPU only in Triton's interpreter: `{KERNELS_ON_CPU}`")
         if why_not:
             raise ConfigError(f"kernel_bench.providers has triton: {why_not}; or drop it from kernel_bench.providers")

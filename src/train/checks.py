@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from src.compose import ConfigError
 from src.distributed.float8 import gathers_float8
-from src.fusion.registry import REGISTRY, selected_ops, triton_usable
+from src.fusion.registry import REGISTRY, interpreted, selected_ops, triton_usable
 
 TRAINING_TASKS = {"train", "profile"}
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -81,14 +81,14 @@ def _check_in_backward(cfg: DictConfig) -> None:
 
 def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
     why_not = triton_usable(backend)
-    if why_not and (backend == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if why_not and (backend == "cuda" or interpreted()):
         raise ConfigError(f"optim.impl=triton: {why_not}; or use optim.impl={'fused' if backend == 'cuda' else 'foreach'}")
     if gathers_float8(cfg.precision, cfg.sharding.strategy):
         raise ConfigError(f"optim.impl=triton reads each parameter's storage, and precision={cfg.precision.name}'s float8-gathered weights are wrapper tensors "
                           "without one; use optim.impl=fused, or precision.fp8_all_gather=false")
     if cfg.sharding.cpu_offload:
         raise ConfigError(f"optim.impl=triton updates the parameters on the GPU, and sharding={cfg.sharding.name} keeps them in host memory; use optim.impl=foreach")
-    if backend != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend != "cuda" and not interpreted():
         raise ConfigError(f"optim.impl=triton runs a Triton kernel, which needs an NVIDIA GPU (backend=cuda); with backend={backend} use optim.impl=foreach "
                           "(or TRITON_INTERPRET=1 to run it in Triton's interpreter, slowly)")
 
