@@ -390,6 +390,10 @@ class TrainConfig:
     """cross-entropy on fp32 logits (torchtitan's choice); the seed's script uses the bf16 logits as they come"""
     label_smoothing: float = 0.0
     """cross-entropy against (1 - e) on the target + e / vocab everywhere, as F.cross_entropy; the fused losses too"""
+    gpu_clock_interval_s: float = 0.1
+    """on a GPU, rank 0 samples its SM clock, power draw and power-cap state through NVML this often
+    over the timed steps (src/profiling/gpu_clocks.py; summary.json's gpu_* figures, the last log
+    line); 0 turns it off"""
 
 
 @dataclass

@@ -27,7 +27,7 @@ def test_variants_alternate_with_the_seed_and_each_row_is_saved_as_it_runs(tmp_p
         assert len(json.loads((tmp_path / "rows.json").read_text())) == len(seen) - 1  # every earlier run already saved
         if overrides == ["precision=fp8"]:
             return {"error": "error: precision=fp8 needs compute capability 8.9+"}
-        return {"tokens_per_s_per_device": 120.0, **FIGS}
+        return {"tokens_per_s_per_device": 120.0, **FIGS, "gpu_sm_clock_mhz": 1605.0, "gpu_power_w": 692.0, "gpu_power_capped_frac": 0.98}
 
     monkeypatch.setattr(bench, "run_seed", fake_seed)
     monkeypatch.setattr(bench, "run_ours", fake_ours)
@@ -41,8 +41,10 @@ def test_variants_alternate_with_the_seed_and_each_row_is_saved_as_it_runs(tmp_p
     assert "--budget-s 700: no new run after 640 s (8 runs)" in out
     header, *lines = (tmp_path / "table.txt").read_text().splitlines()
     assert header.split()[:2] == ["impl", "GPUs"] and "MFU %" in header and "RSS +MB" in header
+    assert "SM MHz" in header and "SM 1605 MHz at 692 W (power cap 98% of samples)" in out
     by_impl = {line.split()[0]: line for line in lines}
     assert by_impl["seed+compile"].split()[-2] == "1.060x" and by_impl["eager"].split()[-2] == "1.200x"
+    assert by_impl["eager"].split()[-4] == "1605" and by_impl["seed"].split()[-4] == "n/a"  # the seed's script does not sample
     assert "failed: error: precision=fp8" in by_impl["fp8"]
 
 

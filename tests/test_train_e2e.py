@@ -48,6 +48,7 @@ def test_default_run_writes_one_run_dir_with_summary(default_run: Path):
     assert f"outputs: {run_dirs[0].relative_to(default_run)}/" in console[-2]
     assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in console[-1]
     assert summary["mfu"] is None  # no peak-FLOPS figure for a CPU: not applicable, not invented
+    assert summary["gpu_sm_clock_mhz"] is None and summary["gpu_power_capped_frac"] is None  # no GPU clock to sample
     assert summary["tokens_per_s"] == pytest.approx(2 * summary["tokens_per_s_per_device"])
     assert summary["steps"] == 6 and summary["final_loss"] > 0 and summary["peak_mem_gb"] > 0
     assert 0 <= summary["overhead_frac"] < 0.2

@@ -35,7 +35,10 @@ SEED_SCRIPT = Path(__file__).with_name("seed_fsdp.py")
 ENV_VAR = re.compile(r"^[A-Z][A-Z0-9_]*=")
 FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "host_step_time_s", "final_loss", "host_rss_growth_mb",
            # kernels.cudagraphs runs: graphs held, recorded again (a weight moved), run launched instead
-           "cudagraphs", "cudagraph_rerecords", "cudagraph_skips")
+           "cudagraphs", "cudagraph_rerecords", "cudagraph_skips",
+           # rank 0's GPU over the timed steps: runs compare fairly at the same clock, and a step at its
+           # power cap runs at a lower one (src/profiling/gpu_clocks.py); the seed's script does not sample
+           "gpu_sm_clock_mhz", "gpu_power_w", "gpu_power_capped_frac")
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -91,7 +94,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table(rows: list[dict], impls: list[str], nprocs: list[int]) -> str:
-    head = f"{'impl':<14} {'GPUs':>4} {'tok/s/GPU':>11} {'MFU %':>6} {'peak GB':>8} {'step ms':>8} {'host ms':>8} {'RSS +MB':>8} {'vs seed':>8} {'runs':>5}"
+    head = (f"{'impl':<14} {'GPUs':>4} {'tok/s/GPU':>11} {'MFU %':>6} {'peak GB':>8} {'step ms':>8} {'host ms':>8} {'SM MHz':>7} {'RSS +MB':>8} "
+            f"{'vs seed':>8} {'runs':>5}")
     out = [head]
     for n in nprocs:
         base = _median([r for r in rows if r["impl"] == "seed" and r["nproc"] == n and "error" not in r], "tokens_per_s_per_device")
@@ -109,7 +113,8 @@ def table(rows: list[dict], impls: list[str], nprocs: list[int]) -> str:
             host = _median(ok, "host_step_time_s")
             ratio = f"{tps / base:>7.3f}x" if (base and tps) else f"{'n/a':>8}"
             out.append(f"{impl:<14} {n:>4} {_fmt(tps, ',.0f'):>11} {_fmt(_median(ok, 'mfu'), '.1f'):>6} {_fmt(peak, '.2f'):>8} "
-                       f"{_fmt(step and 1e3 * step, '.1f'):>8} {_fmt(host and 1e3 * host, '.1f'):>8} {_fmt(_median(ok, 'host_rss_growth_mb'), '+.1f'):>8} {ratio} {len(ok):>3}/{len(sel)}")
+                       f"{_fmt(step and 1e3 * step, '.1f'):>8} {_fmt(host and 1e3 * host, '.1f'):>8} {_fmt(_median(ok, 'gpu_sm_clock_mhz'), '.0f'):>7} "
+                       f"{_fmt(_median(ok, 'host_rss_growth_mb'), '+.1f'):>8} {ratio} {len(ok):>3}/{len(sel)}")
     return "\n".join(out)
 
 
@@ -158,6 +163,9 @@ def main(argv: list[str] | None = None, clock=time.monotonic) -> list[dict]:
                 (args.out / "rows.json").write_text(json.dumps(rows, indent=2))  # after every run: a cut-off call keeps what ran
                 what = figures.get("error") or (f"{figures['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_fmt(figures.get('mfu'), '.1f')}%, "
                                                 f"step {1e3 * figures['step_time_s']:.1f} ms")
+                if figures.get("gpu_sm_clock_mhz") is not None:
+                    what += (f", SM {figures['gpu_sm_clock_mhz']:.0f} MHz at {figures['gpu_power_w']:.0f} W"
+                             f" (power cap {100 * figures['gpu_power_capped_frac']:.0f}% of samples)")
                 if figures.get("cudagraphs") is not None:
                     what += f", {figures['cudagraphs']} CUDA graphs ({figures['cudagraph_rerecords']} re-recorded, {figures['cudagraph_skips']} skipped)"
                 print(f"{impl:<14} nproc={n} round={r} ({took:.0f} s): {what}", flush=True)

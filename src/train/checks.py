@@ -39,6 +39,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     need(finite(m.init_std) and m.init_std > 0, "model.init_std", m.init_std, "a positive standard deviation, e.g. model.init_std=0.02")
     need(t.log_every >= 1, "train.log_every", t.log_every, "at least 1 (log every Nth step)")
     need(t.untimed_steps >= 0, "train.untimed_steps", t.untimed_steps, "0 or more")
+    need(t.gpu_clock_interval_s >= 0, "train.gpu_clock_interval_s", t.gpu_clock_interval_s, "0 (off) or more seconds")
     need(cfg.kernels.loss_trial >= 0, "kernels.loss_trial", cfg.kernels.loss_trial, "0 (no trial) or more pairs of steps, e.g. kernels.loss_trial=2")
     if cfg.kernels.loss_trial and not cfg.kernels.auto:
         raise ConfigError(f"kernels.loss_trial={cfg.kernels.loss_trial} tries kernels=auto's fused loss, and kernels={cfg.kernels.name} picks none; "

@@ -34,6 +34,8 @@ from src.fusion.trial import LossTrial
 from src.models import build_model
 from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.annotate import profiled_step, step_marker
+from src.profiling.gpu_clocks import FIGURES as CLOCK_FIGURES
+from src.profiling.gpu_clocks import ClockSampler, describe
 from src.profiling.torch_profile import TorchProfileSession
 from src.runtime import RunContext, settings, setup_logging
 from src.tracking.curves import plot_curves, read_metrics
@@ -103,6 +105,8 @@ class Trainer:
         """the step being run, counted from 0 (a checkpoint after N steps resumes at N)"""
         self.session: TorchProfileSession | None = None
         self.loss_trial: LossTrial | None = None
+        self.clocks: ClockSampler | None = None
+        self.clock_figures: dict[str, Any] | None = None
         nvtx = cfg.profile.nvtx
         self.mark = step_marker(nvtx) if nvtx else (lambda name: contextlib.nullcontext())
 
@@ -154,6 +158,9 @@ class Trainer:
             if self.run_dir is not None:
                 self.metrics_file = MetricsFile(self.run_dir / "metrics.jsonl", self.start_step)
                 self.callbacks.append(self.metrics_file)
+            # the GPU's clock and power over the timed steps: a step at its power cap runs its kernels
+            # at a lower clock than they run alone (src/profiling/gpu_clocks.py)
+            self.clocks = ClockSampler.for_device(env.device, cfg.train.gpu_clock_interval_s)
 
     def _cast_in_step(self) -> None:
         """optim.cast_in_step: where it applies (TritonAdamW, one-rank groups unsharded directly),
@@ -259,12 +266,13 @@ class Trainer:
         if session is not None:
             session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
         reset_peak_memory(env.device)
+        callbacks = self.callbacks if self.clocks is None else [*self.callbacks, self.clocks.start_after(cfg.train.untimed_steps)]
         try:
             result = train_loop(
                 self.run_step, self.optimizer, self.batches, cfg.train.steps, env.device,
                 tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
                 world_size=env.world_size, flops_per_token=self.fpt, peak_flops=self.peak,
-                log_every=cfg.train.log_every, on_step=self.callbacks,
+                log_every=cfg.train.log_every, on_step=callbacks,
                 start_step=self.start_step,
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=self.checkpointer.save if self.checkpointer is not None and ck.enabled else None,
@@ -278,6 +286,8 @@ class Trainer:
         finally:
             if session is not None:
                 session.stop()
+            if self.clocks is not None:
+                self.clock_figures = self.clocks.stop()
         if self.reporter:
             self.reporter.close()
         if self.metrics_file:
@@ -365,6 +375,8 @@ class Trainer:
             "checkpoints": checkpointer.saves if checkpointer is not None else [],
             "checkpoint_load_s": checkpointer.load_s if checkpointer is not None else None,
             "mlflow_run_id": tracker.run_id,
+            # rank 0's GPU over the timed steps (None where not sampled: a CPU, no NVML, off)
+            **(self.clock_figures or dict.fromkeys(CLOCK_FIGURES)),
         }
         if self.graph_skips_before is not None:
             # kernels.cudagraphs: the graphs held and re-recorded, and compiled graphs that ran launched
@@ -404,6 +416,8 @@ class Trainer:
                     "n/a" if summary["mfu"] is None else f"{summary['mfu']:.1f}%", summary["peak_mem_gb"],
                     100 * summary["overhead_frac"],
                 )
+            if self.clock_figures:
+                log.info("GPU over the timed steps: %s", describe(self.clock_figures))
         return summary
 
     def record_failure(self, exc: BaseException) -> None:
