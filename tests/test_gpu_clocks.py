@@ -3,6 +3,7 @@ without a GPU; on a GPU, the sampler over a busy stretch started by the step cal
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,10 +46,11 @@ def test_no_sampler_where_there_is_no_gpu_to_sample():
 def test_the_sampler_reads_a_busy_gpu_from_the_step_it_is_told():
     sampler = ClockSampler.for_device(torch.device("cuda", torch.cuda.current_device()), 0.02)
     assert sampler is not None and sampler.max_sm_mhz > 0 and sampler.power_limit_w > 0
-    on_step = sampler.start_after(2)
-    on_step(None)  # the first untimed step read: not yet
+    # the untimed steps are 0-9, read every 10th step (train.log_every=10): sampling starts once step 9 is read
+    on_step = sampler.start_after(9)
+    on_step(SimpleNamespace(step=8))  # a run that reads every step: step 8 read, not yet
     assert sampler._thread is None and not sampler.samples
-    on_step(None)
+    on_step(SimpleNamespace(step=9))
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 1.0:
@@ -59,3 +61,18 @@ def test_the_sampler_reads_a_busy_gpu_from_the_step_it_is_told():
     assert sampler._thread is None and f["gpu_clock_samples"] >= 10
     assert 0 < f["gpu_sm_clock_low_mhz"] <= f["gpu_sm_clock_mhz"] <= f["gpu_sm_clock_max_mhz"]
     assert 0 < f["gpu_power_w"] and 0 <= f["gpu_power_capped_frac"] <= 1 and 0 <= f["gpu_thermal_frac"] <= 1
+
+
+@pytest.mark.gpu
+@GPU
+def test_a_run_reports_its_clock_over_the_timed_steps_read_every_tenth(tmp_path):
+    """+exp=fsdp4_tuned reads every 10th step: with 10 untimed steps, the sampler starts when step 9 is read
+    (counting reads instead, it waited for a 10th read that a 30-step run never makes)."""
+    from tests.conftest import read_summary, run_cli
+
+    proc = run_cli(["+exp=fsdp4_tuned", "dist.nproc=1", "model=small", "train.steps=30", "train.untimed_steps=10",
+                    "train.gpu_clock_interval_s=0.01", "tracking=none"], cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = read_summary(tmp_path)
+    assert s["gpu_clock_samples"] >= 3 and 0 < s["gpu_sm_clock_mhz"] <= s["gpu_sm_clock_max_mhz"], s
+    assert "GPU over the timed steps: SM clock" in (next(tmp_path.glob("outputs/*/*/run.log"))).read_text()

@@ -139,19 +139,16 @@ class ClockSampler:
             self._thread = threading.Thread(target=self._run, name="gpu-clocks", daemon=True)
             self._thread.start()
 
-    def start_after(self, records: int) -> Callable[[object], None]:
-        """A step callback (train_loop's on_step) that starts sampling once `records` steps have been
-        read: the untimed ones (train.untimed_steps), so the samples cover the steps the summary's
-        medians do. With 0 it starts now."""
-        seen = 0
+    def start_after(self, step: int) -> Callable[[Any], None]:
+        """A step callback (train_loop's on_step, given each read step's StepStats) that starts sampling
+        once step `step` has been read: the last untimed one, so the samples cover the timed steps. Steps
+        are read every train.log_every, so it counts their numbers, not the reads. Below 0 it starts now."""
 
-        def on_step(_stats: object) -> None:
-            nonlocal seen
-            seen += 1
-            if seen >= records:
+        def on_step(stats: Any) -> None:
+            if stats.step >= step:
                 self.start()
 
-        if records <= 0:
+        if step < 0:
             self.start()
         return on_step
 

@@ -266,7 +266,7 @@ class Trainer:
         if session is not None:
             session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
         reset_peak_memory(env.device)
-        callbacks = self.callbacks if self.clocks is None else [*self.callbacks, self.clocks.start_after(cfg.train.untimed_steps)]
+        callbacks = self.callbacks if self.clocks is None else [*self.callbacks, self.clocks.start_after(self.start_step + cfg.train.untimed_steps - 1)]
         try:
             result = train_loop(
                 self.run_step, self.optimizer, self.batches, cfg.train.steps, env.device,
