@@ -57,9 +57,11 @@ def main() -> None:
             s = run(setting, args, args.out / f"{setting}-r{r}")
             rows.append({"setting": setting, **s})
             print(f"kernels={setting:8s} round {r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_num(s['mfu'], '.1f')}%, "
-                  f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}", flush=True)
+                  f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}, SM {_num(s.get('gpu_sm_clock_mhz'), '.0f')} MHz", flush=True)
     eager = statistics.median([r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"] or [float("nan")])
-    print("\n| kernels | tok/s/GPU | MFU % | peak GB | step ms | host ms | vs eager | final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    # SM MHz: rank 0's median clock over the timed steps (src/profiling/gpu_clocks.py): a setting that keeps
+    # the GPU busier can run at a lower clock under its power cap
+    print("\n| kernels | tok/s/GPU | MFU % | peak GB | step ms | host ms | SM MHz | vs eager | final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for setting in args.settings:
         mine = [r for r in rows if r["setting"] == setting]
         tps = statistics.median(r["tokens_per_s_per_device"] for r in mine)
@@ -67,8 +69,10 @@ def main() -> None:
         peak = None if mine[0]["peak_mem_gb"] is None else max(r["peak_mem_gb"] for r in mine)
         hosts = [r["host_step_time_s"] for r in mine if r.get("host_step_time_s") is not None]
         host = 1e3 * statistics.median(hosts) if hosts else None
+        clocks = [r["gpu_sm_clock_mhz"] for r in mine if r.get("gpu_sm_clock_mhz") is not None]
+        clock = statistics.median(clocks) if clocks else None
         print(f"| {setting} | {tps:,.0f} | {_num(mfu, '.1f')} | {_num(peak, '.2f')} | {1e3 * statistics.median(r['step_time_s'] for r in mine):.1f} | "
-              f"{_num(host, '.1f')} | {tps / eager:.3f}x | {mine[-1]['final_loss']:.4f} |")
+              f"{_num(host, '.1f')} | {_num(clock, '.0f')} | {tps / eager:.3f}x | {mine[-1]['final_loss']:.4f} |")
 
 
 if __name__ == "__main__":
