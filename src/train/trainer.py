@@ -1,7 +1,8 @@
 """task=train on one rank, torchtitan's train.py in small: `Trainer(cfg, ctx)` joins the process
 group and opens the tracker; `build()` makes the model (meta device, fused swaps, parallelize()),
 the optimizer, the checkpointer and the data; `train()` runs the loop and returns the summary
-(the same dict on every rank; rank 0 also writes summary.json, curves.png and the MLflow run).
+(the same dict on every rank but for the gpu_* clock figures, which only rank 0 samples; rank 0 also
+writes summary.json, curves.png and the MLflow run).
 
 The step is the Trainer's, as torchtitan's is: `forward_backward_step(inputs, targets)`, then
 `train_step(inputs, targets)` (grad norm, clipping, AdamW), each with the settings build() holds;

@@ -13,7 +13,7 @@ from src.train.trainer import Trainer
 
 
 def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    """Train on this rank. Returns the summary (the same dict on every rank; rank 0 also writes it)."""
+    """Train on this rank. Returns the summary (the same dict on every rank but for rank 0's GPU clock figures; rank 0 also writes it)."""
     with inductor_config(cfg):  # the compiled blocks' backward graphs compile inside train()
         trainer = Trainer(cfg, ctx)
         try:
