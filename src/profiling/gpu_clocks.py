@@ -136,6 +136,7 @@ class ClockSampler:
 
     def start(self) -> None:
         if self._thread is None:
+            self._stop.clear()  # a sampler stopped before samples again, adding to what it has
             self._thread = threading.Thread(target=self._run, name="gpu-clocks", daemon=True)
             self._thread.start()
 
