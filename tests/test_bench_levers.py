@@ -83,6 +83,16 @@ def test_variant_names_and_the_fp8_loss_gap():
     assert compare(bf16, [x + 0.1 for x in bf16], last=4, window=3)["mean_gap"] == pytest.approx(0.1)
 
 
+def test_kernels_e2e_settings_are_kernels_names_or_named_overrides():
+    from src.bench.kernels_e2e import overrides
+
+    assert overrides("auto") == ("auto", ["kernels=auto"])
+    assert overrides('ce=kernels=compile "kernels.fused=[cross_entropy]"') == ("ce", ["kernels=compile", "kernels.fused=[cross_entropy]"])
+    for bad in ("=kernels=eager", "ce=", "ce=  "):
+        with pytest.raises(SystemExit, match="NAME=OVERRIDES"):
+            overrides(bad)
+
+
 def test_fp8_loss_compares_every_variant_and_control_with_one_bf16_run(tmp_path, capsys):
     """One bf16 reference for all the float8 variants; a control (bf16, last bits changed) is
     reported beside them and never fails the bench; a variant past the tolerance does (exit 1)."""

@@ -132,7 +132,8 @@ def test_auto_measures_each_use_per_step_and_picks_the_fastest():
     assert timings["cross_entropy"].pick == "linear_cross_entropy"
     # the block is timed once per block of the step, as the in-block picks run it and compiled
     assert ("block", (8, 1024, 2048), 12, "picked") in calls and ("block", (8, 1024, 2048), 12, "compile") in calls
-    assert timings["block"].ms == {"picked": pytest.approx(12 * 5.0), "compile": pytest.approx(12 * 4.9)}
+    assert ("block", (8, 1024, 2048), 12, "eager") in calls  # a pick changed the block: eager is weighed too (it failed here)
+    assert timings["block"].ms == {"picked": pytest.approx(12 * 5.0), "compile": pytest.approx(12 * 4.9), "eager": None}
     assert timings["block"].pick == "picked"
     assert chosen(list(timings.values())) == (["linear_cross_entropy"], ["rms_norm"], False)
 
@@ -162,7 +163,7 @@ def test_a_compiled_block_that_beats_the_picks_subsumes_the_in_block_ops():
     # a block candidate that fails to run is never chosen
     timer2, _ = _stub_timer({("rms_norm", "eager"): 0.10, ("add_rms_norm", "eager"): 0.15, ("block", "picked"): 5.0})
     (norm, block) = measure(["rms_norm"], cfg, timer2)
-    assert block.ms == {"picked": pytest.approx(60.0), "compile": None} and block.pick == "picked"
+    assert block.ms == {"picked": pytest.approx(60.0), "compile": None} and block.pick == "picked"  # picks all eager: no eager twin
     assert chosen([norm, block]) == ([], [], False)
 
 
@@ -253,6 +254,30 @@ def test_a_block_is_charged_the_larger_of_its_gpu_and_host_time():
     gpu_only, _ = _stub_timer({("rms_norm", "eager"): 0.1, ("add_rms_norm", "eager"): 0.15, ("block", "picked"): 4.3})
     _, block = measure(["rms_norm"], cfg, gpu_only)
     assert block_paid_ms(block) == {"picked": pytest.approx(12 * 4.3), "compile": None} and block.pick == "picked"
+
+
+def test_a_host_bound_block_drops_picks_that_won_on_gpu_time_alone():
+    """At 1024 tokens a step the fused norms save GPU time and cost host time, and the blocks are
+    host-bound: eager, weighed as a block beside the picks and compile, is kept where it is paid
+    least, and the in-block picks are dropped (the loss, outside the blocks, keeps its own)."""
+    from src.fusion.measure import HOST_CHARGED, block_paid_ms, chosen, measure
+
+    cfg = _seed_cfg(**{"data.seq_len": 128})
+    table = {("rms_norm", "eager"): (0.020, 0.20), ("rms_norm", "triton"): (0.013, 0.48),
+             ("add_rms_norm", "eager"): (0.022, 0.22), ("add_rms_norm", "triton"): (0.014, 0.52),
+             ("head_loss", "eager"): (1.00, 0.64), ("head_loss", "triton"): (0.60, 0.85),
+             ("block", "picked"): (0.60, 2.67), ("block", "compile"): (0.59, 2.16), ("block", "eager"): (0.62, 2.05)}
+    timer, calls = _stub_timer(table)
+    timings = measure(["rms_norm", "cross_entropy"], cfg, timer)
+    norm, loss, block = timings
+    assert norm.pick == "triton" and loss.pick == "triton" and ("block", (8, 128, 2048), 12, "eager") in calls
+    assert block_paid_ms(block) == {"picked": pytest.approx(12 * 2.67), "compile": pytest.approx(12 * 2.16), "eager": pytest.approx(12 * 2.05)}
+    assert block.pick == "eager" and block.why == HOST_CHARGED
+    assert chosen(timings) == (["cross_entropy"], [], False)
+    # where the blocks are GPU-bound the picks' GPU time stands, eager's host path notwithstanding
+    gpu_bound, _ = _stub_timer({**table, ("block", "picked"): (4.30, 2.60), ("block", "compile"): (4.40, 2.1), ("block", "eager"): (4.45, 2.0)})
+    timings = measure(["rms_norm", "cross_entropy"], cfg, gpu_bound)
+    assert timings[-1].pick == "picked" and chosen(timings) == (["rms_norm", "cross_entropy"], [], False)
 
 
 def test_float8_blocks_are_compiled_whenever_they_compile():

@@ -9,12 +9,18 @@ time, the host's median time to queue a step (near the step time, the host is th
 whose kernels save device time can still lose where its Python path is longer), and the speedup
 over eager. Each run is `python -m src.run +exp=fsdp4` (the seed's model,
 data and optimizer) with `kernels=SETTING`; `auto` reads --diagnosis (the mini_llm H200 diagnosis
-kept as a test fixture, or a fresh one from `+exp=diagnose`).
+kept as a test fixture, or a fresh one from `+exp=diagnose`). A setting NAME=OVERRIDES runs those
+overrides in place of `kernels=NAME`, e.g. auto's choice as fixed settings, to tell the choice's
+step time from the measuring run's:
+
+    python -m src.bench.kernels_e2e --settings eager auto ce="kernels=compile kernels.fused=[cross_entropy]" \
+        --extra data.seq_len=128
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -25,17 +31,28 @@ def _num(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def run(setting: str, args: argparse.Namespace, run_dir: Path) -> dict:
+def overrides(setting: str) -> tuple[str, list[str]]:
+    """'eager' -> ('eager', ['kernels=eager']); 'ce=kernels=compile kernels.fused=[cross_entropy]'
+    -> ('ce', ['kernels=compile', 'kernels.fused=[cross_entropy]'])."""
+    name, sep, given = setting.partition("=")
+    if not sep:
+        return setting, [f"kernels={setting}"]
+    if not name or not given.strip():
+        raise SystemExit(f"--settings {setting!r}: give a kernels setting (eager) or NAME=OVERRIDES (ce=\"kernels=compile kernels.fused=[cross_entropy]\")")
+    return name, shlex.split(given)
+
+
+def run(name: str, given: list[str], args: argparse.Namespace, run_dir: Path) -> dict:
     cmd = [
-        sys.executable, "-m", "src.run", "+exp=fsdp4", f"kernels={setting}", f"dist.nproc={args.nproc}",
+        sys.executable, "-m", "src.run", "+exp=fsdp4", *given, f"dist.nproc={args.nproc}",
         f"train.steps={args.steps}", f"train.untimed_steps={args.warmup}", "train.progress=false", "tracking=none",
         f"hydra.run.dir={run_dir}", *args.extra,
     ]
-    if setting == "auto":
+    if "kernels=auto" in given:
         cmd.append(f"kernels.diagnosis={Path(args.diagnosis).resolve()}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"kernels={setting} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{name} ({' '.join(given)}) failed:\n{proc.stderr[-3000:]}")
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -50,11 +67,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_out/kernels_e2e"))
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     args = ap.parse_args()
+    settings = dict(overrides(s) for s in args.settings)  # every setting read before the first run
 
     rows = []
     for r in range(args.rounds):
-        for setting in args.settings:
-            s = run(setting, args, args.out / f"{setting}-r{r}")
+        for setting, given in settings.items():
+            s = run(setting, given, args, args.out / f"{setting}-r{r}")
             rows.append({"setting": setting, **s})
             print(f"kernels={setting:8s} round {r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_num(s['mfu'], '.1f')}%, "
                   f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}, SM {_num(s.get('gpu_sm_clock_mhz'), '.0f')} MHz", flush=True)
@@ -62,7 +80,7 @@ def main() -> None:
     # SM MHz: rank 0's median clock over the timed steps (src/profiling/gpu_clocks.py): a setting that keeps
     # the GPU busier can run at a lower clock under its power cap
     print("\n| kernels | tok/s/GPU | MFU % | peak GB | step ms | host ms | SM MHz | vs eager | final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for setting in args.settings:
+    for setting in settings:
         mine = [r for r in rows if r["setting"] == setting]
         tps = statistics.median(r["tokens_per_s_per_device"] for r in mine)
         mfu = None if mine[0]["mfu"] is None else statistics.median(r["mfu"] for r in mine)

@@ -27,9 +27,13 @@ optim.impl is left to auto.
 Then the block as a whole: the ops inside a transformer block (norms, the MLP's activation) are
 also what Inductor fuses when it compiles the block (`kernels.compile`), with the residual adds and
 casts no per-op swap reaches. One block, forward and backward, is timed as the per-op picks would
-run it and under torch.compile, with the run's precision (precision=fp8: its linears swapped for
-float8 ones, as the run swaps them); compile is used where it beats the picks by more than the
-noise, and it then subsumes the in-block picks (the loss, outside the blocks, keeps its own).
+run it, under torch.compile, and (where a pick changed it) as plain eager modules, with the run's
+precision (precision=fp8: its linears swapped for float8 ones, as the run swaps them); compile or
+eager is used where it beats the picks by more than the noise, and it then replaces the in-block
+picks (the loss, outside the blocks, keeps its own). Eager is a candidate because the per-op
+picks are made on GPU time: at 1024 tokens a step (data=text's 8 x 128) the picked block queued
+in 32-35 ms of host against 7.2 of GPU on an H200 (2026-12-04), its fused norms' host path 12.6
+ms a step against eager's 5.2, so the picks that save GPU time cost a host-bound step time.
 The blocks are most of the step, so a block is charged the larger of its GPU time and its host
 time: where queuing a block takes longer than running it, the GPU waits on the host whatever the
 kernels cost. In bf16 the two blocks queue in about what they run (48 ms of GPU a step on an H200,
@@ -169,14 +173,18 @@ def measure(ops: list[str], cfg: DictConfig, timer: Timer) -> list[OpTiming]:
 
 
 def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTiming:
-    """One transformer block, forward and backward, as the per-op `picks` run it ("picked") and
-    under torch.compile ("compile"), times the blocks a step. Each is charged the larger of its GPU
-    and host time (block_paid_ms), and compile must beat the picks by more than the noise; with
-    float8 linears compile is used whenever it ran (FLOAT8_EAGER_BLOCKS). `why` says which rule
-    decided where the pick is not GPU time's."""
+    """One transformer block, forward and backward, as the per-op `picks` run it ("picked"), under
+    torch.compile ("compile") and, where a pick changed it, as torch's modules alone ("eager"),
+    times the blocks a step. Each is charged the larger of its GPU and host time (block_paid_ms),
+    and compile or eager must beat the picks by more than the noise; with float8 linears compile
+    is used whenever it ran (FLOAT8_EAGER_BLOCKS). `why` says which rule decided where the pick
+    is not GPU time's."""
     m = cfg.model
     use = Use(BLOCK, [cfg.data.batch_size, cfg.data.seq_len, m.dim], m.n_layers, dict(picks))
-    timing = _timed(BLOCK, [use], ("picked", "compile"), timer, base="picked")
+    # eager is its own candidate where a pick changed the block: the picks won on GPU time alone,
+    # and a fused op's Python path can cost a host-bound block more than its kernels save
+    candidates = ("picked", "compile", "eager") if any(how != "eager" for how in picks.values()) else ("picked", "compile")
+    timing = _timed(BLOCK, [use], candidates, timer, base="picked")
     timing.pick = pick(block_paid_ms(timing), base="picked")
     if timing.pick != pick(timing.ms, base="picked"):
         timing.why = HOST_CHARGED
@@ -223,10 +231,11 @@ def _timed(op: str, op_uses: list[Use], candidates: tuple[str, ...], timer: Time
 
 
 def chosen(timings: list[OpTiming]) -> tuple[list[str], list[str], bool]:
-    """(kernels.fused, kernels.compiled, kernels.compile) from the picks: a compiled block drops
-    the in-block ops' own picks."""
-    compile_blocks = any(t.op == BLOCK and t.pick == "compile" for t in timings)
-    ops = [t for t in timings if t.op not in (BLOCK, OPTIMIZER) and not (compile_blocks and t.op in BLOCK_OPS)]
+    """(kernels.fused, kernels.compiled, kernels.compile) from the picks: a compiled or an eager
+    block drops the in-block ops' own picks."""
+    block = next((t.pick for t in timings if t.op == BLOCK), "picked")
+    compile_blocks = block == "compile"
+    ops = [t for t in timings if t.op not in (BLOCK, OPTIMIZER) and not (block != "picked" and t.op in BLOCK_OPS)]
     fused = [t.pick if t.pick == "linear_cross_entropy" else t.op for t in ops if t.pick in ("triton", "linear_cross_entropy")]
     return fused, [t.op for t in ops if t.pick == "compile"], compile_blocks
 
@@ -300,7 +309,8 @@ def build_block(model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: 
 def _time_block(use: Use, candidate: str, model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: torch.dtype,
                 device: torch.device) -> tuple[float, float]:
     """One block of this model (build_block), forward and backward with its weight gradients:
-    "picked" with the per-op swaps, "compile" under torch.compile (compiled once before timing)."""
+    "picked" with the per-op swaps, "compile" under torch.compile (compiled once before timing),
+    "eager" with none."""
     from src.fusion.compiled import apply_compiled
     from src.fusion.registry import apply_fused
 
@@ -308,6 +318,8 @@ def _time_block(use: Use, candidate: str, model_cfg: DictConfig, precision_cfg: 
     block = build_block(model_cfg, precision_cfg, dtype, device)
     if candidate == "compile":
         fn = torch.compile(block, dynamic=False)
+    elif candidate == "eager":
+        fn = block
     else:
         apply_fused(block, [op for op, how in use.picks.items() if how == "triton"])
         apply_compiled(block, [op for op, how in use.picks.items() if how == "compile"])
