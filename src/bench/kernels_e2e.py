@@ -48,7 +48,7 @@ def run(name: str, given: list[str], args: argparse.Namespace, run_dir: Path) ->
         f"train.steps={args.steps}", f"train.untimed_steps={args.warmup}", "train.progress=false", "tracking=none",
         f"hydra.run.dir={run_dir}", *args.extra,
     ]
-    if "kernels=auto" in given:
+    if "kernels=auto" in given and not any(o.startswith("kernels.diagnosis=") for o in given):
         cmd.append(f"kernels.diagnosis={Path(args.diagnosis).resolve()}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
