@@ -36,9 +36,9 @@ in 32-35 ms of host against 7.2 of GPU on an H200 (2026-12-04), its fused norms'
 ms a step against eager's 5.2, so the picks that save GPU time cost a host-bound step time.
 The blocks are most of the step, so a block is charged the larger of its GPU time and its host
 time: where queuing a block takes longer than running it, the GPU waits on the host whatever the
-kernels cost. At the seed's shapes in bf16 the blocks queue in about what they run (48 ms of GPU a step on an H200,
-30-57 of host either way, docs/PERFORMANCE.md section 7's "kernels=auto with float8"), and the
-per-op picks stay. Float8 blocks are compiled whenever they compile (FLOAT8_EAGER_BLOCKS): each
+kernels cost. At the seed's shapes in bf16 the blocks queue in about what they run (48 ms of
+GPU a step on an H200, 26-57 of host whichever candidate, docs/PERFORMANCE.md section 7's
+"kernels=auto with float8" and "kernels=auto's loss spike"), and the per-op picks stay. Float8 blocks are compiled whenever they compile (FLOAT8_EAGER_BLOCKS): each
 eager float8 linear launches about 12 kernels from Python, and the step pays more for that than a
 block timed alone shows.
 """
