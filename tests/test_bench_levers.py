@@ -93,6 +93,17 @@ def test_kernels_e2e_settings_are_kernels_names_or_named_overrides():
             overrides(bad)
 
 
+def test_kernels_e2e_says_what_auto_chose_in_each_run():
+    from src.bench.kernels_e2e import auto_line
+
+    record = {"fused": ["cross_entropy"], "compiled": [], "compile": False,
+              "measured": {"block": {"picked": 7.069, "compile": 6.958, "eager": 7.261, "picked.host": 26.43, "compile.host": 27.63, "eager.host": 24.38}}}
+    assert auto_line(record, "triton") == ("fused [cross_entropy], compiled [], compiled blocks no, optim.impl triton; "
+                                           "block GPU (host) ms a step: picked 7.07 (26.43) / compile 6.96 (27.63) / eager 7.26 (24.38)")
+    # no GPU to time on: the diagnosis alone decided, nothing was measured
+    assert auto_line({"fused": ["rms_norm"], "compiled": [], "compile": False, "measured": {}}, "fused").endswith("optim.impl fused; nothing timed")
+
+
 def test_fp8_loss_compares_every_variant_and_control_with_one_bf16_run(tmp_path, capsys):
     """One bf16 reference for all the float8 variants; a control (bf16, last bits changed) is
     reported beside them and never fails the bench; a variant past the tolerance does (exit 1)."""

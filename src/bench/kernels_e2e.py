@@ -4,7 +4,8 @@ the same GPU(s), so the ratios are measured side by side.
     python -m src.bench.kernels_e2e --settings eager compile triton auto --steps 12 --rounds 1 \\
         --diagnosis tests/fixtures/mini_llm_h200_diagnosis.json
 
-Prints one row per run and the median per setting: tokens/s per GPU, MFU, peak memory, median step
+Prints one row per run (and under a kernels=auto run, what it chose: auto times its candidates
+in each run and may choose differently from one run to the next) and the median per setting: tokens/s per GPU, MFU, peak memory, median step
 time, the host's median time to queue a step (near the step time, the host is the limit: a setting
 whose kernels save device time can still lose where its Python path is longer), and the speedup
 over eager. Each run is `python -m src.run +exp=fsdp4` (the seed's model,
@@ -46,6 +47,16 @@ def overrides(setting: str) -> tuple[str, list[str]]:
     return name, shlex.split(given)
 
 
+def auto_line(record: dict, optim_impl: str | None) -> str:
+    """What kernels=auto chose in one run, from its kernels_auto.json: the fused and compiled ops,
+    compiled blocks or not, the optimizer, and the block candidates' GPU (host) ms a step."""
+    block = record.get("measured", {}).get("block", {})
+    timed = " / ".join(f"{c} {block[c]:.2f} ({_num(block.get(c + '.host'), '.2f')})" for c in ("picked", "compile", "eager") if block.get(c) is not None)
+    return (f"fused [{', '.join(record.get('fused') or [])}], compiled [{', '.join(record.get('compiled') or [])}], "
+            f"compiled blocks {'yes' if record.get('compile') else 'no'}, optim.impl {optim_impl or 'n/a'}"
+            + (f"; block GPU (host) ms a step: {timed}" if timed else "; nothing timed"))
+
+
 def run(name: str, given: list[str], args: argparse.Namespace, run_dir: Path) -> dict:
     cmd = [
         sys.executable, "-m", "src.run", "+exp=fsdp4", *given, f"dist.nproc={args.nproc}",
@@ -80,6 +91,9 @@ def main() -> None:
             rows.append({"setting": setting, **s})
             print(f"kernels={setting:8s} round {r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_num(s['mfu'], '.1f')}%, "
                   f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}, SM {_num(s.get('gpu_sm_clock_mhz'), '.0f')} MHz", flush=True)
+            choice = args.out / f"{setting}-r{r}" / "kernels_auto.json"
+            if choice.is_file():  # the run's own choice beside its speed: auto can choose differently from run to run
+                print(f"  {setting} chose: {auto_line(json.loads(choice.read_text()), s.get('optim_impl'))}", flush=True)
     eager = statistics.median([r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"] or [float("nan")])
     # SM MHz: rank 0's median clock over the timed steps (src/profiling/gpu_clocks.py): a setting that keeps
     # the GPU busier can run at a lower clock under its power cap
