@@ -4,19 +4,21 @@ the same GPU(s), so the ratios are measured side by side.
     python -m src.bench.kernels_e2e --settings eager compile triton auto --steps 12 --rounds 1 \\
         --diagnosis tests/fixtures/mini_llm_h200_diagnosis.json
 
-Prints one row per run (and under a kernels=auto run, what it chose: auto times its candidates
-in each run and may choose differently from one run to the next) and the median per setting: tokens/s per GPU, MFU, peak memory, median step
-time, the host's median time to queue a step (near the step time, the host is the limit: a setting
-whose kernels save device time can still lose where its Python path is longer), and the speedup
-over eager. Each run is `python -m src.run +exp=fsdp4` (the seed's model,
-data and optimizer) with `kernels=SETTING`; `auto` reads --diagnosis (the mini_llm H200 diagnosis
-kept as a test fixture, or a fresh one from `+exp=diagnose`). The final loss is printed, but it is
-no check of a setting's numerics: the seed's recipe fits random targets at lr 3e-4 with no warm-up
-or clipping, and eager's own loss left the plateau on 2 of 6 seeds over 24 steps on an H200
-(docs/PERFORMANCE.md section 7, "kernels=auto's loss spike"); `python -m src.bench.fp8_loss
---variant NAME="kernels=..."` compares loss curves on a recipe that trains. A setting NAME=OVERRIDES runs those
-overrides in place of `kernels=NAME`, e.g. auto's choice as fixed settings, to tell the choice's
-step time from the measuring run's:
+Prints one row per run (under a kernels=auto run, what it chose: auto times its candidates in each
+run and may choose differently from one run to the next) and the median per setting: tokens/s per
+GPU, MFU, peak memory, median step time, the host's median time to queue a step, and the speedup
+over eager. A host time well under the step time means the device is the limit; near it, the host
+is, or the launch queue is full and holds the host to the device's pace (a profile tells the two
+apart). A setting whose kernels save device time can still lose where its Python path is longer.
+Each run is `python -m src.run +exp=fsdp4` (the seed's model, data and optimizer) with
+`kernels=SETTING`; `auto` reads --diagnosis (the mini_llm H200 diagnosis kept as a test fixture, or
+a fresh one from `+exp=diagnose`). The final loss is printed, but it is no check of a setting's
+numerics: the seed's recipe fits random targets at lr 3e-4 with no warm-up or clipping, and eager's
+own loss left the plateau on 2 of 6 seeds over 24 steps on an H200 (docs/PERFORMANCE.md section 7,
+"kernels=auto's loss spike"); `python -m src.bench.fp8_loss --variant NAME="kernels=..."` compares
+loss curves on a recipe that trains. A setting NAME=OVERRIDES runs those overrides in place of
+`kernels=NAME`, e.g. auto's choice as fixed settings, to tell the choice's step time from the
+measuring run's:
 
     python -m src.bench.kernels_e2e --settings eager auto ce="kernels=compile kernels.fused=[cross_entropy]" \
         --extra data.seq_len=128
