@@ -89,11 +89,12 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for setting, given in settings.items():
-            s = run(setting, given, args, args.out / f"{setting}-r{r}")
+            run_dir = args.out / f"{setting}-r{r}"
+            s = run(setting, given, args, run_dir)
             rows.append({"setting": setting, **s})
             print(f"kernels={setting:8s} round {r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_num(s['mfu'], '.1f')}%, "
                   f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}, SM {_num(s.get('gpu_sm_clock_mhz'), '.0f')} MHz", flush=True)
-            choice = args.out / f"{setting}-r{r}" / "kernels_auto.json"
+            choice = run_dir / "kernels_auto.json"
             if choice.is_file():  # the run's own choice beside its speed: auto can choose differently from run to run
                 print(f"  {setting} chose: {auto_line(json.loads(choice.read_text()), s.get('optim_impl'))}", flush=True)
     eager = statistics.median([r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"] or [float("nan")])

@@ -34,13 +34,13 @@ picks (the loss, outside the blocks, keeps its own). Eager is a candidate becaus
 picks are made on GPU time: at 1024 tokens a step (data=text's 8 x 128) the picked block queued
 in 32-35 ms of host against 7.2 of GPU on an H200 (2026-12-04), its fused norms' host path 12.6
 ms a step against eager's 5.2, so the picks that save GPU time cost a host-bound step time.
-The blocks are most of the step, so a block is charged the larger of its GPU time and its host
-time: where queuing a block takes longer than running it, the GPU waits on the host whatever the
-kernels cost. At the seed's shapes in bf16 the blocks queue in about what they run (48 ms of
-GPU a step on an H200, 26-57 of host whichever candidate, docs/PERFORMANCE.md section 7's
-"kernels=auto with float8" and "kernels=auto's loss spike"), and the per-op picks stay. Float8 blocks are compiled whenever they compile (FLOAT8_EAGER_BLOCKS): each
-eager float8 linear launches about 12 kernels from Python, and the step pays more for that than a
-block timed alone shows.
+The blocks are most of the step, so a block is charged the larger of its GPU time and its host time:
+where queuing a block takes longer than running it, the GPU waits on the host whatever the kernels
+cost. At the seed's shapes in bf16 the blocks queue in about what they run (48 ms of GPU a step on
+an H200, 26-57 of host whichever candidate, docs/PERFORMANCE.md section 7's "kernels=auto with
+float8" and "kernels=auto's loss spike"), and the per-op picks stay. Float8 blocks are compiled
+whenever they compile (FLOAT8_EAGER_BLOCKS): each eager float8 linear launches about 12 kernels from
+Python, and the step pays more for that than a block timed alone shows.
 """
 from __future__ import annotations
 
