@@ -225,3 +225,21 @@ def test_fp8_casts_run_each_linears_casts_as_the_linear_does(monkeypatch):
         launched.clear()
         fp8_casts.make_pass(by_name["down", "forward"] + by_name["down", "backward"], torch.device("cpu"))()
         assert launched == ({"input": ["_launch_transposed"] * 3, "e4m3": ["_launch_from_rowwise", "_launch_from_rowwise", "_launch_transposed"]}[source])
+
+
+def test_kernels_e2e_table_shows_each_rounds_ratio_beside_the_median():
+    from src.bench.kernels_e2e import table
+
+    def row(setting, rnd, tps):
+        return {"setting": setting, "round": rnd, "tokens_per_s_per_device": tps, "mfu": None, "peak_mem_gb": 12.16,
+                "step_time_s": 8192 / tps, "host_step_time_s": None, "final_loss": 11.0}
+
+    # g8's two rounds at 8 x 128 tokens on an H200: eager swung 24,560 -> 15,144 tok/s, so the medians' 1.157x hides
+    # a setting that lost in one round and won by half in the other
+    rows = [row("eager", 0, 24560), row("both", 0, 23037), row("eager", 1, 15144), row("both", 1, 22895)]
+    lines = table(rows, ["eager", "both"]).splitlines()
+    assert lines[0].startswith("| kernels |") and "| vs eager | rounds |" in lines[0]
+    eager, both = lines[2].split(" | "), lines[3].split(" | ")
+    assert eager[7:9] == ["1.000x", "1.00-1.00x"]
+    assert both[7:9] == ["1.157x", "0.94-1.51x"]
+    assert table(rows[:2], ["eager", "both"]).splitlines()[3].split(" | ")[8] == "-"  # one round: no range to give

@@ -7,7 +7,8 @@ the same GPU(s), so the ratios are measured side by side.
 Prints one row per run (under a kernels=auto run, what it chose: auto times its candidates in each
 run and may choose differently from one run to the next) and the median per setting: tokens/s per
 GPU, MFU, peak memory, median step time, the host's median time to queue a step, and the speedup
-over eager. A host time well under the step time means the device is the limit; near it, the host
+over eager; with --rounds above 1, the range of each round's ratio to that round's eager run (a
+host-set step swings from round to round, and a median hides it). A host time well under the step time means the device is the limit; near it, the host
 is, or the launch queue is full and holds the host to the device's pace (a profile tells the two
 apart). A setting whose kernels save device time can still lose where its Python path is longer.
 Each run is `python -m src.run +exp=fsdp4` (the seed's model, data and optimizer) with
@@ -73,6 +74,38 @@ def run(name: str, given: list[str], args: argparse.Namespace, run_dir: Path) ->
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def round_ratios(rows: list[dict], setting: str) -> str:
+    """Each round's tokens/s for `setting` over the same round's eager, as a range ("0.94-1.51x"): settings
+    run alternately, so a round's pair shares the host's state, and the range shows how far a host-set
+    step swings (eager's own rate moved 1.6x between two rounds of one call at 8 x 128 tokens on an H200)."""
+    eager = {r["round"]: r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"}
+    ratios = sorted(r["tokens_per_s_per_device"] / eager[r["round"]] for r in rows if r["setting"] == setting and r["round"] in eager)
+    if len(ratios) < 2:
+        return "-"
+    return f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
+
+
+def table(rows: list[dict], settings: list[str]) -> str:
+    """The median per setting over its rounds, and the per-round ratios' range."""
+    eager = statistics.median([r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"] or [float("nan")])
+    # SM MHz: rank 0's median clock over the timed steps (src/profiling/gpu_clocks.py): a setting that keeps
+    # the GPU busier can run at a lower clock under its power cap
+    out = ["| kernels | tok/s/GPU | MFU % | peak GB | step ms | host ms | SM MHz | vs eager | rounds | final loss |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for setting in settings:
+        mine = [r for r in rows if r["setting"] == setting]
+        tps = statistics.median(r["tokens_per_s_per_device"] for r in mine)
+        mfu = None if mine[0]["mfu"] is None else statistics.median(r["mfu"] for r in mine)
+        peak = None if mine[0]["peak_mem_gb"] is None else max(r["peak_mem_gb"] for r in mine)
+        hosts = [r["host_step_time_s"] for r in mine if r.get("host_step_time_s") is not None]
+        host = 1e3 * statistics.median(hosts) if hosts else None
+        clocks = [r["gpu_sm_clock_mhz"] for r in mine if r.get("gpu_sm_clock_mhz") is not None]
+        clock = statistics.median(clocks) if clocks else None
+        out.append(f"| {setting} | {tps:,.0f} | {_num(mfu, '.1f')} | {_num(peak, '.2f')} | {1e3 * statistics.median(r['step_time_s'] for r in mine):.1f} | "
+                   f"{_num(host, '.1f')} | {_num(clock, '.0f')} | {tps / eager:.3f}x | {round_ratios(rows, setting)} | {mine[-1]['final_loss']:.4f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", nargs="+", default=["eager", "compile", "triton", "auto"])
@@ -91,27 +124,14 @@ def main() -> None:
         for setting, given in settings.items():
             run_dir = args.out / f"{setting}-r{r}"
             s = run(setting, given, args, run_dir)
-            rows.append({"setting": setting, **s})
+            rows.append({"setting": setting, "round": r, **s})
             print(f"kernels={setting:8s} round {r}: {s['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_num(s['mfu'], '.1f')}%, "
                   f"peak {_num(s['peak_mem_gb'], '.2f')} GB, loss {s['final_loss']:.4f}, SM {_num(s.get('gpu_sm_clock_mhz'), '.0f')} MHz", flush=True)
             choice = run_dir / "kernels_auto.json"
             if choice.is_file():  # the run's own choice beside its speed: auto can choose differently from run to run
                 print(f"  {setting} chose: {auto_line(json.loads(choice.read_text()), s.get('optim_impl'))}", flush=True)
-    eager = statistics.median([r["tokens_per_s_per_device"] for r in rows if r["setting"] == "eager"] or [float("nan")])
-    # SM MHz: rank 0's median clock over the timed steps (src/profiling/gpu_clocks.py): a setting that keeps
-    # the GPU busier can run at a lower clock under its power cap
-    print("\n| kernels | tok/s/GPU | MFU % | peak GB | step ms | host ms | SM MHz | vs eager | final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for setting in settings:
-        mine = [r for r in rows if r["setting"] == setting]
-        tps = statistics.median(r["tokens_per_s_per_device"] for r in mine)
-        mfu = None if mine[0]["mfu"] is None else statistics.median(r["mfu"] for r in mine)
-        peak = None if mine[0]["peak_mem_gb"] is None else max(r["peak_mem_gb"] for r in mine)
-        hosts = [r["host_step_time_s"] for r in mine if r.get("host_step_time_s") is not None]
-        host = 1e3 * statistics.median(hosts) if hosts else None
-        clocks = [r["gpu_sm_clock_mhz"] for r in mine if r.get("gpu_sm_clock_mhz") is not None]
-        clock = statistics.median(clocks) if clocks else None
-        print(f"| {setting} | {tps:,.0f} | {_num(mfu, '.1f')} | {_num(peak, '.2f')} | {1e3 * statistics.median(r['step_time_s'] for r in mine):.1f} | "
-              f"{_num(host, '.1f')} | {_num(clock, '.0f')} | {tps / eager:.3f}x | {mine[-1]['final_loss']:.4f} |")
+    print()
+    print(table(rows, list(settings)))
 
 
 if __name__ == "__main__":
