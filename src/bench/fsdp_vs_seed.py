@@ -41,12 +41,19 @@ FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "host
            "gpu_sm_clock_mhz", "gpu_power_w", "gpu_power_capped_frac")
 
 
+def split_named(text: str) -> tuple[str, list[str] | None]:
+    """'fp8=precision=fp8 kernels=compile' -> ('fp8', ['precision=fp8', 'kernels=compile']); with no '=',
+    (text, None). The benches that take NAME=OVERRIDES share this split and check the parts each their own way."""
+    name, sep, overrides = text.partition("=")
+    return name, (shlex.split(overrides) if sep else None)
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """'fp8=precision=fp8 kernels=compile' -> ('fp8', ['precision=fp8', 'kernels=compile'])."""
-    name, sep, overrides = text.partition("=")
-    if not sep or not name or name.startswith("seed"):
+    name, overrides = split_named(text)
+    if overrides is None or not name or name.startswith("seed"):
         raise argparse.ArgumentTypeError(f"--variant {text!r}: give NAME=OVERRIDES (NAME not starting with 'seed'), e.g. compile=\"kernels=compile\"")
-    return name, shlex.split(overrides)
+    return name, overrides
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from src.bench.fsdp_vs_seed import split_named
 
 
 def _num(value, spec: str) -> str:
@@ -42,12 +43,12 @@ def _num(value, spec: str) -> str:
 def overrides(setting: str) -> tuple[str, list[str]]:
     """'eager' -> ('eager', ['kernels=eager']); 'ce=kernels=compile kernels.fused=[cross_entropy]'
     -> ('ce', ['kernels=compile', 'kernels.fused=[cross_entropy]'])."""
-    name, sep, given = setting.partition("=")
-    if not sep:
+    name, given = split_named(setting)
+    if given is None:
         return setting, [f"kernels={setting}"]
-    if not name or not given.strip():
+    if not name or not given:
         raise SystemExit(f"--settings {setting!r}: give a kernels setting (eager) or NAME=OVERRIDES (ce=\"kernels=compile kernels.fused=[cross_entropy]\")")
-    return name, shlex.split(given)
+    return name, given
 
 
 def auto_line(record: dict, optim_impl: str | None) -> str:
