@@ -253,7 +253,8 @@ class KernelsConfig:
     58.4-59.2 ms (docs/PERFORMANCE.md section 7). Under sharding fsdp2/hsdp it needs sharding.keep_unsharded=true:
     FSDP2 gathers the weights into new memory each step, and each new address records the graphs again (252 ms a
     step against 60 launched on one H200). Under kernels=auto it applies to whatever auto compiles (the blocks, or
-    single ops where those were picked)"""
+    single ops where those were picked), and auto times its compiled candidates replayed from graphs, as the run
+    would run them; where auto compiles nothing, nothing replays and the log says so"""
     max_autotune: bool = False
     """inductor: each GEMM of the run's compiled graphs timed at its shape against Inductor's Triton templates (persistent TMA
     ones on Hopper), which can take the pointwise work after it (bias, SiLU, the residual add) into the GEMM; the fastest is

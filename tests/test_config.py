@@ -92,12 +92,12 @@ BAD_OVERRIDES = [
     (["sharding=none", "sharding.keep_unsharded=true"], "sharding.keep_unsharded=true keeps FSDP2's gathered parameters, and sharding=none gathers none; use sharding=fsdp2 or hsdp"),
     (["sharding=none", "sharding.split_root=true"], "sharding.split_root=true shards the embedding and head apart, and sharding=none does not shard; use sharding=fsdp2 or hsdp"),
     (["kernels=compile", "kernels.compile_backend=aot_eager", "kernels.cpp_wrapper=true"], "compiles none with Inductor; set kernels.compile_backend=inductor"),
-    (["kernels.cpp_wrapper=true"], "kernels.cpp_wrapper=true writes Inductor's launch code in C++ for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
-    (["kernels.static_launch=true"], "kernels.static_launch=true launches this project's Triton kernels through Inductor's static launcher for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
+    (["kernels.cpp_wrapper=true"], "kernels.cpp_wrapper=true writes Inductor's launch code in C++ for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile (or kernels=auto, which compiles where it measures a gain)"),
+    (["kernels.static_launch=true"], "kernels.static_launch=true launches this project's Triton kernels through Inductor's static launcher for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile (or kernels=auto, which compiles where it measures a gain)"),
     (["kernels=compile", "kernels.static_launch=true", "kernels.cpp_wrapper=true"], "kernels.static_launch=true replaces Triton's Python launcher, and kernels.cpp_wrapper=true launches every kernel from C++ code with none; drop one of them"),
-    (["kernels.cudagraphs=true"], "kernels.cudagraphs=true captures Inductor's kernels in CUDA graphs for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
+    (["kernels.cudagraphs=true"], "kernels.cudagraphs=true captures Inductor's kernels in CUDA graphs for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile (or kernels=auto, which compiles where it measures a gain)"),
     (["kernels=compile", "kernels.cudagraphs=true"], "kernels.cudagraphs=true replays the compiled blocks from CUDA graphs, and backend=cpu has none; use backend=cuda or drop the override"),
-    (["kernels.max_autotune=true"], "kernels.max_autotune=true autotunes Inductor's GEMMs for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile"),
+    (["kernels.max_autotune=true"], "kernels.max_autotune=true autotunes Inductor's GEMMs for the run's compiled graphs, and kernels=eager (compile=False, compile_backend=inductor) compiles none with Inductor; add kernels=compile (or kernels=auto, which compiles where it measures a gain)"),
     (["sharding.forward_prefetch=-1"], "sharding.forward_prefetch=-1: the number of units to prefetch must be 0 (FSDP2's own order) or more"),
     (["sharding=none", "sharding.backward_prefetch=2"], "sharding.backward_prefetch=2 prefetches FSDP2's all-gathers, and sharding=none gathers nothing; use sharding=fsdp2 or hsdp"),
     (["sharding.symm_mem=true"], "sharding.symm_mem=true puts FSDP2's all-gather buffers in NCCL symmetric memory; with sharding=fsdp2 backend=cpu use sharding=fsdp2 backend=cuda"),
@@ -200,6 +200,20 @@ def test_cuda_graphs_under_fsdp2_need_the_gathered_weights_kept():
     # without FSDP2 nothing is gathered: the parameters stay where they are
     validate(compose_config(["+exp=fsdp4_tuned", "dist.nproc=1", "sharding=none", "sharding.split_root=false", "kernels.cudagraphs=true"]),
              cuda_device_count=1, mps_available=False)
+
+
+def test_kernels_auto_takes_the_inductor_options_for_what_it_compiles():
+    """kernels=auto may compile the blocks (always with float8): kernels.cudagraphs and the other Inductor options
+    apply to what it compiles, so `+exp=fsdp4_fp8 kernels=auto` composes, and FSDP2 still needs the weights kept."""
+    fixture = str(Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json")
+    h200 = {"cuda_device_count": 1, "mps_available": False, "cuda_capability": ((9, 0), "NVIDIA H200")}
+    validate(compose_config(["+exp=fsdp4_fp8", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={fixture}"]), **h200)
+    auto_graphs = ["+exp=fsdp4", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={fixture}", "kernels.cudagraphs=true"]
+    with pytest.raises(ConfigError, match="add sharding.keep_unsharded=true"):
+        validate(compose_config(auto_graphs), **h200)
+    validate(compose_config([*auto_graphs, "sharding.keep_unsharded=true"]), **h200)
+    with pytest.raises(ConfigError, match="kernels=auto .compile=False, compile_backend=aot_eager. compiles none with Inductor; set kernels.compile_backend=inductor"):
+        validate(compose_config([*auto_graphs, "sharding.keep_unsharded=true", "kernels.compile_backend=aot_eager"]), **h200)
 
 
 def test_mps_trains_on_one_device_only():

@@ -267,6 +267,27 @@ def test_kernels_auto_times_the_float8_block_and_compiles_it(tmp_path: Path):
     assert "float8 (rowwise_with_gw_hp scales, triton casts): 48 block linears" in log
 
 
+def test_kernels_auto_times_the_compiled_block_replayed_from_cuda_graphs(tmp_path: Path):
+    """kernels=auto kernels.cudagraphs=true at data=text's 8 x 128 tokens, where the launched blocks queue
+    slower than they run: the compiled candidate is timed replayed from graphs (a launch's host, not ~50
+    launches' a block), and where auto compiles the blocks the run replays them (graphs held, none run launched)."""
+    proc = run_cli(["+exp=fsdp4", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={REPO / 'tests/fixtures/mini_llm_h200_diagnosis.json'}",
+                    "kernels.cudagraphs=true", "sharding.keep_unsharded=true", "data.seq_len=128", "train.steps=6", "tracking=none"],
+                   cwd=tmp_path, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    (auto,) = list(tmp_path.glob("outputs/*/*/kernels_auto.json"))
+    record = json.loads(auto.read_text())
+    block = record["measured"]["block"]
+    assert block["compile.host"] < 0.5 * block["picked.host"], block
+    assert "then the block as picked, compiled (replayed from CUDA graphs, kernels.cudagraphs) and eager" in log
+    summary = read_summary(tmp_path)
+    if record["compile"]:
+        assert summary["cudagraphs"] >= 24 and summary["cudagraph_skips"] == 0, summary
+    else:
+        assert "auto compiled nothing" in log or record["compiled"], log[-3000:]
+
+
 def test_a_logged_steps_readback_is_queued_without_a_host_sync():
     """Readback's copy of a logged step's figures to the host: nothing torch counts as a sync (the
     host memory figures go up from pinned memory, non_blocking), and read() returns them all."""

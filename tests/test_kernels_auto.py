@@ -280,6 +280,53 @@ def test_a_host_bound_block_drops_picks_that_won_on_gpu_time_alone():
     assert timings[-1].pick == "picked" and chosen(timings) == (["rms_norm", "cross_entropy"], [], False)
 
 
+def test_a_host_bound_block_points_to_cuda_graphs_and_auto_weighs_graphs_where_they_are_on(tmp_path, monkeypatch, caplog):
+    """Where the chosen block queues slower than it runs, the log names kernels.cudagraphs (and, under FSDP2,
+    sharding.keep_unsharded); with graphs on, the compiled candidate is timed replayed (a launch's host) and wins
+    where it does; where auto then compiles nothing, the log says nothing replays."""
+    import logging
+
+    import src.fusion.choice as choice_mod
+    import src.fusion.measure as measure_mod
+    from src.fusion.choice import apply_auto_choice
+    from src.fusion.measure import graphs_hint, measure
+
+    launched = {("rms_norm", "eager"): (0.020, 0.20), ("rms_norm", "triton"): (0.013, 0.48),
+                ("add_rms_norm", "eager"): (0.022, 0.22), ("add_rms_norm", "triton"): (0.014, 0.52),
+                ("head_loss", "eager"): (1.00, 0.64), ("head_loss", "triton"): (0.60, 0.85),
+                ("block", "picked"): (0.60, 2.67), ("block", "compile"): (0.59, 2.16), ("block", "eager"): (0.62, 2.05)}
+    replayed = {**launched, ("block", "compile"): (0.58, 0.09)}  # one graph launch a block instead of Inductor's ~50
+    table = {"timer": launched}
+    monkeypatch.setattr(choice_mod, "_gpu_present", lambda: True)
+    monkeypatch.setattr(measure_mod, "measure_on_gpu", lambda ops, cfg: measure(ops, cfg, _stub_timer(table["timer"])[0]))
+    auto = {"backend": "cuda", "kernels": "auto", "kernels.diagnosis": str(FIXTURE), "data.seq_len": 128}
+
+    caplog.set_level(logging.INFO, logger="src.run")
+    cfg = _seed_cfg(**auto)
+    apply_auto_choice(cfg, tmp_path)
+    assert cfg.kernels.compile is False and list(cfg.kernels.fused) == ["cross_entropy"]  # eager blocks, as host time decides
+    hint = [r.getMessage() for r in caplog.records if "queue slower than they run" in r.getMessage()]
+    assert hint == ["kernels=auto: the blocks as chosen (eager) queue slower than they run, 24.6 ms of host a step against 7.4 of GPU; "
+                    "kernels.cudagraphs=true with sharding.keep_unsharded=true (FSDP2 then keeps the gathered weights where the graphs "
+                    "read them; the whole param_dtype model stays on each GPU) lets auto weigh compiled blocks replayed from CUDA graphs, "
+                    "one launch a graph"]
+
+    caplog.clear()
+    graphs = _seed_cfg(**auto, **{"kernels.cudagraphs": "true", "sharding.keep_unsharded": "true"})
+    apply_auto_choice(graphs, tmp_path)  # still the launched timings: eager blocks again, so nothing is compiled to replay
+    said = [r.getMessage() for r in caplog.records]
+    assert "auto compiled nothing; the step launches its kernels one by one" in said[-1]
+    assert not any("queue slower than they run" in m for m in said) and "replayed from CUDA graphs" in said[0]
+
+    table["timer"] = replayed
+    apply_auto_choice(graphs, tmp_path)
+    assert graphs.kernels.compile is True and graphs.kernels.cudagraphs is True and list(graphs.kernels.fused) == ["cross_entropy"]
+    # a GPU-bound block gives no hint: the seed's shapes, where the blocks run longer than they queue
+    gpu_bound = measure(["rms_norm"], _seed_cfg(), _stub_timer({**launched, ("block", "picked"): (4.30, 2.60), ("block", "compile"): (4.40, 2.1),
+                                                                ("block", "eager"): (4.45, 2.0)})[0])[-1]
+    assert gpu_bound.pick == "picked" and graphs_hint(gpu_bound, _seed_cfg()) is None
+
+
 def test_float8_blocks_are_compiled_whenever_they_compile():
     """With precision=fp8 the block timings are taken and recorded, and compiled blocks are used
     even where the eager block timed faster alone (its casts' Python launches cost the step more

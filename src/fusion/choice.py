@@ -119,10 +119,10 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         if why_not:
             log.info("kernels=auto: the diagnosis calls for AdamW's kernels, and they stay: %s", why_not)
     if measure and (choice.ops or cfg.precision.float8) and cfg.backend.name == "cuda" and _gpu_present():
-        from src.fusion.measure import chosen, measure_on_gpu, optimizer_chosen
+        from src.fusion.measure import BLOCK, chosen, graphs_hint, measure_on_gpu, optimizer_chosen
 
-        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked and compiled",
-                 ", ".join(choice.ops) or "no diagnosed op")
+        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked, compiled%s "
+                 "and eager", ", ".join(choice.ops) or "no diagnosed op", " (replayed from CUDA graphs, kernels.cudagraphs)" if cfg.kernels.cudagraphs else "")
         timings = measure_on_gpu(list(choice.ops), cfg)
         fused, compiled, compile_blocks = chosen(timings)
         optimizer = optimizer_chosen(timings)
@@ -134,10 +134,15 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
             log.info("  %s (GPU ms a step, host ahead; host ms%s): %s -> %s", t.op, "; charged the larger" if t.op == "block" else "", ", ".join(
                 f"{k} {v:.3f} ({t.host_ms[k]:.2f})" if v is not None and t.host_ms.get(k) is not None else f"{k} {v:.3f}" if v is not None else f"{k} failed"
                 for k, v in t.ms.items()), f"{t.pick} ({t.why})" if t.why else t.pick)
+        hint = next((graphs_hint(t, cfg) for t in timings if t.op == BLOCK), None)
+        if hint:
+            log.info(hint)
     else:
         why = "no GPU here" if measure else "under an external launcher each rank would time on its own"
         log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s%s", why, ", ".join(module_ops) or "nothing",
                  " (AdamW's kernels are swapped only where they are timed)" if OPTIMIZER in choice.ops else "")
+    if cfg.kernels.cudagraphs and not compile_blocks and not compiled:
+        log.info("kernels=auto: kernels.cudagraphs=true replays compiled graphs, and auto compiled nothing; the step launches its kernels one by one")
     with open_dict(cfg):
         if optimizer is not None:
             cfg.optim.impl = optimizer

@@ -41,6 +41,12 @@ an H200, 26-57 of host whichever candidate, docs/PERFORMANCE.md section 7's "ker
 float8" and "kernels=auto's loss spike"), and the per-op picks stay. Float8 blocks are compiled
 whenever they compile (FLOAT8_EAGER_BLOCKS): each eager float8 linear launches about 12 kernels from
 Python, and the step pays more for that than a block timed alone shows.
+
+Every candidate is timed under the run's own Inductor settings (src/distributed/parallelize.py
+inductor_config): with `kernels.cudagraphs` the compiled block is timed replayed from CUDA graphs, as
+the run would replay it, so its host time is a graph's launch rather than Inductor's ~50 launches a
+block. Where the chosen block still queues slower than it runs and graphs are off, the log says so
+and names the setting (graphs_hint).
 """
 from __future__ import annotations
 
@@ -191,6 +197,20 @@ def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTim
     if cfg.precision.float8 and timing.ms.get("compile") is not None and timing.pick != "compile":
         timing.pick, timing.why = "compile", FLOAT8_EAGER_BLOCKS
     return timing
+
+
+def graphs_hint(timing: OpTiming, cfg: DictConfig) -> str | None:
+    """A line for the log where the chosen block queues slower than it runs (host past GPU by more than
+    the noise) and kernels.cudagraphs is off: replayed from graphs, a compiled block's host is a launch.
+    At data=text's 8 x 128 tokens on an H200 the chosen blocks took 19-24 ms of host a step against 7.3
+    of GPU, and the device sat idle 74-77% of the step waiting on the host (docs/PERFORMANCE.md section 7)."""
+    gpu, host = timing.ms.get(timing.pick), timing.host_ms.get(timing.pick)
+    if cfg.kernels.cudagraphs or gpu is None or host is None or host <= gpu * (1 + NOISE):
+        return None
+    keep = (" with sharding.keep_unsharded=true (FSDP2 then keeps the gathered weights where the graphs read them; the whole "
+            "param_dtype model stays on each GPU)") if cfg.sharding.strategy in ("fsdp2", "hsdp") else ""
+    return (f"kernels=auto: the blocks as chosen ({timing.pick}) queue slower than they run, {host:.1f} ms of host a step against "
+            f"{gpu:.1f} of GPU; kernels.cudagraphs=true{keep} lets auto weigh compiled blocks replayed from CUDA graphs, one launch a graph")
 
 
 HOST_CHARGED = "charged the larger of GPU and host time: a block that queues slower than it runs makes the step wait on the host"
@@ -371,12 +391,14 @@ def gpu_timer(dtype: torch.dtype, loss_fp32: bool, model_cfg: DictConfig | None 
 def _measure_in_child(ops: list[str], cfg_yaml: str) -> list[dict]:
     from omegaconf import OmegaConf
 
+    from src.distributed.parallelize import inductor_config
     from src.dtypes import torch_dtype
 
     cfg = OmegaConf.create(cfg_yaml)
     torch.cuda.set_device(0)
     timer = gpu_timer(torch_dtype(cfg.precision.param_dtype), cfg.train.loss_fp32, cfg.model, cfg.optim, cfg.train.log_every, cfg.precision)
-    return [asdict(t) for t in measure(ops, cfg, timer)]
+    with inductor_config(cfg):  # the compiled candidates as the run compiles them: kernels.cudagraphs' graphs, max_autotune's GEMMs
+        return [asdict(t) for t in measure(ops, cfg, timer)]
 
 
 def measure_on_gpu(ops: list[str], cfg: DictConfig) -> list[OpTiming]:
