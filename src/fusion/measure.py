@@ -44,9 +44,10 @@ Python, and the step pays more for that than a block timed alone shows.
 
 Every candidate is timed under the run's own Inductor settings (src/distributed/parallelize.py
 inductor_config): with `kernels.cudagraphs` the compiled block is timed replayed from CUDA graphs, as
-the run would replay it, so its host time is a graph's launch rather than Inductor's ~50 launches a
-block. Where the chosen block still queues slower than it runs and graphs are off, the log says so
-and names the setting (graphs_hint).
+the run would replay it, so its host time is a graph launch and the trees' checks of its inputs
+rather than Inductor's ~50 launches a block (at 8 x 128 tokens on an H200: 11-15 ms a step for 12
+blocks replayed against 21-26 launched, 2026-12-04). Where the chosen block still queues slower than
+it runs and graphs are off, the log says so and names the setting (graphs_hint).
 """
 from __future__ import annotations
 
@@ -201,9 +202,10 @@ def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTim
 
 def graphs_hint(timing: OpTiming, cfg: DictConfig) -> str | None:
     """A line for the log where the chosen block queues slower than it runs (host past GPU by more than
-    the noise) and kernels.cudagraphs is off: replayed from graphs, a compiled block's host is a launch.
-    At data=text's 8 x 128 tokens on an H200 the chosen blocks took 19-24 ms of host a step against 7.3
-    of GPU, and the device sat idle 74-77% of the step waiting on the host (docs/PERFORMANCE.md section 7)."""
+    the noise) and kernels.cudagraphs is off: replayed from graphs, a compiled block's host is a graph launch
+    and the trees' input checks. At data=text's 8 x 128 tokens on an H200 the chosen blocks took 20-25 ms of
+    host a step against 7.3 of GPU, and the device sat idle 74-77% of the step waiting on the host; with graphs
+    auto compiled the blocks there and the step ran 1.48-2.58x eager's (docs/PERFORMANCE.md section 7)."""
     gpu, host = timing.ms.get(timing.pick), timing.host_ms.get(timing.pick)
     if cfg.kernels.cudagraphs or gpu is None or host is None or host <= gpu * (1 + NOISE):
         return None
