@@ -11,7 +11,8 @@ over eager; with --rounds above 1, the range of each round's ratio to that round
 host-set step swings from round to round, and a median hides it). A host time well under the step
 time means the device is the limit; near it, the host is, or the launch queue is full and holds the
 host to the device's pace (a profile tells the two apart: `task=profile`'s anatomy splits idle time
-into host late and queued). A setting whose kernels save device time can still lose where its Python path is longer.
+into host late and queued). A setting whose kernels save device time can still lose where its Python
+path is longer.
 Each run is `python -m src.run +exp=fsdp4` (the seed's model, data and optimizer) with
 `kernels=SETTING`; `auto` reads --diagnosis (the mini_llm H200 diagnosis kept as a test fixture, or
 a fresh one from `+exp=diagnose`). The final loss is printed, but it is no check of a setting's

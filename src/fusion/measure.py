@@ -210,7 +210,7 @@ def graphs_hint(timing: OpTiming, cfg: DictConfig) -> str | None:
     if cfg.kernels.cudagraphs or gpu is None or host is None or host <= gpu * (1 + NOISE):
         return None
     keep = (" with sharding.keep_unsharded=true (FSDP2 then keeps the gathered weights where the graphs read them; the whole "
-            "param_dtype model stays on each GPU)") if cfg.sharding.strategy in ("fsdp2", "hsdp") else ""
+            "param_dtype model stays on each GPU)") if cfg.sharding.strategy in ("fsdp2", "hsdp") and not cfg.sharding.keep_unsharded else ""
     return (f"kernels=auto: the blocks as chosen ({timing.pick}) queue slower than they run, {host:.1f} ms of host a step against "
             f"{gpu:.1f} of GPU; kernels.cudagraphs=true{keep} lets auto weigh compiled blocks replayed from CUDA graphs, one launch a graph")
 

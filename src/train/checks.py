@@ -154,8 +154,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
                          ("static_launch", "launches this project's Triton kernels through Inductor's static launcher"),
                          ("cudagraphs", "captures Inductor's kernels in CUDA graphs")):
         # kernels=auto may compile the blocks or single ops: the options then apply to what it compiles
-        if cfg.kernels[option] and not ((cfg.kernels.compile or cfg.kernels.auto) and cfg.kernels.compile_backend == "inductor"):
-            fix = "set kernels.compile_backend=inductor" if (cfg.kernels.compile or cfg.kernels.auto) else "add kernels=compile (or kernels=auto, which compiles where it measures a gain)"
+        compiles = cfg.kernels.compile or cfg.kernels.auto
+        if cfg.kernels[option] and not (compiles and cfg.kernels.compile_backend == "inductor"):
+            fix = "set kernels.compile_backend=inductor" if compiles else "add kernels=compile (or kernels=auto, which compiles where it measures a gain)"
             raise ConfigError(f"kernels.{option}=true {what} for the run's compiled graphs, and kernels={cfg.kernels.name} "
                               f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; {fix}")
     if cfg.kernels.cudagraphs and backend != "cuda":
