@@ -333,6 +333,12 @@ class DistConfig:
     """host:port of the rendezvous; empty picks a free local port (single node)"""
     timeout_s: int = 600
     """collective timeout; a hung rank fails the run after this long instead of hanging it"""
+    fake: bool = False
+    """rank 0 of the dist.nproc x dist.nnodes group alone in this process, every collective faked
+    (torch's fake process group, torchtitan's fake_backend): an N-GPU run's sharding, per-rank peak
+    memory, compile and CUDA graphs tried on one device before the N GPUs are had. No data crosses
+    ranks (a gather repeats this rank's shard, or leaves the buffer as it was on older torch), so
+    the losses and step times are not the N-GPU run's; the losses are not checked for NaN"""
 
 
 @dataclass

@@ -38,6 +38,7 @@ def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         "kernels": cfg.kernels.name,
         "data": cfg.data.name,
         "world_size": world_size,
+        "dist_fake": bool(cfg.dist.fake),  # rank 0 alone, collectives faked: no figure here is the group's
         "batch_size_per_device": cfg.data.batch_size,
         "seq_len": cfg.data.seq_len,
         "steps": cfg.train.steps,

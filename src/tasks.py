@@ -76,7 +76,7 @@ def task_wrapper(run: Callable[[DictConfig, RunContext], Any]) -> Callable[[Dict
 
 @task_wrapper
 def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    """task=train and task=profile: in this process for one rank, else through the elastic launcher:
+    """task=train and task=profile: in this process for one rank (or dist.fake's rank 0 alone), else through the elastic launcher:
     this node's agent, one of dist.nnodes (a submitit job's nodes meet on its first node)."""
     from src.compose import ConfigError
     from src.distributed.cluster import node_log_name, submitit_job
@@ -86,7 +86,7 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     run_dir = Path(ctx.run_dir) if ctx.run_dir else None
     if run_dir is not None:
         save_resolved_config(cfg, run_dir)
-    if launched_as_worker() or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
+    if launched_as_worker() or cfg.dist.fake or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
         return train(cfg, ctx)
     job, endpoint = submitit_job(), cfg.dist.rdzv_endpoint
     if job is not None:

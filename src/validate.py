@@ -54,6 +54,23 @@ def _check_tracking_uri(cfg: DictConfig) -> None:
         raise ConfigError(f"tracking.uri={uri}: MLflow 3 takes a database or a server here: sqlite:///mlflow.db, or http://HOST:PORT of `mlflow server`")
 
 
+def _check_fake(cfg: DictConfig, as_worker: bool) -> None:
+    """dist.fake runs rank 0 of the group alone: nothing that needs the other ranks to exist."""
+    world = cfg.dist.nproc * cfg.dist.nnodes
+    if world < 2:
+        raise ConfigError(f"dist.fake=true fakes a group of dist.nproc x dist.nnodes ranks, here {world}; set dist.nproc=2 or more (the GPUs the run is meant for)")
+    if as_worker:
+        raise ConfigError("dist.fake=true runs the group's rank 0 alone in this process; start it with `python -m src.run`, not torchrun or srun")
+    ck = cfg.checkpoint
+    if ck.enabled or ck.resume not in ("auto", "none"):
+        raise ConfigError("dist.fake=true: rank 0 alone holds 1/N of the weights, so it can neither write a whole checkpoint nor load one; "
+                          "set checkpoint.enabled=false checkpoint.resume=none")
+    if cfg.sharding.symm_mem:
+        raise ConfigError("sharding.symm_mem=true maps the other ranks' buffers, and under dist.fake=true they do not exist; drop one of them")
+    if cfg.fault.kind != "none" and cfg.fault.rank != 0:
+        raise ConfigError(f"fault.rank={cfg.fault.rank} never runs under dist.fake=true (rank 0 alone); set fault.rank=0")
+
+
 def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False,
              cuda_capability: tuple[tuple[int, int] | None, str] | None = None) -> None:
     """Raise ConfigError for the first impossible combination. Device facts are probed unless given
@@ -68,6 +85,8 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
     if mps_available is None:
         mps_available = torch.backends.mps.is_available()
 
+    if cfg.dist.fake and task not in TRAINING_TASKS:  # before the one-process tasks' own checks, which return
+        raise ConfigError(f"dist.fake=true fakes a training run's group, and task={task} runs in one process already; drop dist.fake")
     if task in TRAINING_TASKS and backend not in TRAINING_BACKENDS:
         raise ConfigError(f"backend={backend} cannot train; use it with task=infer (+exp=edge), or train with backend=cpu or backend=cuda")
     if task == "infer":  # one process, one device: none of the training checks apply
@@ -95,7 +114,9 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"backend=mps trains on one device only (sharding={sharding.name}, dist.nproc={nproc}); use sharding=none dist.nproc=1")
     if nproc < 1 or cfg.dist.nnodes < 1:
         raise ConfigError(f"dist.nproc={nproc} dist.nnodes={cfg.dist.nnodes}: both must be at least 1")
-    if backend == "cuda" and not as_worker and nproc > cuda_device_count:
+    if cfg.dist.fake:
+        _check_fake(cfg, as_worker)
+    elif backend == "cuda" and not as_worker and nproc > cuda_device_count:
         raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less")
 
     check_training(cfg, cuda_device_count, cuda_capability)

@@ -46,6 +46,26 @@ def test_triton_kernels_give_eager_fp32_losses_on_the_seed_step(tmp_path: Path):
         assert abs(eager - fused) <= 1e-5 * max(1.0, abs(eager)), losses
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="float8 GEMMs need compute capability 9")
+def test_the_float8_preset_for_two_gpus_runs_as_rank_0_on_one(tmp_path: Path):
+    """`+exp=fsdp4_fp8 dist.nproc=2` with dist.fake on one GPU: FSDP2's two-rank path (float8 weights
+    gathered, gradients reduce-scattered, the optimizer on half of each parameter) compiles, records its
+    graphs once and replays them with none run launched, and rank 0 peaks lower than the one-GPU run,
+    whose optimizer holds every parameter."""
+    summaries = {}
+    for name, extra in (("one", ["dist.nproc=1"]), ("two", ["dist.nproc=2", "dist.fake=true"])):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = run_cli(["+exp=fsdp4_fp8", *extra, "train.steps=6", "tracking=none"], cwd=cwd, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        summaries[name] = read_summary(cwd)
+    two, one = summaries["two"], summaries["one"]
+    assert two["settings"]["world_size"] == 2 and two["settings"]["dist_fake"] is True
+    assert two["cudagraphs"] > 0 and two["cudagraph_rerecords"] == 0 and two["cudagraph_skips"] == 0, two
+    # AdamW's fp32 moments and the fp32 gradients and master weights of half the parameters: 16 bytes a parameter
+    assert two["peak_mem_gb"] < one["peak_mem_gb"] - 0.5 * 16 * two["params"] / 2 / 1e9, (one["peak_mem_gb"], two["peak_mem_gb"])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_all_gathers_in_symmetric_memory_train_as_nccl_buffers_do(tmp_path: Path):
     """sharding.symm_mem: the all-gather outputs in NCCL's symmetric-memory pool (copy-engine

@@ -45,12 +45,15 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_distributed(device_type: str, dist_backend: str | None, timeout_s: int = 600) -> DistEnv:
+def init_distributed(device_type: str, dist_backend: str | None, timeout_s: int = 600, fake_world: int = 0) -> DistEnv:
     """Initialise the default process group (a one-rank group when not launched) and pick the device.
 
     A one-rank group keeps a single code path: FSDP2 needs a mesh even on one device, and a
-    HashStore needs no port.
+    HashStore needs no port. `fake_world` > 1 (dist.fake): this process is rank 0 of a group that
+    size whose collectives are torch's fake ones, on device 0.
     """
+    if fake_world > 1:
+        return _init_fake(device_type, fake_world, timeout_s)
     adopt_slurm_env()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -78,6 +81,19 @@ def init_distributed(device_type: str, dist_backend: str | None, timeout_s: int 
                 kwargs.update(store=dist.PrefixStore(f"perflab/restart_{restart}", store), rank=rank, world_size=world)
             dist.init_process_group(dist_backend, timeout=timeout, **kwargs)
     return DistEnv(rank, world, local_rank, device)
+
+
+def _init_fake(device_type: str, world: int, timeout_s: int) -> DistEnv:
+    """Rank 0 of `world` ranks, alone: the fake backend answers every collective in this process
+    (torch.testing's fake_pg module registers it; a FakeStore needs no peers)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistEnv(0, world, 0, device)
 
 
 def build_mesh(device_type: str, world_size: int, strategy: str, replicate: int) -> DeviceMesh:

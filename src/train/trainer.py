@@ -86,7 +86,8 @@ class Trainer:
         backend = cfg.backend.dist_backend
         if cfg.sharding.cpu_offload and backend == "nccl":
             backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are reduced (their norm) on host memory
-        self.env = env = init_distributed(cfg.backend.device_type, backend, cfg.dist.timeout_s)
+        fake_world = cfg.dist.nproc * cfg.dist.nnodes if cfg.dist.fake else 0
+        self.env = env = init_distributed(cfg.backend.device_type, backend, cfg.dist.timeout_s, fake_world)
         if env.world_size > 1 and launched_as_worker():
             # Under torchrun each rank composed its own config; rank 0's run directory is the run's
             # (the checkpoint folder, per-rank traces and error notes live there for every rank).
@@ -149,7 +150,8 @@ class Trainer:
         if env.is_main:
             log.info(
                 "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",
-                cfg.model.name, self.n_params / 1e6, cfg.sharding.name, env.world_size, env.device.type,
+                cfg.model.name, self.n_params / 1e6, cfg.sharding.name, env.world_size,
+                f"{env.device.type} (rank 0 alone, collectives faked: dist.fake)" if cfg.dist.fake else env.device.type,
                 cfg.precision.name, cfg.data.batch_size, cfg.data.seq_len, cfg.train.steps,
             )
         self.callbacks = []
@@ -277,7 +279,8 @@ class Trainer:
                 start_step=self.start_step,
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=self.checkpointer.save if self.checkpointer is not None and ck.enabled else None,
-                nonfinite=cfg.train.nonfinite,
+                # dist.fake: the gathered weights are not the model's, so a NaN says nothing of the run
+                nonfinite="unchecked" if cfg.dist.fake and cfg.train.nonfinite == "fail" else cfg.train.nonfinite,
             )
             if self.checkpointer is not None:
                 self.checkpointer.wait()
@@ -419,6 +422,9 @@ class Trainer:
                 )
             if self.clock_figures:
                 log.info("GPU over the timed steps: %s", describe(self.clock_figures))
+            if cfg.dist.fake:
+                log.warning("dist.fake: rank 0 of %d alone, no data between ranks: the peak memory, compile and CUDA graphs are "
+                            "a rank's of the real group; the losses and step times are not (its collectives take no time here)", env.world_size)
         return summary
 
     def record_failure(self, exc: BaseException) -> None:

@@ -1,0 +1,76 @@
+"""dist.fake: an N-rank run's rank 0 alone in one process, its collectives torch's fake ones. The
+sharding is the N-rank run's (each parameter's local shard the size FSDP2 gives rank 0 of N), the
+run goes through in this process with no launcher, and every record says the group was faked."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch.distributed.tensor import DTensor
+
+from src.compose import ConfigError, compose_config
+from src.distributed.env import shutdown
+from src.fusion.measure import shard_numels
+from src.runtime import RunContext
+from src.train.trainer import Trainer
+from src.validate import validate
+from tests.conftest import read_summary, run_cli
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_faked_group_shards_each_parameter_as_rank_0_of_that_group(tmp_path: Path, nproc: int):
+    """3 ranks: the tiny model's dims (64, 256, 192) do not all divide, so rank 0's shard is the padded one."""
+    cfg = compose_config([f"dist.nproc={nproc}", "dist.fake=true", "tracking=none", "model.dim=40", "model.n_heads=4"])
+    trainer = Trainer(cfg, RunContext(run_dir=None, cwd=str(tmp_path)))
+    try:
+        trainer.build()
+        params = list(trainer.model.parameters())
+        assert all(isinstance(p, DTensor) and p.device_mesh.size() == nproc for p in params)
+        assert [p.to_local().numel() for p in params] == shard_numels(cfg)
+        assert sum(p.numel() for p in params) == trainer.n_params  # the global shapes are the model's
+        assert trainer.env.world_size == nproc and trainer.env.rank == 0
+        # the data is rank 0's share of an N-rank run's batches
+        assert (trainer.batches.dp_rank, trainer.batches.dp_world) == (0, nproc)
+    finally:
+        shutdown()
+
+
+def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path):
+    proc = run_cli(["dist.nproc=2", "dist.fake=true", "train.steps=4", "tracking.uri=sqlite:///mlflow.db"], workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(workdir)
+    assert summary["settings"]["world_size"] == 2 and summary["settings"]["dist_fake"] is True
+    assert summary["steps"] == 4 and all(map(torch.isfinite, torch.tensor([summary["final_loss"]])))
+    log = (next(workdir.glob("outputs/*/*/run.log"))).read_text()
+    assert "fsdp2 over 2 rank(s) on cpu (rank 0 alone, collectives faked: dist.fake)" in log
+    assert "dist.fake: rank 0 of 2 alone, no data between ranks" in log
+    # one process: no elastic agent started ranks
+    assert "torch.distributed.elastic" not in log
+    (run,) = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").search_runs(["1"]) or [None]
+    assert run is not None and run.data.params["dist.fake"] == "True" and run.data.tags["world_size"] == "2"
+    assert json.loads((next(workdir.glob("outputs/*/*/summary.json"))).read_text())["status"] == "finished"
+
+
+H200 = {"cuda_device_count": 1, "mps_available": False, "cuda_capability": ((9, 0), "NVIDIA H200")}
+
+
+def test_a_faked_group_needs_one_gpu_and_refuses_what_needs_the_other_ranks():
+    two_gpu_fp8 = ["+exp=fsdp4_fp8", "dist.nproc=2"]
+    with pytest.raises(ConfigError, match=r"dist.nproc=2 but only 1 GPU\(s\) are present"):
+        validate(compose_config(two_gpu_fp8), **H200)
+    validate(compose_config([*two_gpu_fp8, "dist.fake=true"]), **H200)
+    validate(compose_config([*two_gpu_fp8, "dist.nnodes=4", "dist.fake=true"]), **H200)  # 8 ranks, rank 0 here
+    refusals = [
+        (["dist.nproc=1", "dist.fake=true"], "dist.fake=true fakes a group of dist.nproc x dist.nnodes ranks, here 1; set dist.nproc=2 or more"),
+        (["dist.fake=true", "checkpoint.enabled=true"], "it can neither write a whole checkpoint nor load one; set checkpoint.enabled=false checkpoint.resume=none"),
+        (["dist.fake=true", "fault.kind=raise", "fault.rank=1"], "fault.rank=1 never runs under dist.fake=true (rank 0 alone); set fault.rank=0"),
+        (["dist.fake=true", "+exp=diagnose"], "dist.fake=true fakes a training run's group, and task=diagnose runs in one process already; drop dist.fake"),
+    ]
+    for overrides, line in refusals:
+        with pytest.raises(ConfigError, match=line.replace("(", r"\(").replace(")", r"\)")):
+            validate(compose_config(overrides), cuda_device_count=0, mps_available=False)
+    with pytest.raises(ConfigError, match="start it with `python -m src.run`, not torchrun or srun"):
+        validate(compose_config(["dist.fake=true"]), cuda_device_count=0, mps_available=False, as_worker=True)
