@@ -11,6 +11,7 @@ import torch
 from mlflow import MlflowClient
 from torch.distributed.tensor import DTensor
 
+from src.compare import main as compare_main
 from src.compose import ConfigError, compose_config
 from src.distributed.env import shutdown
 from src.fusion.measure import shard_numels
@@ -38,7 +39,7 @@ def test_a_faked_group_shards_each_parameter_as_rank_0_of_that_group(tmp_path: P
         shutdown()
 
 
-def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path):
+def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path, capsys):
     proc = run_cli(["dist.nproc=2", "dist.fake=true", "train.steps=4", "tracking.uri=sqlite:///mlflow.db"], workdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(workdir)
@@ -52,6 +53,10 @@ def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path):
     (run,) = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").search_runs(["1"]) or [None]
     assert run is not None and run.data.params["dist.fake"] == "True" and run.data.tags["world_size"] == "2"
     assert json.loads((next(workdir.glob("outputs/*/*/summary.json"))).read_text())["status"] == "finished"
+    # compare shows the ranks as faked, from the store and from the run folder
+    for args in (["--uri", f"sqlite:///{workdir / 'mlflow.db'}"], ["--dirs", str(workdir / "outputs")]):
+        assert compare_main([*args, "--width", "120"]) == 0
+        assert "world_size=2 (faked)" in capsys.readouterr().out
 
 
 H200 = {"cuda_device_count": 1, "mps_available": False, "cuda_capability": ((9, 0), "NVIDIA H200")}
