@@ -114,7 +114,7 @@ def preflight(overrides: list[str], multirun: bool) -> None:
         cfg = compose_config(job)
         # the GPUs are the cluster's, not this (login) machine's: gpus_per_node asks for dist.nproc
         validate(cfg, cuda_device_count=cfg.dist.nproc if launcher == "submitit_slurm" else None)
-        if cfg.dist.nnodes > 1 and not cfg.dist.rdzv_endpoint and launcher not in SUBMITIT_LAUNCHERS:
+        if cfg.dist.nnodes > 1 and not cfg.dist.rdzv_endpoint and launcher not in SUBMITIT_LAUNCHERS and not cfg.dist.fake:
             raise ConfigError(
                 f"dist.nnodes={cfg.dist.nnodes} needs dist.rdzv_endpoint=HOST:PORT, the first node's address, the same on every node; "
                 "or submit with -m hydra/launcher=submitit_slurm, which finds it, or use torchrun --nnodes (docs/CLUSTER.md)"

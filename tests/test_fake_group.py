@@ -15,6 +15,7 @@ from src.compare import main as compare_main
 from src.compose import ConfigError, compose_config
 from src.distributed.env import shutdown
 from src.fusion.measure import shard_numels
+from src.run import preflight
 from src.runtime import RunContext
 from src.train.trainer import Trainer
 from src.validate import validate
@@ -68,6 +69,7 @@ def test_a_faked_group_needs_one_gpu_and_refuses_what_needs_the_other_ranks():
         validate(compose_config(two_gpu_fp8), **H200)
     validate(compose_config([*two_gpu_fp8, "dist.fake=true"]), **H200)
     validate(compose_config([*two_gpu_fp8, "dist.nnodes=4", "dist.fake=true"]), **H200)  # 8 ranks, rank 0 here
+    preflight(["dist.nproc=2", "dist.nnodes=2", "dist.fake=true"], multirun=False)  # no other node to meet: no endpoint asked for
     refusals = [
         (["dist.nproc=1", "dist.fake=true"], "dist.fake=true fakes a group of dist.nproc x dist.nnodes ranks, here 1; set dist.nproc=2 or more"),
         (["dist.fake=true", "checkpoint.enabled=true"], "it can neither write a whole checkpoint nor load one; set checkpoint.enabled=false checkpoint.resume=none"),
