@@ -53,6 +53,7 @@ def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path, c
     assert "torch.distributed.elastic" not in log
     (run,) = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").search_runs(["1"]) or [None]
     assert run is not None and run.data.params["dist.fake"] == "True" and run.data.tags["world_size"] == "2"
+    assert run.data.tags["dist.fake"] == "rank 0 alone, collectives faked"
     assert json.loads((next(workdir.glob("outputs/*/*/summary.json"))).read_text())["status"] == "finished"
     # compare shows the ranks as faked, from the store and from the run folder
     for args in (["--uri", f"sqlite:///{workdir / 'mlflow.db'}"], ["--dirs", str(workdir / "outputs")]):

@@ -149,7 +149,7 @@ def experiment_id(client, name: str) -> str:
     return exp.experiment_id if exp else client.create_experiment(name)
 
 
-def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str | os.PathLike) -> dict[str, str]:
+def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str | os.PathLike, fake: bool = False) -> dict[str, str]:
     import torch
 
     try:
@@ -169,6 +169,8 @@ def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str |
         "cuda": str(torch.version.cuda),
     }
     tags.update(git_state(cwd))
+    if fake:  # its figures are rank 0's alone, collectives faked: a tag to tell it from the real group in the run list
+        tags["dist.fake"] = "rank 0 alone, collectives faked"
     return tags
 
 
@@ -188,7 +190,7 @@ def run_identity(cfg: Any, ctx: Any, world_size: int, device_name: str) -> RunId
         uri=ctx.tracking_uri or cfg.tracking.uri,
         experiment=experiment_name(cfg),
         run_name=cfg.tracking.run_name or default_run_name(cfg, ctx.overrides, ctx.sweep_keys),
-        tags=run_tags(ctx.overrides, world_size, device_name, ctx.cwd),
+        tags=run_tags(ctx.overrides, world_size, device_name, ctx.cwd, fake=bool(cfg.dist.fake)),
         parent_run_id=ctx.parent_run_id,
     )
 
