@@ -123,3 +123,29 @@ def test_each_task_declares_its_figures_beside_it():
     }
     assert [task for task in TASKS if figures_of(task).sweep_plots] == ["infer"]
     assert figures_of("kernel_bench").shown == ()  # its figures are its table's rows
+
+
+def test_an_in_process_job_leaves_its_model_free_for_the_next(tmp_path: Path, monkeypatch):
+    """A sweep's jobs run one after another in this process: each job's model, optimizer and trainer
+    must be gone when it returns, not left in reference cycles for the next job to count in its
+    peak memory (and, on a GPU, to run out of it). Checked without a collection of the test's own."""
+    import weakref
+
+    from src.compose import compose_config
+    from src.runtime import RunContext
+    from src.train import trainer as trainer_module
+    from src.train.worker import train
+
+    refs = []
+    build = trainer_module.Trainer.build
+
+    def recording_build(self):
+        build(self)
+        refs.extend([weakref.ref(self), weakref.ref(self.model), weakref.ref(self.optimizer)])
+
+    monkeypatch.setattr(trainer_module.Trainer, "build", recording_build)
+    for overrides in (["dist.nproc=1"], ["dist.nproc=2", "dist.fake=true"]):
+        refs.clear()
+        summary = train(compose_config([*overrides, "tracking=none", "train.steps=2"]), RunContext(run_dir=None, cwd=str(tmp_path)))
+        assert summary["steps"] == 2 and len(refs) == 3
+        assert [r() for r in refs] == [None, None, None], overrides

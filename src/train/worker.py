@@ -2,8 +2,10 @@
 group shut down whatever happens. `elastic_entry` is the same under the elastic launcher."""
 from __future__ import annotations
 
+import gc
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import shutdown
@@ -27,6 +29,21 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                     release_cuda_graphs()
             finally:
                 shutdown()
+                free(trainer)
+
+
+def free(trainer: Trainer) -> None:
+    """Let the run's model, optimizer and batches go now. They sit in reference cycles (FSDP2's
+    hooks, the step callbacks) that only Python's full collection breaks, and that runs rarely: the
+    next job of an in-process sweep started with them still allocated, and counted them in its peak
+    (rank 0 of 2, 4 and 8 faked ranks of +exp=fsdp4_fp8 swept on one H200 peaked at 12.4, 17.5 and
+    20.8 GB, where alone they peak at 12.4, 10.1 and 9.0). The trainer is emptied first so that a
+    traceback still holding it holds nothing large; the caching allocator then hands the memory back."""
+    device = trainer.env.device if "env" in trainer.__dict__ else None
+    trainer.__dict__.clear()
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def elastic_entry(cfg_container: dict, ctx_fields: dict) -> dict[str, Any]:
