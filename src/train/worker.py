@@ -28,8 +28,10 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 if cfg.kernels.cudagraphs:
                     release_cuda_graphs()
             finally:
-                shutdown()
-                free(trainer)
+                try:
+                    shutdown()
+                finally:
+                    free(trainer)
 
 
 def free(trainer: Trainer) -> None:
