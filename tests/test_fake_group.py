@@ -1,13 +1,12 @@
 """dist.fake: an N-rank run's rank 0 alone in one process, its collectives torch's fake ones. The
 sharding is the N-rank run's (each parameter's local shard the size FSDP2 gives rank 0 of N), the
-run goes through in this process with no launcher, and every record says the group was faked."""
+run goes through in one process with no launcher, and every record says the group was faked."""
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
 import pytest
-import torch
 from mlflow import MlflowClient
 from torch.distributed.tensor import DTensor
 
@@ -45,16 +44,13 @@ def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path, c
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(workdir)
     assert summary["settings"]["world_size"] == 2 and summary["settings"]["dist_fake"] is True
-    assert summary["steps"] == 4 and all(map(torch.isfinite, torch.tensor([summary["final_loss"]])))
+    assert summary["steps"] == 4 and math.isfinite(summary["final_loss"]) and summary["status"] == "finished"
     log = (next(workdir.glob("outputs/*/*/run.log"))).read_text()
     assert "fsdp2 over 2 rank(s) on cpu (rank 0 alone, collectives faked: dist.fake)" in log
     assert "dist.fake: rank 0 of 2 alone, no data between ranks" in log
-    # one process: no elastic agent started ranks
-    assert "torch.distributed.elastic" not in log
-    (run,) = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").search_runs(["1"]) or [None]
-    assert run is not None and run.data.params["dist.fake"] == "True" and run.data.tags["world_size"] == "2"
+    (run,) = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}").search_runs(["1"])
+    assert run.data.params["dist.fake"] == "True" and run.data.tags["world_size"] == "2"
     assert run.data.tags["dist.fake"] == "rank 0 alone, collectives faked"
-    assert json.loads((next(workdir.glob("outputs/*/*/summary.json"))).read_text())["status"] == "finished"
     # compare shows the ranks as faked, from the store and from the run folder
     for args in (["--uri", f"sqlite:///{workdir / 'mlflow.db'}"], ["--dirs", str(workdir / "outputs")]):
         assert compare_main([*args, "--width", "120"]) == 0
