@@ -23,7 +23,7 @@ from tests.conftest import read_summary, run_cli
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_faked_group_shards_each_parameter_as_rank_0_of_that_group(tmp_path: Path, nproc: int):
-    """3 ranks: the tiny model's dims (64, 256, 192) do not all divide, so rank 0's shard is the padded one."""
+    """3 ranks: most first dims (40, 160, the 256-token vocabulary; not qkv's 120) do not divide by 3, so those shards are FSDP2's padded ones."""
     cfg = compose_config([f"dist.nproc={nproc}", "dist.fake=true", "tracking=none", "model.dim=40", "model.n_heads=4"])
     trainer = Trainer(cfg, RunContext(run_dir=None, cwd=str(tmp_path)))
     try:

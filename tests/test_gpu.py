@@ -48,8 +48,8 @@ def test_triton_kernels_give_eager_fp32_losses_on_the_seed_step(tmp_path: Path):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="float8 GEMMs need compute capability 9")
 def test_the_float8_preset_for_two_gpus_runs_as_rank_0_on_one(tmp_path: Path):
-    """`+exp=fsdp4_fp8 dist.nproc=2` with dist.fake on one GPU: FSDP2's two-rank path (float8 weights
-    gathered, gradients reduce-scattered, the optimizer on half of each parameter) compiles, records its
+    """`+exp=fsdp4_fp8 dist.nproc=2` with dist.fake on one GPU: FSDP2's two-rank path (bf16 weights gathered
+    for the float8 blocks, gradients reduce-scattered, the optimizer on half of each parameter) compiles, records its
     graphs once and replays them with none run launched, and rank 0 peaks lower than the one-GPU run,
     whose optimizer holds every parameter."""
     summaries = {}
