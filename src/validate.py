@@ -61,6 +61,10 @@ def _check_fake(cfg: DictConfig, as_worker: bool) -> None:
         raise ConfigError(f"dist.fake=true fakes a group of dist.nproc x dist.nnodes ranks, here {world}; set dist.nproc=2 or more (the GPUs the run is meant for)")
     if as_worker:
         raise ConfigError("dist.fake=true runs the group's rank 0 alone in this process; start it with `python -m src.run`, not torchrun or srun")
+    if cfg.sharding.strategy not in ("fsdp2", "hsdp"):
+        # DDP's reducer reads a tensor back from each all-reduce's future, and a faked one returns none
+        raise ConfigError(f"dist.fake=true fakes FSDP2's group, and sharding={cfg.sharding.name} replicates the model with DDP, whose gradient "
+                          "all-reduce needs a real group; use sharding=fsdp2 or hsdp")
     ck = cfg.checkpoint
     if ck.enabled or ck.resume not in ("auto", "none"):
         raise ConfigError("dist.fake=true: rank 0 alone holds 1/N of the weights, so it can neither write a whole checkpoint nor load one; "
