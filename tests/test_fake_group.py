@@ -69,7 +69,8 @@ def test_a_faked_group_needs_one_gpu_and_refuses_what_needs_the_other_ranks():
     preflight(["dist.nproc=2", "dist.nnodes=2", "dist.fake=true"], multirun=False)  # no other node to meet: no endpoint asked for
     refusals = [
         (["dist.nproc=1", "dist.fake=true"], "dist.fake=true fakes a group of dist.nproc x dist.nnodes ranks, here 1; set dist.nproc=2 or more"),
-        (["dist.fake=true", "checkpoint.enabled=true"], "it can neither write a whole checkpoint nor load one; set checkpoint.enabled=false checkpoint.resume=none"),
+        (["dist.fake=true", "checkpoint.enabled=true"], "nor load one; set checkpoint.enabled=false checkpoint.resume=none checkpoint.export_safetensors=false"),
+        (["dist.fake=true", "checkpoint.export_safetensors=true"], "it can neither write a whole checkpoint (nor model.safetensors) nor load one"),
         (["dist.fake=true", "fault.kind=raise", "fault.rank=1"], "fault.rank=1 never runs under dist.fake=true (rank 0 alone); set fault.rank=0"),
         (["dist.fake=true", "sharding=none"], "dist.fake=true fakes FSDP2's group, and sharding=none replicates the model with DDP"),
         (["dist.fake=true", "+exp=diagnose"], "dist.fake=true fakes a training run's group, and task=diagnose runs in one process already; drop dist.fake"),
