@@ -121,6 +121,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
     if cfg.dist.fake:
         _check_fake(cfg, as_worker)
     elif backend == "cuda" and not as_worker and nproc > cuda_device_count:
-        raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less")
+        raise ConfigError(f"dist.nproc={nproc} but only {cuda_device_count} GPU(s) are present; set dist.nproc={cuda_device_count} or less, "
+                          f"or add dist.fake=true to try rank 0 of {nproc} on one GPU (sharding, memory, compile; not speed)")
 
     check_training(cfg, cuda_device_count, cuda_capability)

@@ -62,7 +62,7 @@ H200 = {"cuda_device_count": 1, "mps_available": False, "cuda_capability": ((9, 
 
 def test_a_faked_group_needs_one_gpu_and_refuses_what_needs_the_other_ranks():
     two_gpu_fp8 = ["+exp=fsdp4_fp8", "dist.nproc=2"]
-    with pytest.raises(ConfigError, match=r"dist.nproc=2 but only 1 GPU\(s\) are present"):
+    with pytest.raises(ConfigError, match=r"dist.nproc=2 but only 1 GPU\(s\) are present; set dist.nproc=1 or less, or add dist.fake=true"):
         validate(compose_config(two_gpu_fp8), **H200)
     validate(compose_config([*two_gpu_fp8, "dist.fake=true"]), **H200)
     validate(compose_config([*two_gpu_fp8, "dist.nnodes=4", "dist.fake=true"]), **H200)  # 8 ranks, rank 0 here
