@@ -27,6 +27,11 @@ class RunContext:
     """inside a Hydra multirun: the keys the sweep varies, which name each job's run"""
 
 
+def world_size(cfg: DictConfig) -> int:
+    """Ranks in the run's group: dist.nproc on each of dist.nnodes nodes (the faked group's size under dist.fake)."""
+    return cfg.dist.nproc * cfg.dist.nnodes
+
+
 def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     """The resolved key settings that summary.json records next to the figures."""
     return {

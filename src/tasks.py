@@ -162,7 +162,7 @@ def run_task(cfg: DictConfig, ctx: RunContext) -> Any:
 def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: str = "failed") -> None:
     """summary.json with the error, and the MLflow run FAILED (or KILLED): made if rank 0 never
     opened one, ended if rank 0 died with it open."""
-    from src.runtime import settings
+    from src.runtime import settings, world_size
     from src.tracking.mlflow_run import record_failed_run, run_identity, write_json
 
     if ctx.run_dir is None:
@@ -176,10 +176,10 @@ def record_job_failure(cfg: DictConfig, ctx: RunContext, message: str, status: s
         return
     run_dir = Path(ctx.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "summary.json", {"task": cfg.task.name, "status": status, "error": message, "settings": settings(cfg, cfg.dist.nproc * cfg.dist.nnodes)})
+    write_json(run_dir / "summary.json", {"task": cfg.task.name, "status": status, "error": message, "settings": settings(cfg, world_size(cfg))})
     if not cfg.tracking.enabled:
         return
-    ident = run_identity(cfg, ctx, cfg.dist.nproc * cfg.dist.nnodes, cfg.backend.name)
+    ident = run_identity(cfg, ctx, world_size(cfg), cfg.backend.name)
     tags = dict(ident.tags, **({"mlflow.parentRunId": ident.parent_run_id} if ident.parent_run_id else {}))
     try:
         record_failed_run(ident.uri, ident.experiment, ident.run_name, message, tags, run_dir, status="KILLED" if status == "killed" else "FAILED")

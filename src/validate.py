@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from src.compose import ConfigError
 from src.config import GROUPS, RunConfig
+from src.runtime import world_size
 from src.train.checks import TRAINING_TASKS, check_training
 
 TRAINING_BACKENDS = {"cpu", "cuda", "mps"}
@@ -56,7 +57,7 @@ def _check_tracking_uri(cfg: DictConfig) -> None:
 
 def _check_fake(cfg: DictConfig, as_worker: bool) -> None:
     """dist.fake runs rank 0 of the group alone: nothing that needs the other ranks to exist."""
-    world = cfg.dist.nproc * cfg.dist.nnodes
+    world = world_size(cfg)
     if world < 2:
         raise ConfigError(f"dist.fake=true fakes a group of dist.nproc x dist.nnodes ranks, here {world}; set dist.nproc=2 or more (the GPUs the run is meant for)")
     if as_worker:

@@ -61,6 +61,7 @@ from omegaconf import DictConfig
 
 from src.distributed.float8 import gathers_float8
 from src.fusion.choice import OPTIMIZER
+from src.runtime import world_size
 
 log = logging.getLogger("src.run")
 
@@ -120,7 +121,7 @@ def shard_numels(cfg: DictConfig) -> list[int]:
 
     with torch.device("meta"):
         model = build_model(cfg.model)
-    world = cfg.dist.nproc * cfg.dist.nnodes
+    world = world_size(cfg)
     shards = {"fsdp2": world, "hsdp": world // max(cfg.sharding.replicate, 1)}.get(str(cfg.sharding.strategy), 1)
     return [math.ceil(p.shape[0] / shards) * (p.numel() // p.shape[0]) if p.dim() else 1 for p in model.parameters()]
 

@@ -20,6 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from src.runtime import world_size
 from src.tracking.sweep_plots import SWEEP_PLOTS, plot_headline
 
 log = logging.getLogger("src.sweep")
@@ -120,7 +121,7 @@ class MlflowSweepCallback(Callback):
         self.client = MlflowClient(tracking_uri=uri)
         name = experiment_name(config)
         exp_id = experiment_id(self.client, name)
-        tags = run_tags(overrides, config.dist.nproc * config.dist.nnodes, config.backend.name, cwd)
+        tags = run_tags(overrides, world_size(config), config.backend.name, cwd)
         tags.update({"sweep": "true", "sweep_dir": str(sweep_dir)})
         run = self.client.create_run(exp_id, run_name=f"sweep {default_run_name(config, overrides)}"[:250], tags=tags)
         self.parent_run_id = run.info.run_id

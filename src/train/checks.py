@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from src.compose import ConfigError
 from src.distributed.float8 import gathers_float8
 from src.fusion.registry import REGISTRY, interpreted, selected_ops, triton_usable
+from src.runtime import world_size
 
 TRAINING_TASKS = {"train", "profile"}
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -53,7 +54,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     need(finite(tr.system_metrics_interval_s) and tr.system_metrics_interval_s > 0, "tracking.system_metrics_interval_s", tr.system_metrics_interval_s, "a positive interval, e.g. 10")
     need(finite(tr.connect_timeout_s) and tr.connect_timeout_s > 0, "tracking.connect_timeout_s", tr.connect_timeout_s, "a positive timeout, e.g. 5")
     need(finite(tr.retry_s) and tr.retry_s >= 0, "tracking.retry_s", tr.retry_s, "0 (give up at once) or more seconds, e.g. 60")
-    f, world = cfg.fault, cfg.dist.nproc * cfg.dist.nnodes
+    f, world = cfg.fault, world_size(cfg)
     if f.kind != "none":
         need(0 <= f.rank < world, "fault.rank", f.rank, f"a rank of this run, 0 to {world - 1}")
         need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
@@ -136,7 +137,6 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     """Everything a training step needs of its own groups: float8, kernels, model, data, checkpoint,
     fault, sharding shape, numbers, the profiler's schedule."""
     backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding
-    nproc = cfg.dist.nproc
     if cfg.precision.float8 and task in TRAINING_TASKS:
         from src.distributed.float8 import act_in_cast_refusal, float8_dims, float8_refusal
 
@@ -228,7 +228,7 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if cfg.data.batch_size < 1 or cfg.data.seq_len < 1:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} data.seq_len={cfg.data.seq_len}: both must be at least 1")
 
-    world = nproc * cfg.dist.nnodes
+    world = world_size(cfg)
     if sharding.strategy == "hsdp":
         if sharding.replicate < 1 or world % sharding.replicate:
             raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")

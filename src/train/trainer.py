@@ -38,7 +38,7 @@ from src.profiling.annotate import profiled_step, step_marker
 from src.profiling.gpu_clocks import FIGURES as CLOCK_FIGURES
 from src.profiling.gpu_clocks import ClockSampler, describe
 from src.profiling.torch_profile import TorchProfileSession
-from src.runtime import RunContext, settings, setup_logging
+from src.runtime import RunContext, settings, setup_logging, world_size
 from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import RUN_ARTIFACTS, default_run_name, start_tracker, write_json
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
@@ -86,7 +86,7 @@ class Trainer:
         backend = cfg.backend.dist_backend
         if cfg.sharding.cpu_offload and backend == "nccl":
             backend = "cuda:nccl,cpu:gloo"  # offloaded gradients are reduced (their norm) on host memory
-        fake_world = cfg.dist.nproc * cfg.dist.nnodes if cfg.dist.fake else 0
+        fake_world = world_size(cfg) if cfg.dist.fake else 0
         self.env = env = init_distributed(cfg.backend.device_type, backend, cfg.dist.timeout_s, fake_world)
         if env.world_size > 1 and launched_as_worker():
             # Under torchrun each rank composed its own config; rank 0's run directory is the run's
