@@ -22,6 +22,7 @@ from rich.table import Table
 import src.diagnose  # noqa: F401
 import src.edge  # noqa: F401
 import src.train  # noqa: F401
+from src.runtime import world_label
 from src.tracking.figures import best_row, figures_of, headline, is_number, lower_is_better
 
 PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size")
@@ -29,11 +30,6 @@ PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world
 SHORT = {"tokens_per_s_per_device": "tok/s/dev", "peak_mem_gb": "peak GB", "final_loss": "loss", "step_time_s": "step s",
          "mfu": "MFU %", "decode_tokens_per_s": "dec tok/s", "prefill_tokens_per_s": "pre tok/s", "decode_p50_ms": "dec p50 ms",
          "ttft_p50_ms": "TTFT p50", "rel_err": "rel err", "share_memory_bound": "mem-bound"}
-
-
-def _world(size: Any, fake: bool) -> Any:
-    """A dist.fake run's ranks were one process: its speed leaves out the collectives, so say so where it is shown."""
-    return f"{size} (faked)" if fake and size is not None else size
 
 
 def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> list[dict[str, Any]]:
@@ -63,7 +59,7 @@ def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> lis
         row.update({
             "model": p.get("model.name"), "sharding": p.get("sharding.name"), "precision": p.get("precision.name"),
             "backend": p.get("backend.name"), "kernels": p.get("kernels.name"), "data": p.get("data.name"),
-            "world_size": _world(r.data.tags.get("world_size"), p.get("dist.fake") == "True"),
+            "world_size": world_label(r.data.tags.get("world_size"), p.get("dist.fake") == "True"),
         })
         row.update({k[len("summary."):]: v for k, v in r.data.metrics.items() if k.startswith("summary.")})
         rows.append(row)
@@ -79,7 +75,7 @@ def rows_from_dirs(roots: list[Path]) -> list[dict[str, Any]]:
             s = json.loads(summary_path.read_text())
             row = {"run": str(summary_path.parent.relative_to(root)) or root.name, "status": s.get("status", "?"), "id": "", "task": s.get("task")}
             row.update({k: s.get("settings", {}).get(k) for k in PARAMS})
-            row["world_size"] = _world(row["world_size"], s.get("settings", {}).get("dist_fake", False))
+            row["world_size"] = world_label(row["world_size"], s.get("settings", {}).get("dist_fake", False))
             row.update({k: v for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
             rows.append(row)
     return rows

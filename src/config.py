@@ -477,13 +477,21 @@ GROUPS = {
 # an elastic agent that starts dist.nproc ranks there (src/distributed/cluster.py says why), nodes
 # and GPUs taken from dist.*, and a job that dies recorded FAILED while the sweep goes on. Stored
 # under the plugin's own names (hydra/launcher=submitit_local, submitit_slurm) in place of its.
-_GPUS_PER_NODE = II("perflab_gpus_per_node:${backend.device_type},${dist.nproc}")
+_GPUS_PER_NODE = II("perflab_gpus_per_node:${backend.device_type},${dist.nproc},${dist.fake}")
+_NODES = II("perflab_nodes:${dist.nnodes},${dist.fake}")
 
 
-def _gpus_per_node(device_type: str, nproc: int) -> int | None:
-    """dist.nproc GPUs on a CUDA run, none asked for otherwise. Left unset, submitit's local
-    executor hides every GPU from a job (CUDA_VISIBLE_DEVICES='')."""
-    return int(nproc) if device_type == "cuda" else None
+def _gpus_per_node(device_type: str, nproc: int, fake: bool) -> int | None:
+    """dist.nproc GPUs on a CUDA run (one under dist.fake: rank 0 alone), none asked for otherwise.
+    Left unset, submitit's local executor hides every GPU from a job (CUDA_VISIBLE_DEVICES='')."""
+    if device_type != "cuda":
+        return None
+    return 1 if fake else int(nproc)
+
+
+def _nodes(nnodes: int, fake: bool) -> int:
+    """dist.nnodes nodes; one under dist.fake, whose rank 0 runs alone in the job's one process."""
+    return 1 if fake else int(nnodes)
 
 
 @dataclass
@@ -505,7 +513,7 @@ class SubmititSlurmConfig(SlurmQueueConf):
 
     _target_: str = "hydra_plugins.perflab_submitit_launcher.launchers.SlurmLauncher"
     name: str = "perflab"
-    nodes: int = II("dist.nnodes")
+    nodes: int = _NODES
     tasks_per_node: int = 1
     """one: the task is the node's elastic agent, which starts dist.nproc ranks"""
     gpus_per_node: int | None = _GPUS_PER_NODE
@@ -526,6 +534,8 @@ def register_configs() -> None:
     cs.store(group="hydra/launcher", name="submitit_slurm", node=SubmititSlurmConfig, provider="perflab")
     if not OmegaConf.has_resolver("perflab_gpus_per_node"):
         OmegaConf.register_new_resolver("perflab_gpus_per_node", _gpus_per_node)
+    if not OmegaConf.has_resolver("perflab_nodes"):
+        OmegaConf.register_new_resolver("perflab_nodes", _nodes)
     cs.store(name="base_config", node=RunConfig)
     for group, schema in GROUPS.items():
         # Stored outside the groups (each group's YAML pulls its schema with `/base_<group>@_here_`),

@@ -32,6 +32,12 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.dist.nproc * cfg.dist.nnodes
 
 
+def world_label(size: Any, fake: bool) -> Any:
+    """The rank count as tables show it: a dist.fake run's ranks were one process and its speed leaves
+    out the collectives, so `4 (faked)`."""
+    return f"{size} (faked)" if fake and size is not None else size
+
+
 def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     """The resolved key settings that summary.json records next to the figures."""
     return {

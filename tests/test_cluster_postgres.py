@@ -17,7 +17,7 @@ import requests
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
-from src.compose import ConfigError
+from src.compose import ConfigError, compose_config
 from src.run import preflight
 from tests.conftest import REPO, run_cli, start_mlflow_server, stop_server
 
@@ -127,6 +127,8 @@ def test_a_postgres_backed_server_that_dies_mid_run_loses_no_metric(tmp_path: Pa
     (["hydra/launcher=submitit_slurm", "tracking=none", "hydra.launcher.tasks_per_node=4"], r"^hydra.launcher.tasks_per_node=4: perflab runs one task per node"),
     (["hydra/launcher=submitit_local", "tracking=none", "dist.nnodes=2"], r"^dist.nnodes=2 but hydra.launcher.nodes=1 .*local executor runs one node"),
     (["hydra/launcher=submitit_slurm", "tracking=none", "backend=cuda", "dist.nproc=4,8"], r"^dist.nproc=4 but hydra.launcher.gpus_per_node=2 \(the sweep's dist.nproc, without what it varies\)"),
+    (["hydra/launcher=submitit_slurm", "tracking=none", "backend=cuda", "dist.nnodes=2", "dist.fake=false,true"],
+     r"^dist.fake=true runs rank 0 alone on one node, but hydra.launcher.nodes=2 .*sweep dist.fake in separate commands"),
 ])
 def test_cluster_launcher_settings_that_cannot_run_are_refused_in_one_line(overrides: list[str], message: str, tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -134,3 +136,21 @@ def test_cluster_launcher_settings_that_cannot_run_are_refused_in_one_line(overr
         preflight(overrides, multirun=True)
     assert "\n" not in str(err.value)
     assert list(tmp_path.iterdir()) == []  # nothing submitted, no folder made
+
+
+@pytest.mark.parametrize("fake,nodes,gpus", [("false", 2, 8), ("true", 1, 1)])
+def test_a_faked_group_queues_for_one_node_and_one_gpu(fake: str, nodes: int, gpus: int):
+    """dist.fake runs rank 0 of 2 x 8 alone in one process: SLURM is asked for that, not for the group it fakes."""
+    launcher = compose_config(["hydra/launcher=submitit_slurm", "backend=cuda", "dist.nnodes=2", "dist.nproc=8", f"dist.fake={fake}"],
+                              with_hydra=True).hydra.launcher
+    assert (launcher.nodes, launcher.gpus_per_node, launcher.tasks_per_node) == (nodes, gpus, 1)
+    local = compose_config(["hydra/launcher=submitit_local", "backend=cuda", "dist.nproc=8", f"dist.fake={fake}"], with_hydra=True).hydra.launcher
+    assert local.gpus_per_node == (1 if fake == "true" else 8)
+    assert compose_config(["hydra/launcher=submitit_slurm", "backend=cpu", f"dist.fake={fake}"], with_hydra=True).hydra.launcher.gpus_per_node is None
+
+
+def test_a_faked_job_of_two_nodes_passes_the_local_executor(tmp_path: Path, monkeypatch):
+    """submitit's local executor runs one node: enough for dist.fake's rank 0 of a 2-node group."""
+    monkeypatch.chdir(tmp_path)
+    preflight(["hydra/launcher=submitit_local", "tracking=none", "dist.nnodes=2", "dist.nproc=2", "dist.fake=true"], multirun=True)
+    assert list(tmp_path.iterdir()) == []  # a check: nothing submitted

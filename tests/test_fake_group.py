@@ -3,6 +3,7 @@ sharding is the N-rank run's (each parameter's local shard the size FSDP2 gives 
 run goes through in one process with no launcher, and every record says the group was faked."""
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 
@@ -55,6 +56,18 @@ def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path, c
     for args in (["--uri", f"sqlite:///{workdir / 'mlflow.db'}"], ["--dirs", str(workdir / "outputs")]):
         assert compare_main([*args, "--width", "120"]) == 0
         assert "world_size=2 (faked)" in capsys.readouterr().out
+
+
+def test_a_faked_two_node_group_runs_as_a_one_node_submitit_job(workdir: Path):
+    """submitit's local executor (one node, as a SLURM job would be asked for) runs rank 0 of 2 nodes x 2
+    alone; the sweep's table marks the ranks as faked."""
+    proc = run_cli(["-m", "hydra/launcher=submitit_local", "tracking=none", "dist.nproc=2", "dist.nnodes=2", "dist.fake=true", "train.steps=2"], workdir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sweep_dir,) = workdir.glob("multirun/*/*")
+    assert any(sweep_dir.glob(".submitit/*/*_submitted.pkl"))  # submitit ran the job
+    assert "fsdp2 over 4 rank(s) on cpu (rank 0 alone, collectives faked: dist.fake)" in (sweep_dir / "0" / "run.log").read_text()
+    (row,) = list(csv.DictReader((sweep_dir / "sweep.csv").open()))
+    assert (row["status"], row["world_size"]) == ("finished", "4 (faked)")
 
 
 H200 = {"cuda_device_count": 1, "mps_available": False, "cuda_capability": ((9, 0), "NVIDIA H200")}

@@ -125,6 +125,11 @@ def check_launcher(launcher: str, overrides: list[str], jobs: list) -> None:
             f"dist.nproc ranks there; set dist.nproc={hydra.tasks_per_node} and leave tasks_per_node=1 (docs/CLUSTER.md says why)"
         )
     for cfg in jobs:
+        if cfg.dist.fake:  # rank 0 alone: one process on one node, one GPU
+            if hydra.nodes != 1:
+                raise ConfigError(f"dist.fake=true runs rank 0 alone on one node, but hydra.launcher.nodes={hydra.nodes} (the sweep's, without what "
+                                  "it varies) would start it on each; one sbatch array has one shape: sweep dist.fake in separate commands")
+            continue
         if cfg.dist.nnodes != hydra.nodes:
             fix = ("submitit's local executor runs one node: use dist.nnodes=1, or hydra/launcher=submitit_slurm" if launcher == "submitit_local"
                    else "one sbatch array has one shape: sweep dist.nnodes in separate commands")

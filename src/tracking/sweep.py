@@ -20,7 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from src.runtime import world_size
+from src.runtime import world_label, world_size
 from src.tracking.sweep_plots import SWEEP_PLOTS, plot_headline
 
 log = logging.getLogger("src.sweep")
@@ -41,6 +41,7 @@ def collect_jobs(sweep_dir: Path, sweep_keys: list[str] | None = None) -> list[d
         varying = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=", 1)[0] in (sweep_keys or ())]
         row = {"job": int(job_dir.name), "run": " ".join(varying) or f"job {job_dir.name}", "status": summary.get("status", "failed"), "task": summary.get("task", "")}
         row.update({k: summary.get("settings", {}).get(k) for k in SETTING_COLUMNS})
+        row["world_size"] = world_label(row["world_size"], summary.get("settings", {}).get("dist_fake", False))
         task = row["task"] or "train"
         declared = figures_of(task)
         row.update({k: summary.get(k) for k in (*declared.shown, *declared.extra)})
