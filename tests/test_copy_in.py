@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from src.distributed import copy_in
+from tests.spawned_ranks import spawn_ranks
 
 
 def _model() -> nn.Module:
@@ -105,7 +105,7 @@ def _check(got: dict, gathers: int) -> None:
 ], ids=["2-ranks", "4-ranks-reshard-to-2"])
 def test_one_pass_copy_in_gathers_the_same_bits_as_fsdp2s_two(tmp_path: Path, world, reshard, gathers):
     out = tmp_path / "out.pt"
-    mp.spawn(_rank, args=(str(tmp_path / "init"), str(out), "cpu", world, reshard), nprocs=world, join=True)
+    spawn_ranks(_rank, (str(tmp_path / "init"), str(out), "cpu", world, reshard), world)
     _check(torch.load(out), gathers)
 
 
@@ -113,7 +113,7 @@ def test_one_pass_copy_in_gathers_the_same_bits_as_fsdp2s_two(tmp_path: Path, wo
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs (one rank gathers nothing: FSDP2 skips its all-gather)")
 def test_one_pass_copy_in_on_nccl(tmp_path: Path):
     out = tmp_path / "out.pt"
-    mp.spawn(_rank, args=(str(tmp_path / "init"), str(out), "cuda", 2, True), nprocs=2, join=True)
+    spawn_ranks(_rank, (str(tmp_path / "init"), str(out), "cuda", 2, True), 2)
     _check(torch.load(out), 15)
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -21,6 +20,7 @@ from src.distributed.env import build_mesh
 from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy, prefetch_plan
 from src.models.mini_llm import MiniLLM
 from src.train.loop import train_step
+from tests.spawned_ranks import spawn_ranks
 
 MODEL = dict(vocab_size=97, dim=48, n_layers=2, n_heads=4, causal=True)
 BATCH, SEQ, STEPS, SEED = 3, 17, 4, 7
@@ -85,7 +85,7 @@ def _unsharded_reference() -> dict:
 def _run_sharded(tmp_path: Path, strategy: str, param_dtype: str, **layout) -> dict:
     """`layout`: apply_fsdp's keyword arguments (split_root, prefetch counts)."""
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_sharded_rank, args=(str(tmp_path / "rdzv"), str(out), strategy, param_dtype, layout), nprocs=WORLD, start_method="spawn")
+    spawn_ranks(_sharded_rank, (str(tmp_path / "rdzv"), str(out), strategy, param_dtype, layout), WORLD)
     return torch.load(out, weights_only=True)  # tensors, floats and strings only: nothing is unpickled
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from src.compose import compose_config
 from src.data.batches import TokenBatches
@@ -18,6 +17,7 @@ from src.distributed.kept_unshard import FREE, KEPT, module_groups
 from src.distributed.parallelize import parallelize
 from src.models import build_model
 from src.train.loop import train_step
+from tests.spawned_ranks import spawn_ranks
 
 WORLD, STEPS = 2, 3
 
@@ -78,7 +78,7 @@ def _rank(rank: int, init_file: str, out: str, overrides: list[str]) -> None:
 def _run(tmp_path: Path, name: str, overrides: list[str]) -> dict:
     d = tmp_path / name
     d.mkdir()
-    mp.start_processes(_rank, args=(str(d / "rdzv"), str(d / "rank0.pt"), overrides), nprocs=WORLD, start_method="spawn")
+    spawn_ranks(_rank, (str(d / "rdzv"), str(d / "rank0.pt"), overrides), WORLD)
     return torch.load(d / "rank0.pt", weights_only=True)
 
 

@@ -452,10 +452,10 @@ def test_bf16_moments_of_fsdp2_shards_are_the_unsharded_optimizers_bits(tmp_path
     among them) are, gathered, the same bits as one optimizer's over the whole parameters."""
     if DEVICE != "cpu":
         pytest.skip("gloo ranks on the CPU, in Triton's interpreter")
-    import torch.multiprocessing as mp
+    from tests.spawned_ranks import spawn_ranks
 
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_sharded_moments_rank, args=(str(tmp_path / "rdzv"), str(out)), nprocs=2, start_method="spawn")
+    spawn_ranks(_sharded_moments_rank, (str(tmp_path / "rdzv"), str(out)), 2)
     got = torch.load(out, weights_only=True)
     params = _params()
     for p, g in zip(params, _grads(0, torch.float32)):

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from src.compose import ConfigError
 from src.data.batches import TokenBatches
@@ -19,6 +18,7 @@ from src.models.mini_llm import MiniLLM
 from src.run import preflight
 from src.train.loop import forward_backward_step, optimizer_step
 from src.train.step_in_backward import StepInBackward, unit_parameters
+from tests.spawned_ranks import spawn_ranks
 
 MODEL = dict(vocab_size=97, dim=48, n_layers=2, n_heads=4, causal=True)
 BATCH, SEQ, STEPS, SEED, WORLD = 3, 17, 4, 7, 2
@@ -71,7 +71,7 @@ def _rank(rank: int, init_file: str, out: str, split_root: bool) -> None:
 @pytest.mark.parametrize("split_root", [False, True], ids=["root_group", "split_root"])
 def test_units_updated_in_backward_train_as_the_plain_step(tmp_path: Path, split_root: bool):
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_rank, args=(str(tmp_path / "rdzv"), str(out), split_root), nprocs=WORLD, start_method="spawn")
+    spawn_ranks(_rank, (str(tmp_path / "rdzv"), str(out), split_root), WORLD)
     got = torch.load(out, weights_only=True)
     plain, early = got["plain"], got["in_backward"]
     # the root's group (embedding and head) and the two blocks; split root: the embedding and the head
