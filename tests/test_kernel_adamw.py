@@ -465,3 +465,25 @@ def test_bf16_moments_of_fsdp2_shards_are_the_unsharded_optimizers_bits(tmp_path
     want = [whole.state[p]["exp_avg_sq"] for p in params]
     for name, moments in got.items():
         assert all(torch.equal(a, b) for a, b in zip(moments, want)), name
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton compiles on a GPU only; its interpreter compiles nothing")
+def test_the_first_step_compiles_the_norm_summing_variant_too():
+    """A run that reads the norm at its logging steps only would compile the summing variant at the
+    first of them, mid-run: the first step compiles both, and that later step compiles nothing."""
+    from kernels.triton.adamw import _BOTH_COMPILED, _adamw_tiles
+
+    kernels = _adamw_tiles.device_caches[torch.cuda.current_device()][0]
+    kernels.clear()  # what earlier tests compiled (loaded again from Triton's disk cache if asked for)
+    _BOTH_COMPILED.clear()
+    params = _params()
+    opt = TritonAdamW(params, **HYPER, seed=3)
+    for p, g in zip(params, _grads(0, torch.bfloat16)):
+        p.grad = g
+    opt.step()
+    assert len(kernels) == 2  # the update, and the update that sums the squares
+    opt.grad_norm_wanted = True
+    opt.step()
+    assert len(kernels) == 2
+    want = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in _grads(0, torch.bfloat16)]))
+    torch.testing.assert_close(opt.last_grad_norm, want, rtol=1e-5, atol=0)

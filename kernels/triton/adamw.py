@@ -42,6 +42,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels.triton.device import interpreted
 from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 
 # A program takes TILE = BLOCK x ITERS elements of one tensor: 2048 at 4 warps a pass (16 fp32
@@ -256,14 +257,36 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     squares = torch.empty(table.n_tiles, dtype=torch.float32, device=device) if want_squares else offsets
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     block = BLOCKS[state_bf16]
+    head = (params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copies[0] if copies else params[0], offsets, table.numels, table.tensor, table.start)
+    tail = (len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, rounding_key)
+    spec = dict(BLOCK=block, ITERS=TILE // block, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], HAS_COPY=bool(copies),
+                COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, num_warps=NUM_WARPS)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
-        _adamw_tiles[(table.n_tiles,)](
-            params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copies[0] if copies else params[0], offsets, table.numels, table.tensor,
-            table.start, squares, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, rounding_key,
-            BLOCK=block, ITERS=TILE // block, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], WANT_SQUARES=want_squares,
-            HAS_COPY=bool(copies), COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, num_warps=NUM_WARPS,
-        )
+        _adamw_tiles[(table.n_tiles,)](*head, squares, *tail, WANT_SQUARES=want_squares, **spec)
+        _compile_other_variant(device, head, tail, spec, want_squares, table.n_tiles)
     return squares.sum() if want_squares else None
+
+
+# Which launches (device, specialisation) have had the other WANT_SQUARES variant compiled beside them.
+_BOTH_COMPILED: set[tuple] = set()
+
+
+def _compile_other_variant(device: torch.device, head: tuple, tail: tuple, spec: dict, want_squares: bool, n_tiles: int) -> None:
+    """Compile, without running, the variant of this launch that the next step may want. A run that
+    reads the gradient norm only at its logging steps (train.log_every; no clipping, as the float8
+    preset runs) would compile the summing variant at the first of them, mid-run: 521 ms of idle
+    inside a 3-step trace of the seed's float8 step on an H200 (docs/PERFORMANCE.md 7). Compiled here,
+    at the launch's first step, it joins the run's other first-step compiles."""
+    if device.type != "cuda" or interpreted():
+        return
+    key = (device.index, want_squares, tuple(t.dtype for t in head[:5]), tail[0], tuple(sorted(spec.items())))
+    if key in _BOTH_COMPILED:
+        return
+    _BOTH_COMPILED.add(key)
+    # the summing variant's SQUARES is a float32 buffer (a pointer's dtype and alignment are part of
+    # the compiled kernel's key); the other reads none, and is given the offsets as a placeholder
+    squares = head[5] if want_squares else torch.empty(n_tiles, dtype=torch.float32, device=device)
+    _adamw_tiles.warmup(*head, squares, *tail, WANT_SQUARES=not want_squares, grid=(n_tiles,), **spec)
 
 
 def increment_version(tensors: list[torch.Tensor]) -> None:
