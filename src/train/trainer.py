@@ -54,29 +54,8 @@ from src.train.step_in_backward import StepInBackward
 log = logging.getLogger("src.train")
 
 
-def first_read_recorded(wait: int, warmup: int, active: int, log_every: int, steps: int) -> int | None:
-    """The run's first step that reads the loss and grad norm (step log_every - 1, or the last step
-    if it comes first: train_loop reads both) if the profiler records it, else None. Where the
-    optimizer sums the norm in its own update (TritonAdamW) and nothing else computes it every step,
-    that step compiles the update's summed-squares variant, and the compile lands in the trace (in
-    a 3-step trace of the seed's float8 step on an H200, 521 ms of host-late idle before the update's
-    kernel: 174 ms a step in the anatomy). Profiler step k is training step k (the session starts
-    before step 0)."""
-    first = min(log_every - 1, steps - 1)
-    return first if log_every > 1 and wait + warmup <= first < wait + warmup + active else None
-
-
-def profile_session(cfg: DictConfig, flops_per_step: float, main: bool = True) -> TorchProfileSession:
+def profile_session(cfg: DictConfig, flops_per_step: float) -> TorchProfileSession:
     p = cfg.profile
-    # the norm is computed at every step (clipping, skipping non-finite steps) or by eager kernels: no one-off there
-    norm_compiles_late = cfg.optim.impl == "triton" and cfg.optim.grad_clip <= 0 and cfg.train.nonfinite != "skip"
-    step = first_read_recorded(p.wait, p.warmup, p.active, cfg.train.log_every, cfg.train.steps) if norm_compiles_late else None
-    if step is not None and main:
-        # record from step log_every on, after the first periodic read, with the run long enough to reach it
-        wait = cfg.train.log_every - p.warmup
-        log.warning("profile: step %d, the first to read the loss and grad norm (train.log_every=%d), is among the recorded steps, and "
-                    "AdamW's norm-summing variant compiles there, inside the trace; profile.wait=%d train.steps=%d record after it",
-                    step, cfg.train.log_every, wait, max(cfg.train.steps, cfg.train.log_every + p.active))
     return TorchProfileSession(p.wait, p.warmup, p.active, p.record_shapes, p.profile_memory, p.with_stack, p.row_limit,
                                flops_per_step, p.gemm_peak_tflops)
 
@@ -264,7 +243,7 @@ class Trainer:
         cfg, env, ctx = self.cfg, self.env, self.ctx
         self.build()
         ck = cfg.checkpoint
-        self.session = session = (profile_session(cfg, self.fpt * cfg.data.batch_size * cfg.data.seq_len, env.is_main)
+        self.session = session = (profile_session(cfg, self.fpt * cfg.data.batch_size * cfg.data.seq_len)
                                   if cfg.task.name == "profile" else None)
         if session is not None:
             session.start(env.device, env.rank, Path(ctx.run_dir) / "profile" if ctx.run_dir else None)
