@@ -481,7 +481,7 @@ _GPUS_PER_NODE = II("perflab_gpus_per_node:${backend.device_type},${dist.nproc},
 _NODES = II("perflab_nodes:${dist.nnodes},${dist.fake}")
 
 
-def _gpus_per_node(device_type: str, nproc: int, fake: bool) -> int | None:
+def job_gpus_per_node(device_type: str, nproc: int, fake: bool) -> int | None:
     """dist.nproc GPUs on a CUDA run (one under dist.fake: rank 0 alone), none asked for otherwise.
     Left unset, submitit's local executor hides every GPU from a job (CUDA_VISIBLE_DEVICES='')."""
     if device_type != "cuda":
@@ -489,7 +489,7 @@ def _gpus_per_node(device_type: str, nproc: int, fake: bool) -> int | None:
     return 1 if fake else int(nproc)
 
 
-def _nodes(nnodes: int, fake: bool) -> int:
+def job_nodes(nnodes: int, fake: bool) -> int:
     """dist.nnodes nodes; one under dist.fake, whose rank 0 runs alone in the job's one process."""
     return 1 if fake else int(nnodes)
 
@@ -533,9 +533,9 @@ def register_configs() -> None:
     cs.store(group="hydra/launcher", name="submitit_local", node=SubmititLocalConfig, provider="perflab")
     cs.store(group="hydra/launcher", name="submitit_slurm", node=SubmititSlurmConfig, provider="perflab")
     if not OmegaConf.has_resolver("perflab_gpus_per_node"):
-        OmegaConf.register_new_resolver("perflab_gpus_per_node", _gpus_per_node)
+        OmegaConf.register_new_resolver("perflab_gpus_per_node", job_gpus_per_node)
     if not OmegaConf.has_resolver("perflab_nodes"):
-        OmegaConf.register_new_resolver("perflab_nodes", _nodes)
+        OmegaConf.register_new_resolver("perflab_nodes", job_nodes)
     cs.store(name="base_config", node=RunConfig)
     for group, schema in GROUPS.items():
         # Stored outside the groups (each group's YAML pulls its schema with `/base_<group>@_here_`),

@@ -96,6 +96,7 @@ def check_launcher(launcher: str, overrides: list[str], jobs: list) -> None:
     """Settings a parallel or cluster launcher cannot run, refused before anything is submitted;
     `jobs`: each job's composed config."""
     from src.compose import ConfigError, compose_config
+    from src.config import job_gpus_per_node, job_nodes
 
     if launcher == "basic" or not jobs:
         return
@@ -125,16 +126,16 @@ def check_launcher(launcher: str, overrides: list[str], jobs: list) -> None:
             f"dist.nproc ranks there; set dist.nproc={hydra.tasks_per_node} and leave tasks_per_node=1 (docs/CLUSTER.md says why)"
         )
     for cfg in jobs:
-        if cfg.dist.fake:  # rank 0 alone: one process on one node, one GPU
-            if hydra.nodes != 1:
+        # each job's own shape, by the resolvers that give the launcher its settings (dist.fake: one node, one GPU)
+        nodes, gpus = job_nodes(cfg.dist.nnodes, cfg.dist.fake), job_gpus_per_node(cfg.backend.device_type, cfg.dist.nproc, cfg.dist.fake)
+        if nodes != hydra.nodes:
+            if cfg.dist.fake:
                 raise ConfigError(f"dist.fake=true runs rank 0 alone on one node, but hydra.launcher.nodes={hydra.nodes} (the sweep's, without what "
                                   "it varies) would start it on each; one sbatch array has one shape: sweep dist.fake in separate commands")
-            continue
-        if cfg.dist.nnodes != hydra.nodes:
             fix = ("submitit's local executor runs one node: use dist.nnodes=1, or hydra/launcher=submitit_slurm" if launcher == "submitit_local"
                    else "one sbatch array has one shape: sweep dist.nnodes in separate commands")
             raise ConfigError(f"dist.nnodes={cfg.dist.nnodes} but hydra.launcher.nodes={hydra.nodes} (the sweep's dist.nnodes, without what it varies); {fix}")
-        if cfg.backend.device_type == "cuda" and hydra.gpus_per_node is not None and cfg.dist.nproc > hydra.gpus_per_node:
+        if gpus is not None and hydra.gpus_per_node is not None and gpus > hydra.gpus_per_node:
             raise ConfigError(f"dist.nproc={cfg.dist.nproc} but hydra.launcher.gpus_per_node={hydra.gpus_per_node} (the sweep's dist.nproc, without "
                               "what it varies); one sbatch array has one shape: sweep dist.nproc in separate commands")
 
