@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from src.profiling.anatomy import (
+    NO_OP,
+    HostThread,
     Kernel,
     anatomy_from_trace,
     category,
@@ -193,3 +195,39 @@ def test_idle_gaps_split_by_whether_the_host_had_launched_the_next_kernel():
     assert "  host late" in table and "  queued (not on a kernel)" in table and "  launch not traced" in table
     assert "longest idle gaps" in table and "max     0.01  host    gemm_a -> rms_norm" in table
     assert metrics(a)["anatomy.idle_host_late_ms"] == pytest.approx(5e-3)
+
+
+def test_a_host_late_gap_names_what_the_launching_thread_did_in_it():
+    """The GEMM ends at 120; the host reads a scalar (its sync returns at 121), then spends 510 us in
+    the optimizer's range before launching its kernel at 650: the gap [120, 660) is host late, and the
+    table names the optimizer's range as where the host was, with the step range and the read after it."""
+    events = [
+        _x("ProfilerStep#2", "user_annotation", 0, 1000),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 2, correlation=1),
+        _x("aten::item", "cpu_op", 100, 30),
+        _x("cudaStreamSynchronize", "cuda_runtime", 102, 19),
+        _x("Optimizer.step#TritonAdamW.step", "user_annotation", 140, 560),
+        _x("cudaLaunchKernel", "cuda_runtime", 650, 2, correlation=2),
+        _x("nvjet_tst_gemm", "kernel", 20, 100, pid=0, tid=7, device=0, stream=7, correlation=1),
+        _x("_adamw_tiles", "kernel", 660, 40, pid=0, tid=7, device=0, stream=7, correlation=2),
+    ]
+    a = anatomy_from_trace({"traceEvents": events})
+    (gap,) = a["idle"]["longest"]
+    assert gap["cause"] == "host" and gap["max_ms"] == pytest.approx(0.540)
+    # the window runs from the device idling (120) to the launch's return (652)
+    assert gap["host_in_longest"] == [
+        {"op": "Optimizer.step#TritonAdamW.step", "ms": pytest.approx(0.510)},  # 512 us less its launch call's 2
+        {"op": "ProfilerStep#2", "ms": pytest.approx(0.010)},  # [130, 140): under the step range, no op
+        {"op": "aten::item", "ms": pytest.approx(0.009)},  # [121, 130), its sync's last 1 us its own
+    ]
+    assert "host in the longest (ms): Optimizer.step#TritonAdamW.step 0.51, ProfilerStep#2 0.01, aten::item 0.01" in format_table(a)
+
+
+def test_host_activity_counts_self_time_inside_the_window_and_time_under_no_op():
+    thread = HostThread([{"name": "aten::copy_", "ts": 10, "dur": 10}, {"name": "cudaMemcpyAsync", "ts": 12, "dur": 2},
+                         {"name": "aten::mul", "ts": 40, "dur": 5}])
+    assert thread.activity(0, 30) == [{"op": NO_OP, "ms": pytest.approx(0.020)}, {"op": "aten::copy_", "ms": pytest.approx(0.008)},
+                                      {"op": "cudaMemcpyAsync", "ms": pytest.approx(0.002)}]
+    # an op that began before the window counts only its part inside it
+    assert thread.activity(15, 20) == [{"op": "aten::copy_", "ms": pytest.approx(0.005)}]
+    assert thread.activity(50, 60) == [{"op": NO_OP, "ms": pytest.approx(0.010)}]

@@ -13,7 +13,9 @@ returned after the device had gone idle, the device waited for the host (`host l
 host-bound there); if it was launched before, it sat queued behind something other than a kernel
 (`queued`: another stream's event, a copy, a wait). The gaps that cost the most a step are
 listed, grouped by the kernels either side, each group with its longest single gap (a one-off
-shows there). The profiler lengthens the host's path (a few us a launch with CPU activity on), so
+shows there) and, for a host-late one, what the launching thread did in it: the ops, ranges and
+runtime calls with the most self time inside the gap (`aten::item` over `cudaStreamSynchronize` is a
+sync; a step range with no op under it is Python, a compile, a collection). The profiler lengthens the host's path (a few us a launch with CPU activity on), so
 host-late idle in a profiled step is an upper bound on the unprofiled step's.
 
 The device figures count the work the profiled steps launched (each kernel tied to its launch call,
@@ -126,6 +128,49 @@ class Kernel:
     category: str = ""
     launched: float | None = None
     """when the host's launch call (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync) returned, microseconds; None: not in the trace"""
+    launch_tid: Any = None
+    """the host thread that launched it"""
+
+
+HOST_CATS = {"cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"}
+NO_OP = "(no op traced)"
+TOP_HOST_OPS = 3  # the ops named for a gap: the one that holds it and the one or two beside
+
+
+class HostThread:
+    """One host thread's traced events (ops, ranges, runtime calls), well nested, for asking what it
+    did in a window."""
+
+    def __init__(self, events: list[dict]):
+        self.events = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
+        self.starts = [e["ts"] for e in self.events]
+        # an event that overlaps a window starts at most this long before it
+        self.longest = max((e["dur"] for e in self.events), default=0.0)
+
+    def activity(self, start: float, end: float, top: int = TOP_HOST_OPS) -> list[dict[str, Any]]:
+        """Per name, self time inside [start, end) (an event's time there less its children's), ms,
+        the most first; time under no event is NO_OP."""
+        lo = bisect.bisect_left(self.starts, start - self.longest)
+        hi = bisect.bisect_left(self.starts, end)
+        spans = [e for e in self.events[lo:hi] if e["ts"] + e["dur"] > start]
+        clip = [min(end, e["ts"] + e["dur"]) - max(start, e["ts"]) for e in spans]
+        own = list(clip)
+        stack: list[int] = []
+        roots = 0.0
+        for i, e in enumerate(spans):
+            while stack and e["ts"] >= spans[stack[-1]]["ts"] + spans[stack[-1]]["dur"]:
+                stack.pop()
+            if stack:
+                own[stack[-1]] -= clip[i]
+            else:
+                roots += clip[i]
+            stack.append(i)
+        by_name: dict[str, float] = defaultdict(float)
+        for e, us in zip(spans, own):
+            by_name[e["name"]] += max(0.0, us)
+        if end - start - roots > 0:
+            by_name[NO_OP] += end - start - roots
+        return [{"op": name, "ms": us * 1e-3} for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top] if us > 0]
 
 
 TOP_PER_CATEGORY = 5  # enough to name what a category is made of; the full list is key_averages.txt
@@ -173,18 +218,20 @@ def top_kernels(kernels: list[Kernel], steps: int, per_category: int = TOP_PER_C
     return out
 
 
-def idle_gaps(kernels: list[Kernel], busy: list[tuple[float, float]], steps: int, top: int = TOP_GAPS) -> dict[str, Any]:
+def idle_gaps(kernels: list[Kernel], busy: list[tuple[float, float]], steps: int, top: int = TOP_GAPS,
+              host: dict[Any, HostThread] | None = None) -> dict[str, Any]:
     """The idle time between busy stretches, split by what ended each gap (see the module's
     docstring), ms a step: `host_ms` where the next kernel's launch returned after the device went
     idle, `queued_ms` where it had been launched before, `unknown_ms` where its launch is not in the
     trace; and the longest gaps grouped by (cause, kernel before, kernel after), per step, each
-    group with its longest single gap."""
+    group with its longest single gap and, for a host-late group whose launching thread is in
+    `host`, that thread's activity from the device going idle to the launch (`host_in_longest`)."""
     starts = sorted(kernels, key=lambda k: k.ts)
     ends = sorted(kernels, key=lambda k: k.ts + k.dur)
     start_ts = [k.ts for k in starts]
     end_ts = [k.ts + k.dur for k in ends]
     split = {"host": 0.0, "queued": 0.0, "unknown": 0.0}
-    groups: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0, 0.0])  # us, gaps, the longest one
+    groups: dict[tuple[str, str, str], list[Any]] = defaultdict(lambda: [0.0, 0, 0.0, None])  # us, gaps, the longest one, its host window
     for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
         after = starts[bisect.bisect_left(start_ts, gap_end)]
         before = ends[bisect.bisect_right(end_ts, gap_start) - 1]
@@ -193,19 +240,29 @@ def idle_gaps(kernels: list[Kernel], busy: list[tuple[float, float]], steps: int
         g = groups[cause, kernel_family(before.name), kernel_family(after.name)]
         g[0] += gap_end - gap_start
         g[1] += 1
-        g[2] = max(g[2], gap_end - gap_start)
+        if gap_end - gap_start > g[2]:
+            g[2] = gap_end - gap_start
+            g[3] = (after.launch_tid, gap_start, after.launched) if cause == "host" else None
     longest = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+
+    def host_in(window: tuple[Any, float, float] | None) -> dict[str, Any]:
+        if window is None or host is None or window[0] not in host:
+            return {}
+        tid, start, end = window
+        return {"host_in_longest": host[tid].activity(start, end)}
+
     return {
         "host_ms": split["host"] * 1e-3 / steps, "queued_ms": split["queued"] * 1e-3 / steps, "unknown_ms": split["unknown"] * 1e-3 / steps,
         # `max_ms`: the group's longest single gap, which tells a one-off (a compile, a first
         # allocation in the profiled window) from a gap every step pays
-        "longest": [{"cause": c, "before": b, "after": a, "ms": us * 1e-3 / steps, "count": n / steps, "max_ms": most * 1e-3}
-                    for (c, b, a), (us, n, most) in longest],
+        "longest": [{"cause": c, "before": b, "after": a, "ms": us * 1e-3 / steps, "count": n / steps, "max_ms": most * 1e-3, **host_in(window)}
+                    for (c, b, a), (us, n, most, window) in longest],
     }
 
 
-def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
-    """Per-step device figures from one device's kernels (each with its category set)."""
+def device_anatomy(kernels: list[Kernel], steps: int, host: dict[Any, HostThread] | None = None) -> dict[str, Any]:
+    """Per-step device figures from one device's kernels (each with its category set); `host`: the
+    trace's host threads, to say what the host did in the longest host-late gaps."""
     steps = max(steps, 1)
     by_cat: dict[str, float] = defaultdict(float)
     for k in kernels:
@@ -219,7 +276,7 @@ def device_anatomy(kernels: list[Kernel], steps: int) -> dict[str, Any]:
         "categories_ms": {c: by_cat.get(c, 0.0) * ms for c in CATEGORIES},
         "communication_exposed_ms": (length(comm) - overlap(comm, compute)) * ms,
         "idle_ms": (window - length(busy)) * ms,
-        "idle": idle_gaps(kernels, busy, steps),
+        "idle": idle_gaps(kernels, busy, steps, host=host),
         "busy_ms": length(busy) * ms,
         "step_ms": window * ms,
         "top_kernels": top_kernels(kernels, steps),
@@ -289,9 +346,14 @@ def anatomy_from_trace(trace: dict, flops_per_step: float | None = None, gemm_pe
             tid, ts = (launch["tid"], launch["ts"]) if launch is not None else (None, 0.0)
             kernels.append(Kernel(e["name"], e["ts"], e["dur"], args.get("stream", 0),
                                   category(e["name"], _inside(fsdp.get(tid, []), ts), _inside(optim.get(tid, []), ts)),
-                                  launched=launch["ts"] + launch["dur"] if launch is not None else None))
+                                  launched=launch["ts"] + launch["dur"] if launch is not None else None, launch_tid=tid))
         in_steps = merge((e["ts"], e["ts"] + e["dur"]) for e in step_spans)
-        out.update(source="device kernels", **device_anatomy(steps_work(kernels, in_steps), steps))
+        threads: dict[Any, list[dict]] = defaultdict(list)
+        for e in events:
+            if e.get("cat") in HOST_CATS:
+                threads[e["tid"]].append(e)
+        host = {tid: HostThread(v) for tid, v in threads.items()}
+        out.update(source="device kernels", **device_anatomy(steps_work(kernels, in_steps), steps, host))
     else:
         comm = _ranges(events, COMM_RANGE)
         by_cat: dict[str, float] = defaultdict(float)
@@ -354,6 +416,9 @@ def format_table(a: dict[str, Any]) -> str:
         for g in idle["longest"]:
             lines.append(f"  {g['ms']:9.2f} {g['count']:7.1f}x  max {g['max_ms']:8.2f}  {g['cause']:<7} "
                          f"{short_kernel_name(g['before'], 60)} -> {short_kernel_name(g['after'], 60)}")
+            if g.get("host_in_longest"):
+                ops = ", ".join(f"{short_kernel_name(h['op'], 60)} {h['ms']:.2f}" for h in g["host_in_longest"])
+                lines.append(f"  {'':<35}host in the longest (ms): {ops}")
     return "\n".join(lines)
 
 
