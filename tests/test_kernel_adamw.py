@@ -262,6 +262,24 @@ def test_on_two_gloo_ranks_the_norm_summed_in_the_update_is_the_global_one(tmp_p
         assert [m[key] for m in metrics["triton"]] == pytest.approx([m[key] for m in metrics["foreach"]], rel=1e-5), key
 
 
+def test_one_rank_sums_the_norm_without_a_collective(tmp_path: Path, monkeypatch):
+    """A mesh dimension of one rank holds the whole sum already: no all-reduce over it (on one GPU it
+    would be the run's first collective, and start NCCL at the first logged step). Two ranks do
+    reduce: the test above."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1))
+        reduced, all_reduce = [], dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: reduced.append(a) or all_reduce(*a, **k))
+        norm = TritonAdamW._global_norm([torch.tensor(9.0), torch.tensor(16.0)], (mesh, (0, 1)), torch.device("cpu"))
+        assert float(norm) == 5.0 and reduced == []
+    finally:
+        dist.destroy_process_group()
+
+
 def test_tensors_off_a_16_byte_boundary_take_the_unhinted_path_and_the_same_update():
     """A parameter that is a view one element into its buffer (4 bytes off 16): the launch drops its
     alignment hints and the update equals the aligned tensors' update of the same values."""

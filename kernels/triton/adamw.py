@@ -451,5 +451,9 @@ class TritonAdamW(torch.optim.AdamW):
         if sharded is not None and dist.is_initialized():
             mesh, dims = sharded
             for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already
-                dist.all_reduce(total, group=mesh.get_group(d))
+                # a dimension of one rank holds the whole sum already: no collective, which on one
+                # GPU would be the run's first and start NCCL there (0.34-0.57 s at the first logged
+                # step on an H200, docs/PERFORMANCE.md section 7: call i1)
+                if mesh.size(d) > 1:
+                    dist.all_reduce(total, group=mesh.get_group(d))
         return total.sqrt()
