@@ -5,12 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from src.compose import compose_config
-from src.distributed.env import shutdown
 from src.fusion.attention import use_sdpa_backend
-from src.runtime import RunContext
 from src.train.loop import forward_backward_step, optimizer_step, summarize, train_loop
-from src.train.trainer import Trainer
 
 
 def _run(log_every: int, steps: int, checkpoint_at: int | None = None, grad_clip: float = 0.0):
@@ -55,19 +51,6 @@ def test_the_unread_steps_train_the_same_weights():
     sparse, _ = _run(log_every=3, steps=6)
     by_step = {s.step: s.loss for s in every.steps}
     assert all(by_step[s.step] == s.loss for s in sparse.steps)
-
-
-def test_the_trainers_first_step_computes_the_norm_even_unread(tmp_path):
-    """What the norm needs the first time (its kernels loaded, a communicator) is paid in the first
-    step, among its compiles, not at the first logged step; later unread steps skip it."""
-    cfg = compose_config(["tracking=none", "train.log_every=5", "train.steps=3", "optim.grad_clip=0", "data.batch_size=2", "data.seq_len=32"])
-    trainer = Trainer(cfg, RunContext(run_dir=None, cwd=str(tmp_path)))
-    try:
-        trainer.build()
-        norms = [trainer.run_step(step, *next(trainer.batches), read=False)[1] for step in range(2)]
-        assert norms[0] is not None and float(norms[0]) > 0 and norms[1] is None
-    finally:
-        shutdown()
 
 
 def test_sdpa_backend_leaves_only_the_chosen_kernel_on():

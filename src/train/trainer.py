@@ -312,8 +312,7 @@ class Trainer:
     def run_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What train_loop calls per step: the step's learning rate, train_step (inside ncu's range
         on profile.nvtx_step), then the profiler's step. `read`: train_loop will read this step's
-        figures (the grad norm among them); a step it will not read skips the norm, but for the
-        first."""
+        figures (the grad norm among them); a step it will not read skips the norm."""
         cfg = self.cfg
         self.step = step
         lr = lr_at(step, lr=cfg.optim.lr, schedule=cfg.optim.schedule, warmup_steps=cfg.optim.warmup_steps,
@@ -325,10 +324,7 @@ class Trainer:
             self.kernels.loss_fn = trial.loss_at(step)
             trial.begin(step)
         with profiled_step() if step == cfg.profile.nvtx_step else contextlib.nullcontext():
-            # the first step computes the norm even when unread: what the norm needs the first time
-            # (its kernels' modules loaded, the update's summing variant) is paid among that step's
-            # compiles, not at the first logged step, where a profile or the log would show it
-            loss, norm = self.train_step(inputs, targets, need_norm=read or step == self.start_step)
+            loss, norm = self.train_step(inputs, targets, need_norm=read)
         if trial is not None:
             trial.end(step)
             record = trial.settle(step)
