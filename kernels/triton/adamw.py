@@ -452,8 +452,8 @@ class TritonAdamW(torch.optim.AdamW):
             mesh, dims = sharded
             for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already
                 # a dimension of one rank holds the whole sum already: no collective, which on one
-                # GPU would be the run's first and start NCCL there (0.34-0.57 s at the first logged
-                # step on an H200, docs/PERFORMANCE.md section 7: call i1)
+                # GPU would be the run's first and start NCCL there (0.34-0.58 s at the first logged
+                # step on an H200: docs/PERFORMANCE.md section 7, "The first logged step's half second")
                 if mesh.size(d) > 1:
                     dist.all_reduce(total, group=mesh.get_group(d))
         return total.sqrt()

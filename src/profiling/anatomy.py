@@ -15,8 +15,9 @@ host-bound there); if it was launched before, it sat queued behind something oth
 listed, grouped by the kernels either side, each group with its longest single gap (a one-off
 shows there) and, for a host-late one, what the launching thread did in it: the ops, ranges and
 runtime calls with the most self time inside the gap (`aten::item` over `cudaStreamSynchronize` is a
-sync; a step range with no op under it is Python, a compile, a collection). The profiler lengthens the host's path (a few us a launch with CPU activity on), so
-host-late idle in a profiled step is an upper bound on the unprofiled step's.
+sync; `cudaFuncGetAttributes` a module loading; a step range with no op under it is Python, a
+compile, a collection). The profiler lengthens the host's path (a few us a launch with CPU activity
+on), so host-late idle in a profiled step is an upper bound on the unprofiled step's.
 
 The device figures count the work the profiled steps launched (each kernel tied to its launch call,
 a CUDA graph's kernels to the graph's launch), not every kernel the trace holds: a device running
