@@ -2,8 +2,9 @@
 signal kills it.
 
 torch.multiprocessing reports a rank killed by a signal as "process 1 terminated with signal
-SIGSEGV" and nothing else; once (CI, tests/test_step_in_backward.py) that was all there was to go on. With faulthandler on in the rank, the stack of every thread goes to the
-rank's stderr, which the test's captured output holds."""
+SIGSEGV" and nothing else; once (CI, tests/test_step_in_backward.py) that was all there was to go
+on. With faulthandler on in the rank, the stack of every thread goes to the rank's stderr, which the
+test's captured output holds."""
 from __future__ import annotations
 
 import faulthandler

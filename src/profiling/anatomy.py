@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -154,23 +155,12 @@ class HostThread:
         lo = bisect.bisect_left(self.starts, start - self.longest)
         hi = bisect.bisect_left(self.starts, end)
         spans = [e for e in self.events[lo:hi] if e["ts"] + e["dur"] > start]
-        clip = [min(end, e["ts"] + e["dur"]) - max(start, e["ts"]) for e in spans]
-        own = list(clip)
-        stack: list[int] = []
-        roots = 0.0
-        for i, e in enumerate(spans):
-            while stack and e["ts"] >= spans[stack[-1]]["ts"] + spans[stack[-1]]["dur"]:
-                stack.pop()
-            if stack:
-                own[stack[-1]] -= clip[i]
-            else:
-                roots += clip[i]
-            stack.append(i)
         by_name: dict[str, float] = defaultdict(float)
-        for e, us in zip(spans, own):
-            by_name[e["name"]] += max(0.0, us)
-        if end - start - roots > 0:
-            by_name[NO_OP] += end - start - roots
+        for e, us in zip(spans, _self_times(spans, start, end)):
+            by_name[e["name"]] += us
+        uncovered = end - start - length(merge((max(start, e["ts"]), min(end, e["ts"] + e["dur"])) for e in spans))
+        if uncovered > 0:
+            by_name[NO_OP] += uncovered
         return [{"op": name, "ms": us * 1e-3} for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top] if us > 0]
 
 
@@ -300,16 +290,19 @@ def steps_work(kernels: list[Kernel], in_steps: list[tuple[float, float]]) -> li
     return [k for k, mine in zip(kernels, inside) if mine or (k.launched is None and start <= k.ts and k.ts + k.dur <= end)]
 
 
-def _self_times(ops: list[dict]) -> list[float]:
-    """Self time of each op on one thread: its duration less its direct children's."""
+def _self_times(ops: list[dict], start: float = -math.inf, end: float = math.inf) -> list[float]:
+    """Self time of each op on one thread inside [start, end) (all of it by default): its time there
+    less its direct children's."""
+    windowed = math.isfinite(start) or math.isfinite(end)  # unwindowed: the durations as traced, not ts + dur - ts
+    clip = [min(end, op["ts"] + op["dur"]) - max(start, op["ts"]) if windowed else op["dur"] for op in ops]
     order = sorted(range(len(ops)), key=lambda i: (ops[i]["ts"], -ops[i]["dur"]))
-    own = [float(op["dur"]) for op in ops]
+    own = [float(c) for c in clip]
     stack: list[int] = []
     for i in order:
         while stack and ops[i]["ts"] >= ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"]:
             stack.pop()
         if stack:
-            own[stack[-1]] -= ops[i]["dur"]
+            own[stack[-1]] -= clip[i]
         stack.append(i)
     return [max(0.0, t) for t in own]
 
