@@ -109,10 +109,11 @@ def test_streaming_floors_compute_what_they_move():
     torch.testing.assert_close(y, x * w)
     _stream_rows2[(M,)](x, dy, w, dx, N, BLOCK=block)
     torch.testing.assert_close(dx, x * dy * w)
-    for programs in (1, 3, 4):  # 11 rows in shares of 11, 4 and 3
-        per = triton.cdiv(M, programs)
-        dx.zero_()
-        partial = torch.zeros(programs, N, device=device)
-        _stream_persistent[(programs,)](x, dy, w, dx, partial, M, N, per, BLOCK=block, STAGES=2, DW=True)
-        torch.testing.assert_close(dx, x * dy * w)
-        torch.testing.assert_close(partial.sum(0), (dy * x).sum(0))
+    for programs in (1, 3, 4):  # 11 rows in shares of 11, 4 and 3, or dealt round-robin
+        for dealt in (False, True):
+            per = triton.cdiv(M, programs)
+            dx.zero_()
+            partial = torch.zeros(programs, N, device=device)
+            _stream_persistent[(programs,)](x, dy, w, dx, partial, M, N, per, BLOCK=block, STAGES=2, DW=True, DEALT=dealt)
+            torch.testing.assert_close(dx, x * dy * w)
+            torch.testing.assert_close(partial.sum(0), (dy * x).sum(0))

@@ -2,7 +2,7 @@
 
 Forward reads x and w once and writes y and one fp32 rstd per row (kept for backward, so backward
 never recomputes the reduction). Backward reads dy, x, w, rstd once and writes dx, plus one fp32
-partial dw per program: each program walks `rows_per_program` rows, so the partials are
+partial dw per program: each program walks its share of the rows, so the partials are
 (programs x N) instead of (rows x N), and one more launch sums them and rounds dw to the weight's
 dtype (torch's sum then cast took two).
 
@@ -17,8 +17,6 @@ state dicts and FSDP2 sharding see the same tensors).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import triton
@@ -28,7 +26,7 @@ from kernels.triton import pdl
 from kernels.triton.device import device_index, pipeline_stages, sm_count
 from kernels.triton.launch import Launcher, meta_key
 from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
-from kernels.triton.rows import as_shape, row_major, warps_for
+from kernels.triton.rows import as_shape, by_width, row_major, warps_for
 
 
 @triton.jit
@@ -57,22 +55,22 @@ def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M
 
 
 @triton.jit
-def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, rows_per_program, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
                   USE_GDC: tl.constexpr):
-    """Each program walks its rows_per_program rows ROWS at a time (one (ROWS, BLOCK) tile, loads
-    in flight together) and writes one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner
-    to issue the next rows' loads while this row is reduced (tl.range num_stages)."""
+    """Tiles of ROWS rows dealt round-robin, last tile first (the launch settings below say why): program p
+    takes tiles T-1-p, T-1-p-P, ... (one (ROWS, BLOCK) tile, loads in flight together) and writes
+    one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner to issue the next tile's loads
+    while this one is reduced (tl.range num_stages)."""
     gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < N
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-    start = pid * rows_per_program
-    end = tl.minimum(start + rows_per_program, M)
-    for first in tl.range(start, end, ROWS, num_stages=STAGES):
-        rows = (first + tl.arange(0, ROWS)).to(tl.int64)
-        row_mask = rows < end
+    tiles = tl.cdiv(M, ROWS)
+    for step in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
+        rows = ((tiles - 1 - step) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # int64 before the stride multiply
+        row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -107,14 +105,20 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
 # 35.9-36.4 for 8 warps and 40.5-40.9 for 16 (3.85 TB/s against a copy's 3.96; four H200s), at
 # 8192 x 2048 18.9-19.0 against 20.0-20.1 (two H200s; kernel_configs' rms_wide group). With the
 # residual (two tiles loaded a row) 8 warps stay: 35.0 us chained at 8192 x 2048 against 35.3 for
-# 4, 38.2 against 39.2 after a flush. Backward at 4096 was level from 4 to 16 warps.
+# 4, 38.2 against 39.2 after a flush.
 FWD_WARPS = {2048: 4, 8192: 16}
 FWD_RESIDUAL_WARPS = {2048: 8, 8192: 16}
-BWD_WARPS = {2048: 8, 8192: 16}
 # Backward programs per SM, with BWD_STAGES below: 2 per SM with a 4-stage row loop was the best
 # of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against
-# 65.0 for 4 per SM unpipelined, add+RMSNorm 80.8 against 90.9, 8192x4096 100 against 118; 3 stages
-# 1-8% behind); the dw partials stay small (programs x N fp32).
+# 65.0 for 4 per SM unpipelined, add+RMSNorm 80.8 against 90.9, 8192x4096 100 against 118); the dw
+# partials stay small (programs x N fp32). The rows are dealt round-robin, last first, where each
+# program once took a consecutive share: backward alone, chained, 55.2 us against 58.0 at 8192 x
+# 4096 with 3 stages and 8 warps, level at 8192 x 2048 with 4 warps, both with dw launched plainly
+# (src/bench/norm_round_robin.py, docs/PERFORMANCE.md 5j). Last first because a backward that
+# straight follows its forward (the kernel bench's fwd+bwd; no step of a model) then reads first
+# the rows whose x the forward left in L2: 44.8 us against 49.1 first-first at 2048, 83.5 against
+# 90.1 at 4096; the order does not change the backward alone.
+BWD_WARPS = {2048: 4, 4096: 8, 8192: 16}
 BWD_PROGRAMS_PER_SM = 2
 # Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
 # flight per program; src/bench/kernel_configs.py sweeps 2 and 4 against it.
@@ -127,7 +131,7 @@ FWD_STAGES = 1
 # Software-pipelined row loop in backward (tl.range num_stages): the next rows' x and dy loads are
 # issued while this row is reduced, so each program keeps ~4 rows (32 KB at 2048 bf16) in flight
 # where the loop as written (1) waits on each row's loads.
-BWD_STAGES = 4
+BWD_STAGES = {2048: 4, 4096: 3}  # by row width as the warps: at 4096 3 stages (see above), 4 took 57.1-60.7 us
 # The dw reduction: up to DW_BLOCK_P partial rows x DW_BLOCK_N columns a step. 512 x 16 (128
 # programs at N = 2048, the 264 partials in one step) summed 264 x 2048 partials in 7.4 us against
 # 16.6 for torch's sum + cast, 9.4 for 128 x 16 and 12.1 for 64 x 32 (kernel_configs' rms_dw group,
@@ -185,16 +189,16 @@ def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc
 
 
 def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: bool, dw_gdc: bool) -> tuple:
-    """(programs, rows a program, backward grid/meta/meta key, dw grid/meta/meta key). `gdc`: both
+    """(programs, backward grid/meta/meta key, dw grid/meta/meta key). `gdc`: both
     launches are PDL dependents (pdl.ENABLED); `dw_gdc`: dw is a dependent of backward, which then
     runs the PDL prologue (its wait a no-op when it was launched plainly) to let dw be placed."""
     programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
     block = _block(N)
     loads = 3 if has_ds else 2  # x, dy (and ds): what each pipelined stage buffers
-    stages = pipeline_stages(BWD_STAGES, loads * BWD_ROWS * block * element_size, index)
+    stages = pipeline_stages(by_width(block, BWD_STAGES, 4), loads * BWD_ROWS * block * element_size, index)
     meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc or dw_gdc, num_warps=warps_for(block, BWD_WARPS), **pdl.launch_options(gdc))
     dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc or dw_gdc, num_warps=4, **pdl.launch_options(gdc or dw_gdc))
-    return (programs, math.ceil(M / programs), (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
+    return (programs, (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -224,11 +228,11 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     index = device_index(x)
     gdc = pdl.use_gdc(x)
     dw_gdc = DW_DEPENDENT and pdl.available(x)
-    programs, rows_per_program, grid, meta, key, dw_grid, dw_meta, dw_key = _plan(
-        (M, N, x2.dtype, index, ds is not None, gdc, dw_gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_STAGES, DW_BLOCK_P, DW_BLOCK_N, tuple(BWD_WARPS.items())),
+    programs, grid, meta, key, dw_grid, dw_meta, dw_key = _plan(
+        (M, N, x2.dtype, index, ds is not None, gdc, dw_gdc, BWD_ROWS, BWD_PROGRAMS_PER_SM, tuple(BWD_STAGES.items()), DW_BLOCK_P, DW_BLOCK_N, tuple(BWD_WARPS.items())),
         lambda: _bwd_plan(M, N, x2.element_size(), index, ds is not None, gdc, dw_gdc))
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    _launch_bwd.launch(grid, (dy2, ds2, x2, weight, rstd, dx, dw_partial, stride_dy, stride_ds, stride_x, N, M, N, rows_per_program), meta, key)
+    _launch_bwd.launch(grid, (dy2, ds2, x2, weight, rstd, dx, dw_partial, stride_dy, stride_ds, stride_x, N, M, N), meta, key)
     dw = torch.empty_like(weight)
     _launch_dw.launch(dw_grid, (dw_partial, dw, programs, N), dw_meta, dw_key)
     return as_shape(dx, shape), dw

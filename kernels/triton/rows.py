@@ -29,11 +29,17 @@ def as_shape(t2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t2 if t2.shape == shape else t2.reshape(shape)
 
 
+def by_width(block: int, table: dict[int, int], below: int) -> int:
+    """The value for the widest block in `table` not wider than `block` (`below` under them all):
+    the row kernels' launch settings by row width."""
+    widest, value = 0, below
+    for b, v in table.items():  # a loop, not max(..., default=): Dynamo traces this inside compiled blocks
+        if widest < b <= block:
+            widest, value = b, v
+    return value
+
+
 def warps_for(block: int, table: dict[int, int]) -> int:
     """The warps for the widest block in `table` not wider than `block` (4 below them all): the
     row kernels' tables of warps by row width (enough loads in flight per row)."""
-    widest, warps = 0, 4
-    for b, w in table.items():  # a loop, not max(..., default=): Dynamo traces this inside compiled blocks
-        if widest < b <= block:
-            widest, warps = b, w
-    return warps
+    return by_width(block, table, 4)

@@ -256,7 +256,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     if "rms_stages" in groups:  # backward's row loop software-pipelined: the next rows' loads in flight
         saved_stages = rn.BWD_STAGES
         for stages, programs in [(4, 2), (1, 4), (3, 2), (5, 2), (6, 2), (4, 3), (5, 3)]:
-            rn.BWD_STAGES, rn.BWD_PROGRAMS_PER_SM = stages, programs
+            rn.BWD_STAGES, rn.BWD_PROGRAMS_PER_SM = {2048: stages, 4096: stages}, programs
             setting = f"bwd_stages={stages} bwd_programs_per_sm={programs}"
             record("rms_norm", setting, "rms_norm", [8192, 2048])
             record("add_rms_norm", setting, "add_rms_norm", [8192, 2048])
@@ -306,7 +306,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
                     rn.FWD_RESIDUAL_WARPS = fwd_residual
         rn.FWD_WARPS, rn.FWD_ROWS = fwd, saved[0]
         for warps, programs, stages in [(8, 2, 4), (16, 2, 4), (8, 1, 4), (16, 1, 4), (8, 3, 3), (8, 2, 3), (8, 2, 2), (16, 1, 6), (4, 4, 2), (4, 2, 4)]:
-            rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = {**bwd, 4096: warps}, programs, stages
+            rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = {**bwd, 4096: warps}, programs, {**saved[1], 4096: stages}
             record("rms_norm", f"bwd_warps@4096={warps} bwd_programs_per_sm={programs} bwd_stages={stages}", "rms_norm", [8192, 4096])
         rn.BWD_WARPS, rn.BWD_PROGRAMS_PER_SM, rn.BWD_STAGES = bwd, per_sm, saved[1]
     for fw in (2, 4, 8, 16) if "rms_norm" in groups else ():

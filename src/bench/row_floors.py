@@ -10,12 +10,12 @@ drop one piece of work at a time, so what each piece costs reads off the differe
 
 - forward bytes (read x, write y), one program a row as the forward: `y = x * w`, no row sum;
 - backward bytes (read x and dy, write dx): one program a row (no dw possible: a partial a row
-  would be rows x N of fp32), and the backward's persistent grid (2 programs an SM, a 4-stage row
-  loop) with no row sum and no dw, then with the dw partials accumulated and stored, then
-  RMSNorm's own backward kernel (row sum and dw partials) without and with the dw launch;
-- the same loop in blocks of 4-32 rows, as many blocks as the rows take, handed to SMs as they
-  free up (no fixed share a program, so no SM idles while the slowest finishes its share), a dw
-  partial a block: whether the backward's fixed shares cost it a ragged end.
+  would be rows x N of fp32), and the backward's persistent grid (2 programs an SM, its row loop
+  and stages, the rows dealt round-robin) with no row sum and no dw, then with the dw partials
+  accumulated and stored, then RMSNorm's own backward kernel (row sum and dw partials) without and
+  with the dw launch;
+- the loop over consecutive rows in blocks of 4-32 rows, as many blocks as the rows take, handed
+  to SMs as they free up, a dw partial a block: whether a fixed share a program costs a ragged end.
 
 Each row is timed replayed from a CUDA graph after do_bench's L2 flush and chained over distinct
 inputs (src/fusion/timing.py), and reported as TB/s of the bytes the norm must move
@@ -59,17 +59,21 @@ def _stream_rows2(X, DY, W, DX, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _stream_persistent(X, DY, W, DX, DW_PARTIAL, M, N, rows_per_program, BLOCK: tl.constexpr, STAGES: tl.constexpr, DW: tl.constexpr):
-    """Backward's grid and row loop (rows_per_program consecutive rows, STAGES-deep tl.range)
-    with backward's bytes: dx = x * dy * w, and with DW the fp32 partial sum of dy * x stored once."""
+def _stream_persistent(X, DY, W, DX, DW_PARTIAL, M, N, rows_per_program, BLOCK: tl.constexpr, STAGES: tl.constexpr, DW: tl.constexpr, DEALT: tl.constexpr):
+    """Backward's bytes in a row loop (STAGES-deep tl.range): dx = x * dy * w, and with DW the fp32
+    partial sum of dy * x stored once. DEALT: backward's own loop, the rows dealt round-robin over
+    the grid, last first; else rows_per_program consecutive rows a program (the blocks below)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     start = (pid * rows_per_program).to(tl.int64)  # int64 before the stride multiply
-    for i in tl.range(0, tl.minimum(rows_per_program, M - start), num_stages=STAGES):
-        offs = (start + i) * N + cols
+    first = pid if DEALT else 0
+    count = M if DEALT else tl.minimum(rows_per_program, M - start)
+    stride = tl.num_programs(0) if DEALT else 1
+    for i in tl.range(first, count, stride, num_stages=STAGES):
+        offs = ((M - 1 - i) if DEALT else (start + i)) * N + cols
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, (x * dy * w).to(DX.dtype.element_ty), mask=mask)
@@ -88,7 +92,7 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
     device = torch.device("cuda")
     index = torch.cuda.current_device()
     _, fwd_meta, _ = rn._fwd_plan(M, N, 2, index, False, False)
-    programs, per_program, _, bwd_meta, *_ = rn._bwd_plan(M, N, 2, index, False, False, False)
+    programs, _, bwd_meta, *_ = rn._bwd_plan(M, N, 2, index, False, False, False)
     block, fwd_warps, bwd_warps, stages = fwd_meta["BLOCK"], fwd_meta["num_warps"], bwd_meta["num_warps"], bwd_meta["STAGES"]
     case = make_case("rms_norm", [M, N])
     fwd_bytes, bwd_bytes = case.bytes_fwd(2), case.bytes_bwd(2)
@@ -116,7 +120,7 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
             x, dy, dx = tensors(3)
             w = torch.randn(N, device=device, dtype=torch.bfloat16)
             partial = torch.empty(programs, N, device=device, dtype=torch.float32)
-            return lambda: _stream_persistent[(programs,)](x, dy, w, dx, partial, M, N, per_program, BLOCK=block, STAGES=stages, DW=dw, num_warps=bwd_warps)
+            return lambda: _stream_persistent[(programs,)](x, dy, w, dx, partial, M, N, 0, BLOCK=block, STAGES=stages, DW=dw, DEALT=True, num_warps=bwd_warps)
         return make
 
     def make_blocks(rows_per_block: int, warps: int):
@@ -125,7 +129,7 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
             w = torch.randn(N, device=device, dtype=torch.bfloat16)
             blocks = triton.cdiv(M, rows_per_block)
             partial = torch.empty(blocks, N, device=device, dtype=torch.float32)
-            return lambda: _stream_persistent[(blocks,)](x, dy, w, dx, partial, M, N, rows_per_block, BLOCK=block, STAGES=stages, DW=True, num_warps=warps)
+            return lambda: _stream_persistent[(blocks,)](x, dy, w, dx, partial, M, N, rows_per_block, BLOCK=block, STAGES=stages, DW=True, DEALT=False, num_warps=warps)
         return make
 
     def make_bwd(dw_launch: bool):
