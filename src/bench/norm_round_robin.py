@@ -14,14 +14,13 @@ import kernels.triton.rms_norm as rn
 
 
 @triton.jit
-def _bwd_rr(DY, X, W, RSTD, DX, DW_PARTIAL, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, ROWSUM: tl.constexpr, DW: tl.constexpr, REVERSE: tl.constexpr = False):
+def _bwd_rr(DY, X, W, RSTD, DX, DW_PARTIAL, M, N, BLOCK: tl.constexpr, STAGES: tl.constexpr, ROWSUM: tl.constexpr, DW: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < N
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    for step in tl.range(pid, M, tl.num_programs(0), num_stages=STAGES):
-        row = M - 1 - step if REVERSE else step  # REVERSE: the last rows first, where the forward ended
+    for row in tl.range(pid, M, tl.num_programs(0), num_stages=STAGES):
         offs = tl.full((1,), row, tl.int64) * N + cols
         x = tl.load(X + offs, mask=col_mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=col_mask, other=0.0).to(tl.float32)
@@ -43,12 +42,12 @@ def sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
 
 
-def bwd_rr(dy, x, w, rstd, per_sm, stages, warps, rowsum=True, dwk=True, dw_launch=True, reverse=False):
+def bwd_rr(dy, x, w, rstd, per_sm, stages, warps, rowsum=True, dwk=True, dw_launch=True):
     M, N = x.shape
     programs = min(M, sms() * per_sm)
     dx = torch.empty_like(x)
     partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    _bwd_rr[(programs,)](dy, x, w, rstd, dx, partial, M, N, BLOCK=triton.next_power_of_2(N), STAGES=stages, ROWSUM=rowsum, DW=dwk, REVERSE=reverse, num_warps=warps)
+    _bwd_rr[(programs,)](dy, x, w, rstd, dx, partial, M, N, BLOCK=triton.next_power_of_2(N), STAGES=stages, ROWSUM=rowsum, DW=dwk, num_warps=warps)
     dw = torch.empty_like(w)
     if dw_launch:
         rn._launch_dw.launch((triton.cdiv(N, rn.DW_BLOCK_N),), (partial, dw, programs, N), dict(BLOCK_P=min(rn.DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=rn.DW_BLOCK_N, USE_GDC=False, num_warps=4), None)
@@ -64,9 +63,9 @@ def check(M=37, N=300, device="cpu"):
     dx0, dw0 = rn.rms_norm_backward(dy, x, w, r0)
     ref_dw = (dy.float() * x.float() * r0[:, None]).sum(0)
     out = {}
-    for per_sm, reverse in ((1, False), (2, False), (2, True)):
-        dx, dw = bwd_rr(dy, x, w, r0, per_sm, 2, 4, reverse=reverse)
-        out[f"rr {per_sm} reverse={reverse}"] = ((dx.float() - dx0.float()).abs().max().item(), (dw.float() - dw0.float()).abs().max().item(), (dw.float() - ref_dw).abs().max().item())
+    for per_sm in (1, 2):
+        dx, dw = bwd_rr(dy, x, w, r0, per_sm, 2, 4)
+        out[f"rr {per_sm}"] = ((dx.float() - dx0.float()).abs().max().item(), (dw.float() - dw0.float()).abs().max().item(), (dw.float() - ref_dw).abs().max().item())
     print(json.dumps(out), flush=True)
 
 
@@ -106,12 +105,12 @@ def _width(M, N, dev):
         _, r, _ = rn.rms_norm_forward(x, w, 1e-6)
         return lambda: rn.rms_norm_backward(dy, x, w, r)
 
-    def m_rr(per_sm, st, wp, rowsum=True, dwk=True, dwl=True, rev=False):
+    def m_rr(per_sm, st, wp, rowsum=True, dwk=True, dwl=True):
         def make():
             x, dy = t(2)
             w = W()
             _, r, _ = rn.rms_norm_forward(x, w, 1e-6)
-            return lambda: bwd_rr(dy, x, w, r, per_sm, st, wp, rowsum, dwk, dwl, rev)
+            return lambda: bwd_rr(dy, x, w, r, per_sm, st, wp, rowsum, dwk, dwl)
         return make
 
     def m_both(b):
@@ -122,15 +121,6 @@ def _width(M, N, dev):
         return make
 
     row("bwd shipped (both launches)", bb, m_bwd, True)
-    if REVERSED_ONLY:  # alone and after the forward, in both orders: what L2 keeps of x between the two
-        for a in ((2, 4, 4), (2, 3, 8)):
-            for rev in (False, True):
-                row(f"rr {a} reverse={rev}: both launches", bb, m_rr(*a, rev=rev))
-        row("fwd+bwd shipped", fb + bb, m_both(lambda dy, x, w, r: rn.rms_norm_backward(dy, x, w, r)), True)
-        for a in ((2, 4, 4), (2, 3, 8)):
-            for rev in (False, True):
-                row(f"fwd+bwd rr {a} reverse={rev}", fb + bb, m_both(lambda dy, x, w, r, a=a, rev=rev: bwd_rr(dy, x, w, r, *a, reverse=rev)), True)
-        return
     for per_sm, st, wp in ((2, 4, 8), (2, 3, 8), (2, 2, 8), (2, 4, 4), (3, 3, 8), (4, 2, 4), (4, 3, 4), (1, 4, 16), (8, 2, 4)):
         row(f"rr floor per_sm={per_sm} stages={st} warps={wp}: no row sum, no dw", bb, m_rr(per_sm, st, wp, False, False, False))
         row(f"rr per_sm={per_sm} stages={st} warps={wp}: kernel only", bb, m_rr(per_sm, st, wp, True, True, False))
@@ -139,8 +129,6 @@ def _width(M, N, dev):
     for per_sm, st, wp in ((2, 4, 8), (2, 3, 8), (4, 2, 4)):
         row(f"fwd+bwd rr per_sm={per_sm} stages={st} warps={wp}", fb + bb, m_both(lambda dy, x, w, r, a=(per_sm, st, wp): bwd_rr(dy, x, w, r, *a)), True)
 
-
-REVERSED_ONLY = "--reversed" in sys.argv
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["check"]:
