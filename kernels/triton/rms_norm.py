@@ -112,12 +112,13 @@ FWD_RESIDUAL_WARPS = {2048: 8, 8192: 16}
 # of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against
 # 65.0 for 4 per SM unpipelined, add+RMSNorm 80.8 against 90.9, 8192x4096 100 against 118); the dw
 # partials stay small (programs x N fp32). The rows are dealt round-robin, last first, where each
-# program once took a consecutive share: backward alone, chained, 55.2 us against 58.0 at 8192 x
-# 4096 with 3 stages and 8 warps, level at 8192 x 2048 with 4 warps, both with dw launched plainly
-# (src/bench/norm_round_robin.py, docs/PERFORMANCE.md 5j). Last first because a backward that
-# straight follows its forward (the kernel bench's fwd+bwd; no step of a model) then reads first
-# the rows whose x the forward left in L2: 44.8 us against 49.1 first-first at 2048, 83.5 against
-# 90.1 at 4096; the order does not change the backward alone.
+# program once took a consecutive share: the backward alone, chained, 28.5 us against 30.1-30.4 at
+# 8192 x 2048 (4 warps), 53.9 against 57.4-57.5 at 8192 x 4096 (3 stages, 8 warps), 36.2-36.3
+# against 38.0-38.1 with the residual, in two rounds of one call on an H200 (docs/PERFORMANCE.md
+# 5k). Last first because a backward that straight follows its forward (the kernel bench's
+# fwd+bwd; no step of a model) then reads first the rows whose x the forward left in L2: 44.8 us
+# against 49.1 dealt first-first at 2048, 83.5 against 90.1 at 4096; the backward alone is the
+# same either way.
 BWD_WARPS = {2048: 4, 4096: 8, 8192: 16}
 BWD_PROGRAMS_PER_SM = 2
 # Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
@@ -131,7 +132,7 @@ FWD_STAGES = 1
 # Software-pipelined row loop in backward (tl.range num_stages): the next rows' x and dy loads are
 # issued while this row is reduced, so each program keeps ~4 rows (32 KB at 2048 bf16) in flight
 # where the loop as written (1) waits on each row's loads.
-BWD_STAGES = {2048: 4, 4096: 3}  # by row width as the warps: at 4096 3 stages (see above), 4 took 57.1-60.7 us
+BWD_STAGES = {2048: 4, 4096: 3}  # by row width, as the warps: at 4096, 4 stages took 57.1-60.7 us where 3 took 55.2 (dw launched plainly)
 # The dw reduction: up to DW_BLOCK_P partial rows x DW_BLOCK_N columns a step. 512 x 16 (128
 # programs at N = 2048, the 264 partials in one step) summed 264 x 2048 partials in 7.4 us against
 # 16.6 for torch's sum + cast, 9.4 for 128 x 16 and 12.1 for 64 x 32 (kernel_configs' rms_dw group,
