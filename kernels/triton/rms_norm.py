@@ -57,10 +57,10 @@ def _rms_norm_fwd(X, R, S, W, Y, RSTD, stride_x, stride_r, stride_s, stride_y, M
 @triton.jit
 def _rms_norm_bwd(DY, DS, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_ds, stride_x, stride_dx, M, N, HAS_DS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
                   USE_GDC: tl.constexpr):
-    """Tiles of ROWS rows dealt round-robin, last tile first (the launch settings below say why): program p
-    takes tiles T-1-p, T-1-p-P, ... (one (ROWS, BLOCK) tile, loads in flight together) and writes
-    one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner to issue the next tile's loads
-    while this one is reduced (tl.range num_stages)."""
+    """Tiles of ROWS rows dealt round-robin, last tile first (the launch settings below say why):
+    program p takes tiles T-1-p, T-1-p-P, ... (one (ROWS, BLOCK) tile, loads in flight together)
+    and writes one fp32 partial dw. STAGES > 1 asks Triton's software pipeliner to issue the next
+    tile's loads while this one is reduced (tl.range num_stages)."""
     gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
