@@ -179,13 +179,6 @@ class ShardingConfig:
     """fsdp2/hsdp on CUDA: FSDP2's copy of each unit's unsharded gradients into the reduce-scatter
     input (cast to reduce_dtype) by a vectorised Triton kernel (triton) or torch._chunk_cat (torch:
     1.7 TB/s bf16 -> fp32, 2.5 bf16 -> bf16 on torch 2.11); the same bits; src/distributed/reduce_copy_in.py"""
-    gather_in_place: bool = False
-    """fsdp2/hsdp on two or more ranks a shard group, optim.impl=triton, bf16 param_dtype under fp32
-    parameters: each unit's all-gather buffer stays allocated between steps and the Triton AdamW
-    update writes this rank's bf16 shards into it, so the all-gathers run in place with no copy-in
-    (FSDP2 casts every shard into a new buffer at each all-gather, twice a step with
-    reshard_after_forward); the same gathered bits; costs the whole model's param_dtype size on
-    every rank (1.47 GB for mini_llm), whatever the rank count; src/distributed/gather_in_place.py"""
     one_rank_copies: OneRankCopies = OneRankCopies.direct
     """fsdp2/hsdp with one rank a shard group, where FSDP2 gathers and reduce-scatters nothing but
     still copies as if it did: each unshard casts the fp32 shards straight into the unsharded

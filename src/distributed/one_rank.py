@@ -66,15 +66,12 @@ def _castable(fsdp_param) -> bool:
 
 
 def _allocated(t: torch.Tensor) -> bool:
-    """Whether `t`'s storage still holds it (FSDP2 frees by resizing the storage to 0); `t` may be
-    a view into a larger buffer (src/distributed/gather_in_place.py's slices)."""
-    return t.untyped_storage().size() >= (t.storage_offset() + t.numel()) * t.element_size()
+    return t.untyped_storage().size() == t.numel() * t.element_size()
 
 
 class UnshardedCopy:
-    """A parameter's param_dtype cast kept from one unshard to the next: `out`, a one-rank
-    parameter's flat unsharded storage (cast_in_step) or this rank's slice of an all-gather buffer
-    (src/distributed/gather_in_place.py), and what it was last cast from. FSDP2's fp32 shard is
+    """A one-rank parameter's unsharded storage kept from one unshard to the next (cast_in_step):
+    `out`, FSDP2's flat param_dtype buffer, and what it was last cast from. FSDP2's fp32 shard is
     three tensors on one storage, each with its own version counter: the DTensor parameter (what an
     aten in-place op on the parameter moves, load_state_dict's copy_ among them), its local tensor
     (what TritonAdamW's update writes) and the flat shard (what the unshard reads). `versions` are
@@ -98,10 +95,7 @@ class UnshardedCopy:
         on another storage than the shard's (not FSDP2's layout) is not recorded, so nothing is
         ever taken as fresh."""
         _, local, shard = tensors
-        # the local tensor is the flat shard's first elements; on more ranks than one the flat
-        # shard is padded past them (gather_in_place.py)
-        same = (local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr() and local.data_ptr() == shard.data_ptr()
-                and local.numel() <= shard.numel())
+        same = local.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr() and local.numel() == shard.numel()
         self.tensors = tensors if same else None
         self.versions = tuple(t._version for t in tensors)
 

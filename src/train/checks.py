@@ -81,21 +81,6 @@ def _check_in_backward(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.in_backward=true runs each update on the GPU's post-reduce stream, and sharding={sharding.name} keeps the optimizer in host memory; use sharding=fsdp2")
 
 
-def _check_gather_in_place(cfg: DictConfig) -> None:
-    """sharding.gather_in_place: FSDP2 units whose all-gather input the Triton update writes."""
-    sharding, optim, precision = cfg.sharding, cfg.optim, cfg.precision
-    if sharding.strategy not in ("fsdp2", "hsdp"):
-        raise ConfigError(f"sharding.gather_in_place=true keeps FSDP2's all-gather buffers, and sharding={sharding.name} gathers none; use sharding=fsdp2 or hsdp")
-    if optim.impl != "triton" and not (optim.impl == "auto" and cfg.kernels.auto):
-        raise ConfigError(f"sharding.gather_in_place=true has the Triton AdamW update write the gathered shards, and optim.impl={optim.impl} writes none; "
-                          "set optim.impl=triton (or kernels=auto, which picks it where it measures faster)")
-    if precision.param_dtype != "bfloat16":
-        raise ConfigError(f"sharding.gather_in_place=true gathers the update's bf16 casts, and precision={precision.name} computes in {precision.param_dtype}; "
-                          "use precision=bf16 or drop the override")
-    if sharding.symm_mem:
-        raise ConfigError("sharding.gather_in_place=true keeps its own all-gather buffers, and sharding.symm_mem=true allocates them from NCCL's pool; drop one of them")
-
-
 def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
     why_not = triton_usable(backend)
     if why_not and (backend == "cuda" or interpreted()):
@@ -257,8 +242,6 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"sharding.{knob}={k}: the number of units to prefetch must be 0 (FSDP2's own order) or more")
         if k and sharding.strategy not in ("fsdp2", "hsdp"):
             raise ConfigError(f"sharding.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
-    if sharding.gather_in_place:
-        _check_gather_in_place(cfg)
     if cfg.optim.in_backward:
         _check_in_backward(cfg)
     if cfg.optim.state_dtype != "float32" and cfg.optim.impl != "triton":

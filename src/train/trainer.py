@@ -111,8 +111,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload, cfg.train.seed)
         if mesh is not None and cfg.optim.cast_in_step:
             self._cast_in_step()
-        if mesh is not None and cfg.sharding.gather_in_place:
-            self._gather_in_place()
         self.in_backward = StepInBackward(self.model, self.optimizer) if cfg.optim.in_backward else None
         self.units_stepped_in_backward: int | None = None
         self._checkpoint_and_resume()
@@ -156,22 +154,6 @@ class Trainer:
         if n and self.env.is_main:
             log.info("optim.cast_in_step: the Triton AdamW update writes %d parameters' %s casts into their one-rank unsharded "
                      "storage, kept between steps (%.2f GB); unshards cast only what changed since", n, self.cfg.precision.param_dtype, kept / 1e9)
-
-    def _gather_in_place(self) -> None:
-        """sharding.gather_in_place: the Triton update writes each multi-rank unit's all-gather
-        input into a kept buffer; the log says how much it covers, or why nothing."""
-        from src.distributed.gather_in_place import gather_in_place
-
-        n, nbytes = gather_in_place(self.model, self.optimizer)
-        if not self.env.is_main:
-            return
-        if n:
-            log.info("sharding.gather_in_place: the Triton AdamW update writes %d parameters' bf16 shards into their units' kept all-gather "
-                     "buffers (%.3g GB a rank); all-gathers run in place with no copy-in", n, nbytes / 1e9)
-        else:
-            log.warning("sharding.gather_in_place: nothing covered (the optimizer is %s, and only TritonAdamW writes the shards; a "
-                        "unit of one rank gathers nothing; or this torch's FSDP2 all-gather differs from the one replaced): "
-                        "FSDP2's all-gathers as they are", type(self.optimizer).__name__)
 
     def _swap_kernels(self, model: torch.nn.Module) -> FusedModel:
         """kernels.fused (Triton) and kernels.compiled (single ops under torch.compile), in place."""
@@ -255,10 +237,6 @@ class Trainer:
                     from src.distributed.one_rank import forget_casts
 
                     forget_casts(self.model)
-                if self.cfg.sharding.gather_in_place:
-                    from src.distributed.gather_in_place import forget_gathers
-
-                    forget_gathers(self.model)
 
     def train(self) -> dict[str, Any]:
         """build(), the loop (under torch.profiler for task=profile), then the summary and records."""
@@ -389,10 +367,6 @@ class Trainer:
             counts = cudagraph_counts(env.device)
             summary.update(cudagraphs=counts["graphs"], cudagraph_rerecords=counts["rerecords"],
                            cudagraph_skips=cudagraph_skips() - self.graph_skips_before)
-        if cfg.sharding.gather_in_place:
-            from src.distributed.gather_in_place import gather_counts
-
-            summary.update(gather_counts(self.model))
         if session is not None and env.is_main:
             summary["profile"] = session.results
             for artifact in session.artifacts:
