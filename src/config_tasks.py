@@ -14,6 +14,7 @@ from src.dtypes import Dtype, ShortDtype
 class BenchMode(StrEnum):
     fwd = "fwd"
     fwd_bwd = "fwd_bwd"
+    bwd = "bwd"  # the backward alone, its forward run once outside the timing: what a training step's backward pass times
 
 
 class HostWait(StrEnum):
@@ -115,7 +116,10 @@ class KernelBenchConfig:
     providers: list[str] = field(default_factory=lambda: ["eager", "compile", "triton", "liger"])
     """eager, compile, triton, liger (only where Liger-Kernel is installed); a str list, as ops:
     src/kernel_bench/checks.py names each unknown one, where an enum list names only the first"""
-    modes: list[BenchMode] = field(default_factory=lambda: list(BenchMode))
+    modes: list[BenchMode] = field(default_factory=lambda: [BenchMode.fwd, BenchMode.fwd_bwd])
+    """fwd, fwd_bwd (a forward and its backward, back to back), bwd (the backward alone: in a step a layer's
+    backward runs long after its forward, so its chain figure reads none of what the forward left in L2;
+    no rows for cross_entropy and linear_cross_entropy, whose fused variants compute the gradient in the forward)"""
     dtype: Dtype = Dtype.bfloat16
     warmup_ms: int = 25
     rep_ms: int = 100

@@ -63,6 +63,24 @@ def test_torch_compile_is_a_variant(tmp_path):
     assert [r["provider"] for r in summary["rows"]] == ["eager", "compile"] and summary["rows"][1]["max_rel_err"] < 0.02
 
 
+def test_the_backward_alone_is_a_mode_of_its_own(tmp_path):
+    """kernel_bench.modes=[bwd]: the backward timed without its forward and charged the backward's bytes
+    alone; no row for an op whose fused variants compute the gradient in the forward."""
+    from src.fusion.cases import make_case
+
+    proc = run_cli(["task=kernel_bench", "kernel_bench.ops=[rms_norm,cross_entropy]", "kernel_bench.shapes.rms_norm=[[33,65]]",
+                    "kernel_bench.shapes.cross_entropy=[[9,300]]", "kernel_bench.modes=[fwd_bwd,bwd]", "kernel_bench.providers=[eager]",
+                    "tracking=none", *FAST], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("outputs/*/*/summary.json")]
+    assert [(r["op"], r["mode"]) for r in summary["rows"]] == [("rms_norm", "fwd_bwd"), ("rms_norm", "bwd"), ("cross_entropy", "fwd_bwd")]
+    both, alone = summary["rows"][:2]
+    case, size = make_case("rms_norm", [33, 65]), 2  # bf16
+    assert alone["tbs"] * 1e12 * alone["ms"] * 1e-3 == pytest.approx(case.bytes_bwd(size))
+    assert both["tbs"] * 1e12 * both["ms"] * 1e-3 == pytest.approx(case.bytes_fwd(size) + case.bytes_bwd(size))
+    assert "cross_entropy [9, 300] bwd: no row (the fused variants compute the gradient in the forward)" in proc.stderr + proc.stdout
+
+
 @pytest.mark.parametrize("override,message", [
     ("kernel_bench.ops=[layer_norm]", "kernel_bench.ops=['layer_norm']: unknown layer_norm; choose from rms_norm"),
     ("kernel_bench.providers=[eager,apex]", "kernel_bench.providers=['eager', 'apex']: unknown apex"),

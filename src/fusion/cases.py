@@ -181,6 +181,8 @@ def make_case(op: str, shape: list[int]) -> Case:
 
 
 OPS = ("rms_norm", "add_rms_norm", "swiglu", "softmax", "cross_entropy", "linear_cross_entropy")
+# ops whose fused variants compute the gradient in the forward pass: their backward alone times next to nothing
+GRADIENT_IN_FORWARD = ("cross_entropy", "linear_cross_entropy")
 
 
 def output_of(result) -> torch.Tensor:
@@ -210,6 +212,21 @@ def forward_backward(fn: Callable, inputs: list[torch.Tensor], first=None) -> Ca
     def run() -> None:
         result = fn(*inputs)
         torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
+
+    return run
+
+
+def backward_only(fn: Callable, inputs: list[torch.Tensor], first=None) -> Callable[[], None]:
+    """The backward alone of `fn(*inputs)` as a call with no arguments: the forward runs once, here
+    (or is `first`), and each call runs autograd.grad over its graph again (retain_graph), with
+    ones as the output gradients, as forward_backward does."""
+    leaves = [t for t in inputs if t.requires_grad]
+    first = fn(*inputs) if first is None else first
+    outputs = list(first) if isinstance(first, tuple) else [first]
+    grads = [torch.ones_like(o) for o in outputs]
+
+    def run() -> None:
+        torch.autograd.grad(outputs, leaves, grads, retain_graph=True)
 
     return run
 

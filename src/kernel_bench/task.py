@@ -14,7 +14,17 @@ import torch
 from omegaconf import DictConfig
 
 from src.dtypes import torch_dtype
-from src.fusion.cases import Case, forward_backward, make_case, max_rel_err, output_of, seed, variant
+from src.fusion.cases import (
+    GRADIENT_IN_FORWARD,
+    Case,
+    backward_only,
+    forward_backward,
+    make_case,
+    max_rel_err,
+    output_of,
+    seed,
+    variant,
+)
 from src.fusion.timing import chain_ms, copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
 from src.runtime import RunContext
 
@@ -42,12 +52,14 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
     fn = variant(case.op, provider)
     if fn is None:
         return None
-    grad = mode == "fwd_bwd"
+    grad = mode in ("fwd_bwd", "bwd")
 
     def make_inputs() -> list[torch.Tensor]:
         return [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in base_inputs]
 
     def make_run(inputs: list[torch.Tensor], first=None):
+        if mode == "bwd":
+            return backward_only(fn, inputs, first)
         if grad:
             return forward_backward(fn, inputs, first)
 
@@ -74,8 +86,9 @@ def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: 
         log.info("%s %s %s %s: not capturable in a CUDA graph (%s)", case.op, list(case.shape), mode, provider, why)
         replayed = None
     size = torch.finfo(dtype).bits // 8
-    nbytes = case.bytes_fwd(size) + (case.bytes_bwd(size) if grad else 0)
-    flops = case.flops_fwd + (case.flops_bwd if grad else 0)
+    forward = mode != "bwd"
+    nbytes = (case.bytes_fwd(size) if forward else 0) + (case.bytes_bwd(size) if grad else 0)
+    flops = (case.flops_fwd if forward else 0) + (case.flops_bwd if grad else 0)
     chained = None
     if replayed is not None and bench.chain and not flops:  # a chain is about L2 and bytes; GEMM rows are about FLOPs
         try:
@@ -109,6 +122,9 @@ def run_bench(cfg: DictConfig) -> tuple[list[dict], float, str]:
         for shape in bench.shapes[op]:
             case = make_case(op, list(shape))
             for mode in bench.modes:
+                if mode == "bwd" and op in GRADIENT_IN_FORWARD:
+                    log.info("%s %s bwd: no row (the fused variants compute the gradient in the forward)", op, list(case.shape))
+                    continue
                 seed(device)
                 base_inputs = case.inputs(device, dtype, False)  # drawn once: each variant gets copies
                 reference = output_of(variant(op, "eager")(*[t.clone() for t in base_inputs])).detach()
