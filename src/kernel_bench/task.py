@@ -49,6 +49,21 @@ def _peak_mb(fn, device: torch.device) -> float | None:
 
 
 def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: torch.dtype, bench: DictConfig, reference: Any, base_inputs: list[torch.Tensor]) -> dict | None:
+    if mode == "bwd" and provider == "compile":
+        # the backward alone runs one compiled backward again and again (retain_graph), which
+        # AOTAutograd refuses where its backward reuses ("donates") saved buffers for its outputs:
+        # compiled afresh without donation, the same kernels in memory of their own
+        torch._dynamo.reset()
+        try:
+            with torch._functorch.config.patch(donated_buffer=False):
+                return _measure_variant(case, provider, mode, device, dtype, bench, reference, base_inputs)
+        finally:
+            torch._dynamo.reset()
+    return _measure_variant(case, provider, mode, device, dtype, bench, reference, base_inputs)
+
+
+def _measure_variant(case: Case, provider: str, mode: str, device: torch.device, dtype: torch.dtype, bench: DictConfig, reference: Any,
+                     base_inputs: list[torch.Tensor]) -> dict | None:
     fn = variant(case.op, provider)
     if fn is None:
         return None
