@@ -196,37 +196,29 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want).abs().max().item() / scale if math.isfinite(scale) else math.nan
 
 
-def forward_backward(fn: Callable, inputs: list[torch.Tensor], first=None) -> Callable[[], None]:
-    """One forward and backward of `fn(*inputs)` as a call with no arguments, for the timers.
+def forward_backward(fn: Callable, inputs: list[torch.Tensor], first=None, *, backward_only: bool = False) -> Callable[[], None]:
+    """One forward and backward of `fn(*inputs)` as a call with no arguments, for the timers; with
+    `backward_only`, the backward alone: the forward runs once, here, and each call runs the
+    backward over its graph again (retain_graph).
 
     The output gradients are ones: the kernels move the same bytes whatever the values, and a
     CUDA graph capture that fails (eager RMSNorm's backward on torch 2.11) leaves the default CUDA
     generator unusable, so nothing after the inputs may draw from it. autograd.grad, not backward:
     the gradients are returned, not accumulated into .grad, so no AccumulateGrad step differs
     between plain calls and a CUDA graph's replays. `first`: an output already computed, to shape
-    the gradients without another forward."""
+    the gradients without another forward (and, with `backward_only`, the graph to run backward)."""
     leaves = [t for t in inputs if t.requires_grad]
     first = fn(*inputs) if first is None else first
-    grads = [torch.ones_like(o) for o in (first if isinstance(first, tuple) else (first,))]
+    outputs = list(first) if isinstance(first, tuple) else [first]
+    grads = [torch.ones_like(o) for o in outputs]
+
+    if backward_only:
+        def run() -> None:
+            torch.autograd.grad(outputs, leaves, grads, retain_graph=True)
+        return run
 
     def run() -> None:
         result = fn(*inputs)
         torch.autograd.grad(list(result) if isinstance(result, tuple) else [result], leaves, grads)
 
     return run
-
-
-def backward_only(fn: Callable, inputs: list[torch.Tensor], first=None) -> Callable[[], None]:
-    """The backward alone of `fn(*inputs)` as a call with no arguments: the forward runs once, here
-    (or is `first`), and each call runs autograd.grad over its graph again (retain_graph), with
-    ones as the output gradients, as forward_backward does."""
-    leaves = [t for t in inputs if t.requires_grad]
-    first = fn(*inputs) if first is None else first
-    outputs = list(first) if isinstance(first, tuple) else [first]
-    grads = [torch.ones_like(o) for o in outputs]
-
-    def run() -> None:
-        torch.autograd.grad(outputs, leaves, grads, retain_graph=True)
-
-    return run
-

@@ -7,6 +7,7 @@ import math
 from omegaconf import DictConfig
 
 from src.compose import ConfigError
+from src.config_tasks import BenchMode
 from src.fusion.registry import interpreted, triton_usable
 
 KERNELS_ON_CPU = "TRITON_INTERPRET=1 python -m src.run +exp=kernels_cpu"
@@ -22,7 +23,7 @@ def check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) ->
         raise ConfigError(f"task=kernel_bench times kernels on backend=cuda (or backend=cpu to check the plumbing), not backend={backend}")
     if backend == "cuda" and cuda_device_count == 0:
         raise ConfigError(f"backend=cuda but no CUDA GPU is visible; +exp=kernels times kernels on an NVIDIA GPU; on a CPU, check the plumbing with `{KERNELS_ON_CPU}`")
-    for name, given, allowed in (("ops", b.ops, OPS), ("providers", b.providers, ("eager", "compile", "triton", "liger")), ("modes", b.modes, ("fwd", "fwd_bwd", "bwd"))):
+    for name, given, allowed in (("ops", b.ops, OPS), ("providers", b.providers, ("eager", "compile", "triton", "liger")), ("modes", b.modes, tuple(BenchMode))):
         unknown = [v for v in given if v not in allowed]
         if unknown or not given:
             raise ConfigError(f"kernel_bench.{name}={list(given)}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'}; choose from {', '.join(allowed)}")

@@ -17,7 +17,6 @@ from src.dtypes import torch_dtype
 from src.fusion.cases import (
     GRADIENT_IN_FORWARD,
     Case,
-    backward_only,
     forward_backward,
     make_case,
     max_rel_err,
@@ -73,10 +72,8 @@ def _measure_variant(case: Case, provider: str, mode: str, device: torch.device,
         return [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in base_inputs]
 
     def make_run(inputs: list[torch.Tensor], first=None):
-        if mode == "bwd":
-            return backward_only(fn, inputs, first)
         if grad:
-            return forward_backward(fn, inputs, first)
+            return forward_backward(fn, inputs, first, backward_only=mode == "bwd")
 
         def run():
             with torch.no_grad():
