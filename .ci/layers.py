@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kernels",),
     ("src.dtypes", "src.runtime", "src.config", "src.config_tasks", "src.config_help", "src.compose"),
     ("src.models", "src.data"),
-    ("src.distributed", "src.fusion", "src.profiling", "src.tracking"),
+    ("src.distributed", "src.speed", "src.fusion", "src.profiling", "src.tracking"),
     ("src.train", "src.edge", "src.kernel_bench", "src.diagnose"),
     ("src.tasks", "src.run", "src.bench", "src.validate", "src.compare", "src.export", "src"),
 ]

@@ -33,21 +33,14 @@ class Strategy(StrEnum):
     none = "none"
 
 
-class CopyKernel(StrEnum):
-    """Which kernel does one of FSDP2's casts or copies: a vectorised Triton kernel, or torch's own."""
+class Use(StrEnum):
+    """Whether a speed recipe (src/speed/) replaces torch's own path: auto, on where it applies (a
+    CUDA run) and this torch is one it was verified on, else off with one warning line; on, asked
+    for by name: refused in one line on a torch it was not verified on; off, torch's own path."""
 
-    triton = "triton"
-    torch = "torch"
-
-
-class GatherCopyIn(StrEnum):
-    one_pass = "one_pass"
-    fsdp2 = "fsdp2"
-
-
-class OneRankCopies(StrEnum):
-    direct = "direct"
-    fsdp2 = "fsdp2"
+    auto = "auto"
+    on = "on"
+    off = "off"
 
 
 class CompileBackend(StrEnum):
@@ -143,11 +136,6 @@ class ShardingConfig:
     """fsdp2 (per-block fully_shard, then the root), hsdp (2-D mesh), ddp-style replication (none)"""
     reshard_after_forward: bool = True
     """free the gathered block after forward (ZeRO-3); false keeps it until backward (ZeRO-2)"""
-    keep_unsharded: bool = False
-    """fsdp2/hsdp: every unit's gathered parameters keep their memory from one step to the next, so each
-    all-gather lands at the same addresses (kernels.cudagraphs' graphs replay with them instead of
-    recording again) and backward gathers nothing (reshard_after_forward is off for every unit); the
-    whole model's param_dtype copy stays on each GPU (1.46 GB for mini_llm in bf16)"""
     replicate: int = 1
     """hsdp only: replica groups on the outer mesh dimension; nproc must be a multiple of it"""
     cpu_offload: bool = False
@@ -155,36 +143,6 @@ class ShardingConfig:
     split_root: bool = False
     """fsdp2/hsdp: the embedding and the head as FSDP2 units of their own (torchtitan's layout), not
     one root group: the head's gradient is reduced while the blocks' backward runs"""
-    symm_mem: bool = False
-    """fsdp2/hsdp on CUDA: the all-gathers' output buffers in NCCL symmetric memory (FSDP2's
-    set_symm_mem_for_comm, or its custom all-gather over NCCL's symmetric-memory pool where torch
-    has no such method: src/distributed/symm_mem.py); with NCCL_CTA_POLICY=2 one node's all-gathers then run on the copy
-    engines and leave every SM to the GEMMs"""
-    forward_prefetch: int = 0
-    """fsdp2/hsdp: each unit's forward hook also issues the next k units' all-gathers (FSDP2's
-    set_modules_to_forward_prefetch); 0: FSDP2's implicit order, each gather at its own unit"""
-    backward_prefetch: int = 0
-    """fsdp2/hsdp: each unit's backward hook issues the all-gathers of the next k units backward
-    reaches (set_modules_to_backward_prefetch); 0: FSDP2's implicit one"""
-    grad_upcast: CopyKernel = CopyKernel.triton
-    """fsdp2/hsdp on CUDA, reduce_dtype bf16/fp16 under fp32 parameters: FSDP2's cast of each unit's
-    reduced gradients to fp32 by a vectorised Triton kernel (triton: 3.6-3.8 TB/s on an H200) or by
-    torch's .to() (torch: 2.0 TB/s on torch 2.11); src/distributed/grad_cast.py"""
-    gather_copy_in: GatherCopyIn = GatherCopyIn.one_pass
-    """fsdp2/hsdp on two or more ranks (one rank gathers nothing), param_dtype below the parameters':
-    each shard cast straight into the all-gather buffer (one_pass: 6 bytes a parameter) or FSDP2's
-    cast into a staging buffer and copy (fsdp2: 10 bytes); the same gathered bits either way;
-    src/distributed/copy_in.py"""
-    reduce_copy_in: CopyKernel = CopyKernel.triton
-    """fsdp2/hsdp on CUDA: FSDP2's copy of each unit's unsharded gradients into the reduce-scatter
-    input (cast to reduce_dtype) by a vectorised Triton kernel (triton) or torch._chunk_cat (torch:
-    1.7 TB/s bf16 -> fp32, 2.5 bf16 -> bf16 on torch 2.11); the same bits; src/distributed/reduce_copy_in.py"""
-    one_rank_copies: OneRankCopies = OneRankCopies.direct
-    """fsdp2/hsdp with one rank a shard group, where FSDP2 gathers and reduce-scatters nothing but
-    still copies as if it did: each unshard casts the fp32 shards straight into the unsharded
-    parameters and each reduce's output is its input (direct), or FSDP2 casts into a new tensor
-    and copies it, and copies the reduce input into an output (fsdp2); the same bits either way;
-    src/distributed/one_rank.py"""
 
 
 @dataclass
@@ -207,13 +165,8 @@ class PrecisionConfig:
     """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
     (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand cast in one pass)"""
     fp8_act_in_cast: bool | None = None
-    """fp8_impl=triton, model.mlp=silu: the MLP's SiLU applied inside the down projection's float8 casts, which then
-    read the up projection's output, instead of in a pass of its own over the hidden activations (read and write
-    0.27 GB a block of the seed's step), and SiLU's gradient inside the up projection's cast of dY, which then reads
-    U beside it, instead of silu_backward's pass; unset: on wherever it applies (fp8_impl=triton and model.mlp=silu).
-    On one H200 +exp=fsdp4_fp8's step was level with it while the casts rounded by the bits (55.2 against 55.6 ms for
-    the forward's fold; 53.05 against 53.25 median for the backward's); with the GPU's own rounding, 52.7-52.8 against
-    54.4-56.3 ms apart and 0.27 GB less peak, in one call (docs/PERFORMANCE.md section 7)"""
+    """fp8_impl=triton, model.mlp=silu: the MLP's SiLU applied inside the down projection's float8 casts and its
+    gradient inside the up projection's (a pass fewer each way); unset: on wherever it applies"""
 
 
 @dataclass
@@ -232,33 +185,6 @@ class KernelsConfig:
     """torch.compile each transformer block before sharding"""
     compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
-    cpp_wrapper: bool = False
-    """inductor: the launch code of every graph the run compiles in C++ instead of Python (Inductor's cpp_wrapper, set for the whole run):
-    less host time per kernel launched, for steps the host cannot queue as fast as the GPUs run them
-    (float8's casts add hundreds of launches a step); compiles longer"""
-    static_launch: bool = False
-    """inductor: this project's Triton kernels inside compiled graphs (float8's casts; the fused norms where the blocks are compiled)
-    launched by Inductor's static CUDA launcher, as Inductor's own kernels are, instead of through Triton's Python
-    launcher, which builds each launch's metadata (Inductor's static_launch_user_defined_triton_kernels, off in
-    torch 2.11); float8's casts are ~290 launches a step. A kernel the static launcher cannot take (one launched
-    with PDL) keeps Triton's. Off by default: on +exp=fsdp4_fp8 on one H200 the step was level within the run-to-run
-    spread (docs/PERFORMANCE.md section 7)"""
-    cudagraphs: bool = False
-    """inductor: each compiled block's forward and backward replayed from a CUDA graph (Inductor's cudagraph trees,
-    torch.compile's mode="reduce-overhead"): one launch a graph instead of one a kernel, for steps whose host cannot queue
-    the kernels as fast as the GPU runs them. Each training step marks a new step for the trees
-    (torch.compiler.cudagraph_mark_step_begin); summary.json counts the graphs held (cudagraphs), recorded again because
-    a weight moved (cudagraph_rerecords) and run launched instead (cudagraph_skips; Inductor logs why). On in
-    +exp=fsdp4_fp8: on one H200 its host 5-16 ms a step shorter (44 against 50-60 ms in the same calls), the step
-    58.4-59.2 ms (docs/PERFORMANCE.md section 7). Under sharding fsdp2/hsdp it needs sharding.keep_unsharded=true:
-    FSDP2 gathers the weights into new memory each step, and each new address records the graphs again (252 ms a
-    step against 60 launched on one H200). Under kernels=auto it applies to whatever auto compiles (the blocks, or
-    single ops where those were picked), and auto times its compiled candidates replayed from graphs, as the run
-    would run them; where auto compiles nothing, nothing replays and the log says so"""
-    max_autotune: bool = False
-    """inductor: each GEMM of the run's compiled graphs timed at its shape against Inductor's Triton templates (persistent TMA
-    ones on Hopper), which can take the pointwise work after it (bias, SiLU, the residual add) into the GEMM; the fastest is
-    kept (Inductor's max_autotune, set for the whole run); the first step compiles for minutes"""
     attention: SdpaBackend = SdpaBackend.default
     """scaled_dot_product_attention's kernel on CUDA: default (torch's order: flash first), or only
     flash, efficient or cudnn (cuDNN's fused attention, written for Hopper)"""
@@ -274,13 +200,49 @@ class KernelsConfig:
     """kernels=auto on a GPU: op -> candidate -> GPU ms per step, forward and backward, the host
     ahead; CANDIDATE.host: the host ms to issue them (filled in before the ranks start)"""
     reasons: dict[str, str] = field(default_factory=dict)
-    """kernels=auto on a GPU: op -> the rule that picked it where GPU time alone would not have (the
-    block: charged its host time, or float8 blocks compiled whenever they compile); filled in with `measured`"""
+    """kernels=auto on a GPU: op -> the rule that picked it where GPU time alone would not have; filled in with `measured`"""
     loss_trial: int = 0
-    """kernels=auto on a GPU with a fused loss picked: n > 0 runs eager's loss once (step 1, untimed), then alternates the two
-    over n pairs of steps, each timed by CUDA events; the fused loss stays only where its median step is no more than 0.5%
-    slower (src/fusion/trial.py; in kernels_auto.json and MLflow). Off by default: the eager steps need the memory the
-    fused loss saves, and the trial's placement is measured once (docs/PERFORMANCE.md 5c)"""
+    """kernels=auto on a GPU with a fused loss picked: n > 0 alternates it with eager's loss over n pairs of steps and
+    keeps it only where its median step is no more than 0.5% slower (src/fusion/trial.py)"""
+
+
+@dataclass
+class SpeedConfig:
+    """How the step is made faster without changing what it computes: the recipes that replace torch
+    internals (src/speed/: each verified on named torch releases, held to torch's own path bit for
+    bit) and FSDP2's and Inductor's own levers. Presets: conf/speed/ (torch, copies, graphs)."""
+
+    name: str = MISSING
+    grad_upcast: Use = Use.auto
+    """FSDP2's upcast of bf16/fp16-reduced gradients to the fp32 parameters by a vectorised Triton kernel (recipe)"""
+    reduce_copy_in: Use = Use.auto
+    """FSDP2's copy of each unit's gradients into the reduce-scatter input by a vectorised Triton kernel (recipe)"""
+    gather_copy_in: Use = Use.off
+    """two or more ranks: each fp32 shard cast straight into FSDP2's all-gather buffer, no staging copy (recipe;
+    off in every preset until it is measured on two GPUs)"""
+    one_rank_copies: Use = Use.auto
+    """a one-rank shard group: FSDP2's stand-in copies dropped, each unshard one cast, each reduce no copy (recipe)"""
+    cast_in_step: Use = Use.auto
+    """with one_rank_copies and optim.impl=triton: the update writes each parameter's bf16 cast into its kept
+    unsharded storage, so unshards cast only what changed (recipe; 2 bytes a parameter of memory)"""
+    keep_unsharded: bool = False
+    """fsdp2/hsdp: the gathered parameters keep their memory between steps, so speed.cudagraphs' graphs replay with
+    them and backward gathers nothing (FSDP2's own set_keep_unsharded_storage on torch 2.15+, a recipe before)"""
+    cudagraphs: bool = False
+    """Inductor: each compiled graph replayed from a CUDA graph (torch.compile's reduce-overhead), one launch a
+    graph; under fsdp2/hsdp it needs keep_unsharded"""
+    forward_prefetch: int = 0
+    """fsdp2/hsdp: each unit's forward also issues the next k units' all-gathers (FSDP2's set_modules_to_forward_prefetch)"""
+    backward_prefetch: int = 0
+    """fsdp2/hsdp: each unit's backward issues the gathers of the next k units backward reaches (set_modules_to_backward_prefetch)"""
+    symm_mem: bool = False
+    """fsdp2/hsdp on CUDA: the all-gathers' buffers in NCCL symmetric memory (FSDP2's set_symm_mem_for_comm,
+    torch 2.13+); with NCCL_CTA_POLICY=2 they run on the copy engines"""
+    clip_in_update: bool = True
+    """fused AdamW with optim.grad_clip > 0: the clipping factor applied inside the update (its grad_scale)
+    instead of a pass of its own over the gradients"""
+    force_unverified: bool = False
+    """run the recipes asked for on a torch or Triton release they were not verified on"""
 
 
 @dataclass
@@ -352,20 +314,9 @@ class OptimConfig:
     impl: OptimImpl = OptimImpl.auto
     """AdamW's kernels: fused (one kernel per batch of tensors), foreach (multi-tensor), for_loop, triton
     (every tensor in one launch, and the logged grad norm read in the same pass); auto: fused on CUDA, else foreach"""
-    clip_in_update: bool = True
-    """fused AdamW with grad_clip > 0: the clipping factor divides each gradient inside the update
-    kernel (its grad_scale) instead of a pass of its own over the gradients; same clipping, one read
-    of the fp32 gradients and a pass's launches fewer a step. foreach and for_loop keep the pass"""
-    cast_in_step: bool = True
-    """impl=triton under fsdp2/hsdp with one rank a shard group, sharding.one_rank_copies=direct and a
-    bf16 param_dtype: the update also writes each parameter's bf16 cast into its unsharded storage,
-    which then stays allocated between steps (2 bytes a parameter), so unshards cast only what
-    changed since; FSDP2 casts every parameter at every unshard instead (src/distributed/one_rank.py's
-    cast_in_step). Other settings: nothing changes"""
     state_dtype: StateDtype = StateDtype.float32
     """AdamW's moments (exp_avg, exp_avg_sq): float32, or bfloat16 (impl=triton), rounded stochastically
-    in the update: 8 bytes a parameter less to move each step and half the moments' memory
-    (kernels/triton/adamw.py)"""
+    in the update: half the moments' memory and bytes"""
     in_backward: bool = False
     """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
     post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""
@@ -387,7 +338,7 @@ class TrainConfig:
     """first steps left out of the throughput and step-time figures (allocator warm-up, compilation);
     the learning-rate warm-up is optim.warmup_steps"""
     seed_line: bool = False
-    """also print SEED.md's own line: 'Step N | Loss: ... | Peak VRAM/GPU: ... GB'"""
+    """also print docs/SEED.md's own line: 'Step N | Loss: ... | Peak VRAM/GPU: ... GB'"""
     progress: bool = True
     """live progress line on rank 0"""
     nonfinite: NonFinite = NonFinite.fail
@@ -443,6 +394,7 @@ class RunConfig:
     precision: PrecisionConfig = MISSING
     backend: BackendConfig = MISSING
     kernels: KernelsConfig = MISSING
+    speed: SpeedConfig = MISSING
     data: DataConfig = MISSING
     tracking: TrackingConfig = MISSING
     task: TaskConfig = MISSING
@@ -467,6 +419,7 @@ GROUPS = {
     "precision": PrecisionConfig,
     "backend": BackendConfig,
     "kernels": KernelsConfig,
+    "speed": SpeedConfig,
     "data": DataConfig,
     "tracking": TrackingConfig,
     "task": TaskConfig,

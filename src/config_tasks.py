@@ -60,17 +60,17 @@ class ProfileConfig:
 
 @dataclass
 class Thresholds:
-    """diagnose.classifier: SEED.md's readings for the bound verdict (src/profiling/classify.py applies them)."""
+    """diagnose.classifier: docs/SEED.md's readings for the bound verdict (src/profiling/classify.py applies them)."""
 
     hbm_bound_pct: float = 75.0
     """HBM throughput at or above this, with HBM the busiest unit: memory-bound"""
     sm_bound_pct: float = 75.0
     """SM throughput at or above this, with SM the busiest unit: compute-bound"""
     sm_idle_pct: float = 25.0
-    """SEED.md's 'Tensor Cores sit idle' mark: a memory-bound kernel below it is textbook, and
+    """docs/SEED.md's 'Tensor Cores sit idle' mark: a memory-bound kernel below it is textbook, and
     below it any kernel with HBM >= hbm_low_pct is memory-bound"""
     hbm_low_pct: float = 50.0
-    """SEED.md's 'low to moderate HBM' mark: a compute-bound kernel below it is textbook"""
+    """docs/SEED.md's 'low to moderate HBM' mark: a compute-bound kernel below it is textbook"""
     occupancy_low_pct: float = 40.0
     """achieved occupancy below this names occupancy, not latency, as the limiter"""
 
@@ -90,7 +90,7 @@ class DiagnoseConfig:
     report: str = ""
     """diagnose this existing report instead of running ncu"""
     classifier: Thresholds = field(default_factory=Thresholds)
-    """SEED.md's readings for the bound verdict (src/profiling/classify.py explains the rule)"""
+    """docs/SEED.md's readings for the bound verdict (src/profiling/classify.py explains the rule)"""
 
 
 def _bench_shapes() -> dict[str, list[list[int]]]:

@@ -243,3 +243,19 @@ def test_kernels_e2e_table_shows_each_rounds_ratio_beside_the_median():
     assert eager[7:9] == ["1.000x", "1.00-1.00x"]
     assert both[7:9] == ["1.157x", "0.94-1.51x"]
     assert table(rows[:2], ["eager", "both"]).splitlines()[3].split(" | ")[8] == "-"  # one round: no range to give
+
+
+def test_fp8_loss_reports_the_steps_each_run_takes_to_bf16s_loss_at_a_step(tmp_path, capsys):
+    """--target-step: bf16's curve at that step is the target; a run whose curve sits 0.05 above
+    bf16's reaches it 5 steps later (the curves fall 0.01 a step), one that never gets there: None."""
+    from src.bench import fp8_loss
+
+    base = [3.0 - 0.01 * i for i in range(40)]
+    offsets = {"bf16": 0.0, "late": 0.05, "never": 1.0}
+    argv = ["--steps", "40", "--last", "10", "--window", "5", "--tol", "2", "--out", str(tmp_path), "--target-step", "30",
+            "--variant", "late=precision=fp8", "--variant", "never=precision=fp8 precision.fp8_recipe=rowwise_with_gw_hp"]
+    results = fp8_loss.main(argv, runner=lambda name, overrides, args: [x + offsets[name] for x in base])
+    assert results["late"]["steps_to_target"] == 35 and results["never"]["steps_to_target"] is None
+    assert "late" in capsys.readouterr().out and json.loads((tmp_path / "fp8_loss.json").read_text())["target_step"] == 30
+    with pytest.raises(SystemExit):
+        fp8_loss.main([*argv[:10], "--target-step", "41"], runner=lambda name, overrides, args: base)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -42,54 +41,41 @@ def test_compiled_blocks_give_the_eager_fp32_losses(tmp_path: Path, in_process_r
     assert compiled == pytest.approx(eager, rel=1e-5)
 
 
-def test_inductor_with_its_cpp_wrapper_gives_the_eager_fp32_losses(tmp_path: Path, in_process_runs):
-    """kernels.cpp_wrapper: Inductor's generated kernels launched from C++ launch code, forward and
-    backward, 4 steps in fp32 against eager. Inductor fuses and reorders the reductions (the
-    norms', the softmax's), so the losses agree to float32 rounding carried over 4 AdamW steps, not
-    bit for bit. A cold compile, about 30 s on this 2-core machine."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import run_and_get_code
-
-    eager = _losses(tmp_path, "eager", [])
-    counters.clear()
-    compiled, codes = run_and_get_code(_losses, tmp_path, "cpp_wrapper", ["kernels=compile", "kernels.cpp_wrapper=true"])
-    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
-    # forward and backward each generated, and neither with Python launch code (`def call(...)`)
-    assert len(codes) >= 2 and not any("def call(" in code for code in codes)
-    assert compiled == pytest.approx(eager, rel=1e-4)
-    import torch._inductor.config as inductor
-
-    assert not inductor.cpp_wrapper  # set for the run only (src/distributed/parallelize.py inductor_config)
-
-
 def test_inductor_settings_hold_for_the_run_and_are_put_back():
-    """kernels.cpp_wrapper, max_autotune, static_launch and cudagraphs are Inductor config while the run trains (its
-    blocks' backward graphs compile lazily, inside it) and nothing after."""
+    """speed.cudagraphs, and float8's emulate_precision_casts under torchao's rowwise recipes, are
+    Inductor config while the run trains (its blocks' backward graphs compile lazily, inside it) and
+    nothing after; a run that needs neither sets nothing."""
     import torch._inductor.config as inductor
 
-    from src.distributed.parallelize import STATIC_LAUNCH_ENV, inductor_config
+    from src.speed.inductor import inductor_config, run_settings
 
-    def settings() -> tuple:
-        return inductor.max_autotune, inductor.cpp_wrapper, getattr(inductor.triton, "enable_persistent_tma_matmul", True)
-
-    before = settings()  # whatever the environment set (TORCHINDUCTOR_MAX_AUTOTUNE=1 included)
-    static_before = inductor.static_launch_user_defined_triton_kernels
-    cfg = compose_config(["kernels=compile", "kernels.max_autotune=true", "kernels.cpp_wrapper=true"])
-    with inductor_config(cfg):
-        assert settings() == (True, True, True)
-    assert settings() == before
-    env_before = os.environ.get(STATIC_LAUNCH_ENV)
-    with inductor_config(compose_config(["kernels=compile", "kernels.static_launch=true"])):
-        assert settings() == before
-        # kernels.static_launch: in this process and for the compile workers it starts
-        assert inductor.static_launch_user_defined_triton_kernels and os.environ[STATIC_LAUNCH_ENV] == "1"
-    with inductor_config(compose_config(["kernels=compile"])):  # off by default
-        assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
-    with inductor.patch({"triton.cudagraphs": False}):  # whatever TORCHINDUCTOR_CUDAGRAPHS says
-        with inductor_config(compose_config(["kernels=compile", "kernels.cudagraphs=true"])):
-            assert inductor.triton.cudagraphs and settings() == before
+    assert run_settings(compose_config(["kernels=compile"])) == {}
+    with inductor.patch({"triton.cudagraphs": False, "emulate_precision_casts": False}):  # whatever the environment says
+        with inductor_config(compose_config(["kernels=compile", "speed.cudagraphs=true"])):
+            assert inductor.triton.cudagraphs and not inductor.emulate_precision_casts
         assert not inductor.triton.cudagraphs
-    assert inductor.static_launch_user_defined_triton_kernels == static_before and os.environ.get(STATIC_LAUNCH_ENV) == env_before
+        with inductor_config(compose_config(["precision=fp8", "precision.fp8_recipe=rowwise"])):
+            assert inductor.emulate_precision_casts and not inductor.triton.cudagraphs
+        assert not inductor.emulate_precision_casts
+        with inductor_config(compose_config(["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp"])):
+            assert not inductor.emulate_precision_casts  # the Triton casts round as eager does
+
+
+def test_a_float8_job_leaves_emulate_precision_casts_as_it_found_it(tmp_path: Path, in_process_runs, monkeypatch):
+    """A whole float8 run (torchao's rowwise recipe, on the CPU's float8 GEMMs, one rank) in this
+    process: the setting holds while it trains and is torch's own again after it, so the next
+    in-process job does not inherit it."""
+    import torch._inductor.config as inductor
+
+    from src.train.trainer import Trainer
+
+    seen = []
+    train = Trainer.train
+    monkeypatch.setattr(Trainer, "train", lambda self: seen.append(inductor.emulate_precision_casts) or train(self))
+    before = inductor.emulate_precision_casts
+    losses = _losses(tmp_path, "fp8", ["precision=fp8", "precision.fp8_recipe=rowwise", "precision.param_dtype=bfloat16"])
+    assert seen == [True] and inductor.emulate_precision_casts is before is False
+    assert len(losses) == 4
 
 
 def test_optimizer_impl_chooses_the_adamw_kernels():
@@ -106,13 +92,13 @@ def test_optimizer_impl_chooses_the_adamw_kernels():
 
 
 def test_clipping_inside_the_fused_update_gives_the_clipped_step(tmp_path: Path, in_process_runs):
-    """optim.clip_in_update: fused AdamW dividing each gradient by the clipping factor as it reads
+    """speed.clip_in_update: fused AdamW dividing each gradient by the clipping factor as it reads
     it gives the step clip_grads_with_norm_ then AdamW gives: 4 steps of fp32 losses within 1e-6 and
     the same grad norms, on a clip small enough that every step clips (FSDP2 over the 1-rank mesh:
     the parameters and gradients are DTensors, the divisor a plain device scalar)."""
     common = ["optim.impl=fused", "optim.grad_clip=0.05"]
-    folded = _losses(tmp_path, "folded", [*common, "optim.clip_in_update=true"])
-    separate = _losses(tmp_path, "separate", [*common, "optim.clip_in_update=false"])
+    folded = _losses(tmp_path, "folded", [*common, "speed.clip_in_update=true"])
+    separate = _losses(tmp_path, "separate", [*common, "speed.clip_in_update=false"])
     norms = {name: [json.loads(line)["grad_norm"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
              for name in ("folded", "separate")}
     assert min(norms["separate"]) > 0.05  # every step clipped

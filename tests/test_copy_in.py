@@ -1,4 +1,4 @@
-"""FSDP2's all-gather copy-in in one pass (src/distributed/copy_in.py) over gloo ranks on a CPU (and
+"""FSDP2's all-gather copy-in in one pass (src/speed/gather_copy_in.py) over gloo ranks on a CPU (and
 NCCL ranks where two GPUs are present): the gathered bf16 parameters, the losses and the updated
 parameters are the same bits as FSDP2's own two passes; the groups the one pass does not cover, and
 a metadata function replaced by other code, go to FSDP2's functions; install and restore."""
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from src.distributed import copy_in
+from src.speed import gather_copy_in as copy_in
 from tests.spawned_ranks import spawn_ranks
 
 
@@ -26,9 +26,9 @@ def _run(choice: str, param_dtype, device: str, world: int, reshard) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if choice == "fsdp2":
-        copy_in.restore_copy_in()
+        copy_in.restore()
     elif choice == "one_pass":
-        assert copy_in.use_one_pass_copy_in()
+        assert copy_in.install()
     mesh = init_device_mesh(device, (world,))
     model = _model().to(device)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -70,7 +70,7 @@ def _rank(rank: int, init_file: str, out: str, device: str, world: int, reshard)
                 ("foreign", "foreign", torch.bfloat16)]  # other code replaced the metadata function after the install
         for name, choice, dtype in runs:
             if choice == "foreign":
-                copy_in.use_one_pass_copy_in()
+                copy_in.install()
                 _fsdp_collectives._get_all_gather_input_metadatas = lambda lists: metadatas(lists)
             staged.clear()
             results[name] = _run(choice, dtype, device, world, reshard)
@@ -79,7 +79,7 @@ def _rank(rank: int, init_file: str, out: str, device: str, world: int, reshard)
             torch.save({"results": results, "staged": counts}, out)
     finally:
         _fsdp_collectives._get_all_gather_input_metadatas = copy_in._get_all_gather_input_metadatas
-        copy_in.restore_copy_in()
+        copy_in.restore()
         dist.destroy_process_group()
 
 
@@ -120,10 +120,10 @@ def test_one_pass_copy_in_on_nccl(tmp_path: Path):
 def test_install_and_restore_leave_others_alone():
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    copy_in.restore_copy_in()  # an in-process fsdp2 run before this test (parallelize) left it installed
+    copy_in.restore()  # an in-process fsdp2 run before this test (parallelize) left it installed
     inputs, metadatas = _fsdp_collectives._get_param_all_gather_inputs, _fsdp_collectives._get_all_gather_input_metadatas
     try:
-        assert copy_in.use_one_pass_copy_in() and copy_in.use_one_pass_copy_in()  # twice: installed once
+        assert copy_in.install() and copy_in.install()  # twice: installed once
         assert copy_in.PATCH.fsdp2 == {"_get_param_all_gather_inputs": inputs, "_get_all_gather_input_metadatas": metadatas}
         # the metadata of a list the inputs function did not hand out: FSDP2's own
         lists = [[torch.zeros(3, dtype=torch.bfloat16)], [torch.zeros(2, dtype=torch.bfloat16)]]
@@ -132,17 +132,17 @@ def test_install_and_restore_leave_others_alone():
         # and ours, which theirs calls, still reaches FSDP2's function
         later = lambda ps: inputs(ps)  # noqa: E731
         _fsdp_collectives._get_param_all_gather_inputs = later
-        copy_in.restore_copy_in()
+        copy_in.restore()
         assert _fsdp_collectives._get_param_all_gather_inputs is later
-        assert not copy_in.use_one_pass_copy_in()
+        assert not copy_in.install()
     finally:
         _fsdp_collectives._get_param_all_gather_inputs = copy_in._get_param_all_gather_inputs
-        copy_in.restore_copy_in()
+        copy_in.restore()
     assert (_fsdp_collectives._get_param_all_gather_inputs, _fsdp_collectives._get_all_gather_input_metadatas) == (inputs, metadatas)
     assert not copy_in.PATCH.installed()
     assert copy_in._get_all_gather_input_metadatas(lists) == metadatas(lists)  # restored, and still callable
-    assert copy_in.use_one_pass_copy_in()  # FSDP2's own functions back in place: installs again
-    copy_in.restore_copy_in()
+    assert copy_in.install()  # FSDP2's own functions back in place: installs again
+    copy_in.restore()
 
 
 def test_half_an_install_is_not_completed():
@@ -150,11 +150,11 @@ def test_half_an_install_is_not_completed():
     code), install neither takes them for FSDP2's nor completes the set."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    copy_in.restore_copy_in()
+    copy_in.restore()
     inputs, metadatas = _fsdp_collectives._get_param_all_gather_inputs, _fsdp_collectives._get_all_gather_input_metadatas
     try:
         _fsdp_collectives._get_all_gather_input_metadatas = copy_in._get_all_gather_input_metadatas
-        assert not copy_in.use_one_pass_copy_in()
+        assert not copy_in.install()
         assert _fsdp_collectives._get_param_all_gather_inputs is inputs
     finally:
         _fsdp_collectives._get_all_gather_input_metadatas = metadatas

@@ -52,7 +52,7 @@ def test_classifier_labels_the_captured_kernels(rep_records):
     verdicts = {classify_op(r.name)[0]: classify(r.sm_pct, r.dram_pct, r.occupancy_pct) for r in rep_records}
     assert verdicts["gemm"].bound == "compute-bound" and verdicts["gemm"].textbook
     assert verdicts["mul"].bound == "memory-bound" and verdicts["mul"].textbook
-    # silu reads SM 74% / HBM 77%: not SEED.md's textbook pair, but HBM is the unit at its limit
+    # silu reads SM 74% / HBM 77%: not docs/SEED.md's textbook pair, but HBM is the unit at its limit
     assert verdicts["silu"].bound == "memory-bound" and not verdicts["silu"].textbook
     for op in ("rms_norm", "softmax", "copy"):
         assert verdicts[op].bound == "neither", op

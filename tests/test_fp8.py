@@ -188,39 +188,22 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
-def test_the_float8_casts_launch_statically_inside_compiled_blocks(tmp_path: Path):
-    """kernels.static_launch=true: Inductor launches the Triton casts inside the compiled blocks
-    with its static launcher. Under TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER=1 any kernel
-    that would bypass it fails the run, so a clean run says every kernel was launched statically.
-    Off, the same 6 steps (model=small, +exp=fsdp4_fp8's precision) give the same losses: the same
-    kernels with the same arguments; the tolerance is for cuDNN attention's backward, a wrongly
-    passed argument to a cast would move the loss by far more."""
-    base = ["backend=cuda", "model=small", "data=text", "dist.nproc=1", "data.seq_len=512", "train.steps=6", "tracking=none", "kernels=compile",
-            "precision=fp8", "precision.reduce_dtype=bfloat16", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
-    losses = {}
-    for name, extra, env in (("static", ["kernels.static_launch=true"], {"TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER": "1"}), ("triton", [], {})):
-        _, _, losses[name] = _train(tmp_path / name, [*base, *extra], env)
-    assert len(losses["static"]) == 6 and losses["static"] == pytest.approx(losses["triton"], abs=1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
-@pytest.mark.parametrize("precision,unshard", [("bf16", "direct"), ("fp8", "direct"), ("fp8", "fsdp2")])
+@pytest.mark.parametrize("precision,unshard", [("bf16", "on"), ("fp8", "on"), ("fp8", "off")])
 def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path, precision: str, unshard: str):
-    """kernels.cudagraphs=true: the compiled blocks' forward and backward replayed from CUDA graphs
+    """speed.cudagraphs=true: the compiled blocks' forward and backward replayed from CUDA graphs
     give the losses of the same run with every kernel launched, over 8 steps of model=small (the
     first step warms the trees up, the second records the graphs, the rest replay them), with
-    TritonAdamW writing the unsharded parameters the graphs read in place (optim.cast_in_step, one
-    rank) and no graph left to run launched. unshard=fsdp2: FSDP2's own unshard, which frees and
-    gathers the weights as with two or more ranks, kept in place by sharding.keep_unsharded. The
+    TritonAdamW writing the unsharded parameters the graphs read in place (speed.cast_in_step, one
+    rank) and no graph left to run launched. unshard=off: FSDP2's own unshard, which frees and
+    gathers the weights as with two or more ranks, kept in place by speed.keep_unsharded. The
     tolerance is for cuDNN attention's backward: a graph replayed over a tensor still in use would
     move the loss by far more."""
     base = ["backend=cuda", "model=small", "data=text", "dist.nproc=1", "data.seq_len=512", "train.steps=8", "train.log_every=1",
-            "tracking=none", "kernels=compile", "optim.impl=triton", "precision.reduce_dtype=bfloat16", "sharding.keep_unsharded=true",
-            f"sharding.one_rank_copies={unshard}"]
+            "tracking=none", "kernels=compile", "optim.impl=triton", "precision.reduce_dtype=bfloat16", "speed.keep_unsharded=true",
+            f"speed.one_rank_copies={unshard}"]
     if precision == "fp8":
         base += ["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
-    _, graphs_dir, graphs = _train(tmp_path / "graphs", [*base, "kernels.cudagraphs=true"])
+    _, graphs_dir, graphs = _train(tmp_path / "graphs", [*base, "speed.cudagraphs=true"])
     _, _, launched = _train(tmp_path / "launched", base)
     assert len(graphs) == 8 and graphs == pytest.approx(launched, abs=1e-3)
     assert graphs[-1] < graphs[0]

@@ -146,15 +146,3 @@ def test_prefetch_plan_names_the_next_units_in_each_pass_order():
     ]
     # backward walks the units the other way; the last unit has nothing to prefetch
     assert prefetch_plan(order[:0:-1], 1) == [("head", ["layers.1"]), ("layers.1", ["layers.0"]), ("layers.0", ["embed"])]
-
-
-def test_the_symmetric_memory_all_gather_fits_this_torch_fsdp2():
-    """sharding.symm_mem has a way in on the installed torch; where it is the custom all-gather, the
-    class implements FSDP2's AllGather interface (an abstract method left out fails here)."""
-    from src.distributed.symm_mem import _all_gather_base, symm_mem_all_gather, symm_mem_route
-
-    route = symm_mem_route()
-    assert route in ("fsdp2", "custom")
-    if hasattr(FSDPModule, "set_custom_all_gather"):
-        comm = symm_mem_all_gather()
-        assert isinstance(comm, _all_gather_base()) and callable(comm.allocate)

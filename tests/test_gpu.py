@@ -68,11 +68,11 @@ def test_the_float8_preset_for_two_gpus_runs_as_rank_0_on_one(tmp_path: Path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_all_gathers_in_symmetric_memory_train_as_nccl_buffers_do(tmp_path: Path):
-    """sharding.symm_mem: the all-gather outputs in NCCL's symmetric-memory pool (copy-engine
+    """speed.symm_mem: the all-gather outputs in NCCL's symmetric-memory pool (copy-engine
     gathers where NCCL_CTA_POLICY=2 lets it). A gather is a copy, so the fp32 losses of 4 steps on
     2 GPUs equal those with ordinary buffers, bit for bit."""
     losses = {}
-    for name, extra in (("plain", []), ("symm", ["sharding.symm_mem=true"])):
+    for name, extra in (("plain", []), ("symm", ["speed.symm_mem=true"])):
         cwd = tmp_path / name
         cwd.mkdir()
         proc = run_cli(["backend=cuda", "model=small", "dist.nproc=2", "precision=fp32", "train.steps=4", "tracking=none", *extra], cwd=cwd, timeout=300)
@@ -80,7 +80,7 @@ def test_all_gathers_in_symmetric_memory_train_as_nccl_buffers_do(tmp_path: Path
         (metrics,) = list(cwd.glob("outputs/*/*/metrics.jsonl"))
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         if extra:
-            assert "sharding.symm_mem: all-gathers into NCCL symmetric memory" in proc.stdout + proc.stderr
+            assert "speed.symm_mem: all-gathers into NCCL symmetric memory" in proc.stdout + proc.stderr
     assert len(losses["plain"]) == 4 and losses["symm"] == losses["plain"]
 
 
@@ -288,11 +288,11 @@ def test_kernels_auto_times_the_float8_block_and_compiles_it(tmp_path: Path):
 
 
 def test_kernels_auto_times_the_compiled_block_replayed_from_cuda_graphs(tmp_path: Path):
-    """kernels=auto kernels.cudagraphs=true at data=text's 8 x 128 tokens, where the launched blocks queue
+    """kernels=auto speed.cudagraphs=true at data=text's 8 x 128 tokens, where the launched blocks queue
     slower than they run: the compiled candidate is timed replayed from graphs (a launch's host, not ~50
     launches' a block), and where auto compiles the blocks the run replays them (graphs held, none run launched)."""
     proc = run_cli(["+exp=fsdp4", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={REPO / 'tests/fixtures/mini_llm_h200_diagnosis.json'}",
-                    "kernels.cudagraphs=true", "sharding.keep_unsharded=true", "data.seq_len=128", "train.steps=6", "tracking=none"],
+                    "speed.cudagraphs=true", "speed.keep_unsharded=true", "data.seq_len=128", "train.steps=6", "tracking=none"],
                    cwd=tmp_path, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
@@ -300,7 +300,7 @@ def test_kernels_auto_times_the_compiled_block_replayed_from_cuda_graphs(tmp_pat
     record = json.loads(auto.read_text())
     block = record["measured"]["block"]
     assert block["compile.host"] < 0.5 * block["picked.host"], block
-    assert "then the block as picked, compiled (replayed from CUDA graphs, kernels.cudagraphs) and eager" in log
+    assert "then the block as picked, compiled (replayed from CUDA graphs, speed.cudagraphs) and eager" in log
     summary = read_summary(tmp_path)
     if record["compile"]:
         assert summary["cudagraphs"] >= 24 and summary["cudagraph_skips"] == 0, summary

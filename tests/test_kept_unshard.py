@@ -1,4 +1,4 @@
-"""sharding.keep_unsharded over 2 gloo ranks: the gathered parameters stay at the same addresses
+"""speed.keep_unsharded over 2 gloo ranks: the gathered parameters stay at the same addresses
 from step to step (where FSDP2 alone frees them after every step), backward gathers nothing, and
 the losses and updated parameters are the same bits as FSDP2's own freeing and re-gathering."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch.distributed as dist
 from src.compose import compose_config
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh
-from src.distributed.kept_unshard import FREE, KEPT, module_groups
 from src.distributed.parallelize import parallelize
 from src.models import build_model
+from src.speed.keep_unsharded import FREE, KEPT, module_groups
 from src.train.loop import train_step
 from tests.spawned_ranks import spawn_ranks
 
@@ -66,7 +66,7 @@ def _rank(rank: int, init_file: str, out: str, overrides: list[str]) -> None:
         groups = [g for _, gs in module_groups(model) for g in gs if g.fsdp_params]
         if rank == 0:
             torch.save({"losses": losses, "params": full, "where": where, "gathers": gathers,
-                        "kept": [bool(p.__dict__.get(KEPT)) for p in block_group.fsdp_params],
+                        "kept": [bool(p.__dict__.get(KEPT) or getattr(p, "keep_unsharded_storage", False)) for p in block_group.fsdp_params],
                         "reshards_after_forward": block_group.post_forward_mesh_info is not None,
                         "units": len(groups), "resharding_units": sum(g.post_forward_mesh_info is not None for g in groups)}, out)
     finally:
@@ -91,7 +91,7 @@ def runs(request, tmp_path_factory) -> dict[str, dict]:
     as units of their own, bf16 reduction)."""
     tmp = tmp_path_factory.mktemp(request.param)
     layout = LAYOUTS[request.param]
-    return {"fsdp2": _run(tmp, "fsdp2", layout), "kept": _run(tmp, "kept", [*layout, "sharding.keep_unsharded=true"])}
+    return {"fsdp2": _run(tmp, "fsdp2", layout), "kept": _run(tmp, "kept", [*layout, "speed.keep_unsharded=true"])}
 
 
 def test_kept_parameters_are_gathered_into_the_same_memory_every_step(runs):
@@ -118,7 +118,8 @@ def test_kept_training_is_the_same_bits_as_fsdp2s_own(runs):
 
 
 def test_kept_storage_is_left_by_fsdp2s_free_only_when_marked():
-    """The replaced free_unsharded_param frees an unmarked parameter's storage as FSDP2 does."""
+    """The recipe's free_unsharded_param (torch before 2.15) frees an unmarked parameter's storage as
+    FSDP2 does."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     was = FREE.installed()
@@ -126,6 +127,8 @@ def test_kept_storage_is_left_by_fsdp2s_free_only_when_marked():
 
     class _Param:
         free_unsharded_param = FSDPParam.free_unsharded_param
+        if hasattr(FSDPParam, "free_all_gather_outputs"):  # torch 2.15: free_unsharded_param calls it
+            free_all_gather_outputs = FSDPParam.free_all_gather_outputs
 
         def __init__(self, marked: bool):
             self.all_gather_outputs, self._unsharded_inner_tensors = [torch.ones(7)], []

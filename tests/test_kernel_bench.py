@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 SHAPES = "kernel_bench.shapes={rms_norm:[[33,65]],add_rms_norm:[[9,130]],swiglu:[[17,100]],softmax:[[9,77]],cross_entropy:[[9,300],[3,1000]],linear_cross_entropy:[[40,16,300]]}"
 FAST = ["kernel_bench.copy_mb=8", "kernel_bench.rep_ms=5", "kernel_bench.warmup_ms=1"]
 # What a machine without a GPU sees: +exp=kernels refused, the table's device "cpu" and no Liger-Kernel
-# rows. On a GPU machine +exp=kernels runs for real instead (docs/PERFORMANCE.md's kernel tables).
+# rows. On a GPU machine +exp=kernels runs for real instead (docs/lab/PERFORMANCE.md's kernel tables).
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU sees")
 
 

@@ -281,8 +281,8 @@ def test_a_host_bound_block_drops_picks_that_won_on_gpu_time_alone():
 
 
 def test_a_host_bound_block_points_to_cuda_graphs_and_auto_weighs_graphs_where_they_are_on(tmp_path, monkeypatch, caplog):
-    """Where the chosen block queues slower than it runs, the log names kernels.cudagraphs (and, under FSDP2,
-    sharding.keep_unsharded); with graphs on, the compiled candidate is timed replayed (a launch's host) and wins
+    """Where the chosen block queues slower than it runs, the log names speed.cudagraphs (and, under FSDP2,
+    speed.keep_unsharded); with graphs on, the compiled candidate is timed replayed (a launch's host) and wins
     where it does; where auto then compiles nothing, the log says nothing replays."""
     import logging
 
@@ -307,12 +307,12 @@ def test_a_host_bound_block_points_to_cuda_graphs_and_auto_weighs_graphs_where_t
     assert cfg.kernels.compile is False and list(cfg.kernels.fused) == ["cross_entropy"]  # eager blocks, as host time decides
     hint = [r.getMessage() for r in caplog.records if "queue slower than they run" in r.getMessage()]
     assert hint == ["kernels=auto: the blocks as chosen (eager) queue slower than they run, 24.6 ms of host a step against 7.4 of GPU; "
-                    "kernels.cudagraphs=true with sharding.keep_unsharded=true (FSDP2 then keeps the gathered weights where the graphs "
+                    "speed.cudagraphs=true with speed.keep_unsharded=true (FSDP2 then keeps the gathered weights where the graphs "
                     "read them; the whole param_dtype model stays on each GPU) lets auto weigh compiled blocks replayed from CUDA graphs, "
                     "one launch a graph"]
 
     caplog.clear()
-    graphs = _seed_cfg(**auto, **{"kernels.cudagraphs": "true", "sharding.keep_unsharded": "true"})
+    graphs = _seed_cfg(**auto, **{"speed.cudagraphs": "true", "speed.keep_unsharded": "true"})
     apply_auto_choice(graphs, tmp_path)  # still the launched timings: eager blocks again, so nothing is compiled to replay
     said = [r.getMessage() for r in caplog.records]
     assert "auto compiled nothing; the step launches its kernels one by one" in said[-1]
@@ -320,7 +320,7 @@ def test_a_host_bound_block_points_to_cuda_graphs_and_auto_weighs_graphs_where_t
 
     table["timer"] = replayed
     apply_auto_choice(graphs, tmp_path)
-    assert graphs.kernels.compile is True and graphs.kernels.cudagraphs is True and list(graphs.kernels.fused) == ["cross_entropy"]
+    assert graphs.kernels.compile is True and graphs.speed.cudagraphs is True and list(graphs.kernels.fused) == ["cross_entropy"]
     # a GPU-bound block gives no hint: the seed's shapes, where the blocks run longer than they queue
     gpu_bound = measure(["rms_norm"], _seed_cfg(), _stub_timer({**launched, ("block", "picked"): (4.30, 2.60), ("block", "compile"): (4.40, 2.1),
                                                                 ("block", "eager"): (4.45, 2.0)})[0])[-1]

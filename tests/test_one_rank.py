@@ -1,4 +1,4 @@
-"""FSDP2 on one rank without its stand-in copies (src/distributed/one_rank.py), on a one-rank gloo
+"""FSDP2 on one rank without its stand-in copies (src/speed/one_rank.py), on a one-rank gloo
 group in process (and a one-rank NCCL group where a GPU is present): the unsharded bf16 parameters,
 the losses, the gradients and the updated parameters are the same bits as FSDP2's own path, the
 param-sized casts and gradient copies are gone, and the groups it does not cover keep FSDP2's."""
@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from src.distributed import one_rank
+from src.speed import one_rank
 
 aten = torch.ops.aten
 
@@ -146,7 +146,7 @@ def test_one_rank_gives_bf16_gradients_the_same_bits_reduced_in_fp32_as_in_bf16(
 @pytest.mark.parametrize("overrides,world,reduced_in", [
     (["+exp=fsdp4_tuned", "dist.nproc=1"], 1, "float32"),  # bf16 = param_dtype on one rank: fp32, the same bits
     (["+exp=fsdp4_tuned", "dist.nproc=2"], 2, "bfloat16"),  # two ranks communicate: half the bytes
-    (["+exp=fsdp4_tuned", "dist.nproc=1", "sharding.one_rank_copies=fsdp2"], 1, "bfloat16"),  # FSDP2's own path, as asked
+    (["+exp=fsdp4_tuned", "dist.nproc=1", "speed.one_rank_copies=off"], 1, "bfloat16"),  # FSDP2's own path, as asked
     (["+exp=fsdp4", "dist.nproc=1", "precision.param_dtype=float32", "precision.reduce_dtype=bfloat16"], 1, "bfloat16"),  # a rounding asked for
     (["+exp=fsdp4", "dist.nproc=1"], 1, "float32"),  # the seed's own fp32 reduce
 ])
@@ -155,8 +155,11 @@ def test_one_rank_reduces_in_fp32_only_where_bf16_would_round_nothing(overrides,
 
     from src.compose import compose_config
     from src.distributed.parallelize import _reduce_dtype
+    from src.speed.apply import decide
 
-    assert _reduce_dtype(compose_config(overrides), SimpleNamespace(size=lambda: world), main=False) == reduced_in
+    cfg = compose_config(overrides)
+    direct = decide(cfg, world, "cuda", str(cfg.precision.reduce_dtype))["one_rank_copies"].on
+    assert _reduce_dtype(cfg, SimpleNamespace(size=lambda: world), direct, main=False) == reduced_in
 
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=["fp32-reduce", "bf16-reduce"])

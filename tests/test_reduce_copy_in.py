@@ -1,4 +1,4 @@
-"""FSDP2's reduce-scatter copy-in (kernels/triton/chunk_cat.py, src/distributed/reduce_copy_in.py):
+"""FSDP2's reduce-scatter copy-in (kernels/triton/chunk_cat.py, src/speed/reduce_copy_in.py):
 bit for bit torch._chunk_cat, in Triton's interpreter on a CPU, at odd sizes and world sizes; what the
 kernel refuses; the routing of FSDP2's function and what is left to torch."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernels.triton.chunk_cat import SLOTS, chunk_cat, takes  # noqa: E402
-from src.distributed import reduce_copy_in  # noqa: E402
+from src.speed import reduce_copy_in  # noqa: E402
+from tests.spawned_ranks import spawn_ranks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,7 +74,7 @@ def test_fsdp2s_copy_in_is_routed_and_restored():
 
     original = _fsdp_collectives.foreach_reduce_scatter_copy_in
     try:
-        assert reduce_copy_in.use_triton_reduce_copy_in() and reduce_copy_in.use_triton_reduce_copy_in()
+        assert reduce_copy_in.install() and reduce_copy_in.install()
         assert _fsdp_collectives.foreach_reduce_scatter_copy_in is reduce_copy_in.foreach_reduce_scatter_copy_in
         # host tensors (and anything the kernel refuses) go to FSDP2's own, with its signature
         grads = [torch.randn(4, 3).to(torch.bfloat16), torch.randn(2).to(torch.bfloat16)]
@@ -82,22 +83,40 @@ def test_fsdp2s_copy_in_is_routed_and_restored():
         original(grads, ref, 2)
         assert torch.equal(out.view(2, 7), ref)
     finally:
-        reduce_copy_in.restore_reduce_copy_in()
+        reduce_copy_in.restore()
     assert _fsdp_collectives.foreach_reduce_scatter_copy_in is original and not reduce_copy_in.PATCH.installed()
 
 
-@pytest.mark.parametrize("choice, device, routed", [("triton", "cuda", True), ("torch", "cuda", False), ("triton", "cpu", False)])
-def test_sharding_reduce_copy_in_decides_the_route(choice, device, routed):
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fsdp2_gradients_copied_by_triton_equal_torchs_on_gloo(tmp_path, reduce_dtype):
+    """The recipe's parity test: 2 gloo ranks, bf16 compute, FSDP2's own copy-in against the recipe's
+    (its Triton kernel in the interpreter, chunking each gradient for the two ranks): the sharded
+    gradients are the same bits, and the kernel ran once a unit."""
+    from tests.fsdp_one_rank import gloo_grads_per_route
+
+    out = tmp_path / "out.pt"
+    spawn_ranks(gloo_grads_per_route, (str(tmp_path / "init"), str(out), 2, reduce_dtype, reduce_copy_in.install, reduce_copy_in.restore,
+                                       "kernels.triton.chunk_cat", "launch_checked"), 2)
+    got = torch.load(out)
+    assert all(torch.equal(a, b) for a, b in zip(got["grads"]["recipe"], got["grads"]["torch"]))
+    assert len(got["grads"]["recipe"]) == 4 and got["calls"] == 2  # each linear's unit: weight and bias
+
+
+@pytest.mark.parametrize("use, device, routed", [("auto", "cuda", True), ("off", "cuda", False), ("auto", "cpu", False), ("on", "cpu", True)])
+def test_speed_reduce_copy_in_decides_the_route(use, device, routed):
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    from src.distributed.parallelize import _reduce_copy_in
+    from src.compose import compose_config
+    from src.speed.apply import decide, install_fsdp
 
+    verdicts = decide(compose_config([f"speed.reduce_copy_in={use}"]), 2, device, "float32")
+    only = {name: v if name == "reduce_copy_in" else type(v)(False) for name, v in verdicts.items()}
     try:
-        reduce_copy_in.use_triton_reduce_copy_in()  # a run before this one in the same process left it routed
-        _reduce_copy_in(choice, "float32", torch.device(device), main=False)
+        reduce_copy_in.install()  # a run before this one in the same process left it routed
+        install_fsdp(torch.nn.Linear(2, 2), only, "bfloat16", main=False)
         assert (_fsdp_collectives.foreach_reduce_scatter_copy_in is reduce_copy_in.foreach_reduce_scatter_copy_in) == routed
     finally:
-        reduce_copy_in.restore_reduce_copy_in()
+        reduce_copy_in.restore()
 
 
 @pytest.mark.gpu
@@ -113,14 +132,14 @@ def test_fsdp2_gradients_copied_by_triton_equal_torchs(monkeypatch, reduce_dtype
 
     def route(choice: str) -> None:
         if choice == "triton":
-            assert reduce_copy_in.use_triton_reduce_copy_in()
+            assert reduce_copy_in.install()
             monkeypatch.setattr(kernel, "launch_checked", lambda ts, w, out, f=kernel.launch_checked: calls.append(len(ts)) or f(ts, w, out))
         else:
-            reduce_copy_in.restore_reduce_copy_in()
+            reduce_copy_in.restore()
 
     try:
         grads = sharded_grads_per_route(reduce_dtype, route)
     finally:
-        reduce_copy_in.restore_reduce_copy_in()
+        reduce_copy_in.restore()
     assert all(torch.equal(a, b) for a, b in zip(grads["triton"], grads["torch"]))
     assert calls == [2, 2]  # each linear's unit: weight and bias; the root holds no parameters

@@ -4,13 +4,13 @@ FSDP2 builds each unit's reduce-scatter input this way after backward: every uns
 split into W chunks along dim 0 and row r of `out` (W x N/W) is the concatenation of each gradient's
 chunk r, in `out`'s dtype (reduce_dtype). It runs on the compute stream, so it is on the step's
 critical path. On an H200 with torch 2.11, at one mini_llm block's gradients (50.3M bf16 elements,
-graph-replayed; docs/PERFORMANCE.md 7): bf16 -> fp32 (the seed's fp32 reduce) 166-178 us, 1.70-1.82
+graph-replayed; docs/lab/PERFORMANCE.md 7): bf16 -> fp32 (the seed's fp32 reduce) 166-178 us, 1.70-1.82
 TB/s, and bf16 -> bf16 77-82 us, 2.45-2.61 TB/s; this kernel 79-80 and 53-54 us, 3.7-3.8 TB/s.
 
 One launch takes up to SLOTS gradients: a program copies BLOCK elements of one gradient's chunk
 (program_id 0, walking the gradients' tiles in order) for one row (program_id 1). Only what
 needs no padding is taken: contiguous gradients whose dim 0 divides by W, cast to an equal or wider
-float (an exact conversion, so the result is torch's bit for bit); src/distributed/reduce_copy_in.py
+float (an exact conversion, so the result is torch's bit for bit); src/speed/reduce_copy_in.py
 sends everything else to torch.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ the peak (logits chunk, grad_hidden, grad_W, and backward's outputs) near 500 MB
 grad_W accumulates in the GEMMs' dtype through addmm_ (cuBLAS adds into it in fp32 and rounds
 once per chunk), as Liger-Kernel does: an fp32 accumulator fed by `(dlogits^T @ h).float()` costs
 three extra passes over the V x D weight per chunk, 21 GB of traffic and 4.3 ms a step at the
-seed's shapes on an H200 (docs/PERFORMANCE.md section 5).
+seed's shapes on an H200 (docs/lab/PERFORMANCE.md section 5).
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ VARIANTS = [
     ("fp16", "pascal", (split_k(4),), (4,)),
     ("fp16", "pascal", (split_k(16),), (4,)),
 ]
-# Left out after the 2026-11-30 run (docs/PERFORMANCE.md 6b): --iree-opt-level=O3 does not compile
+# Left out after the 2026-11-30 run (docs/lab/PERFORMANCE.md 6b): --iree-opt-level=O3 does not compile
 # in IREE 3.13, --iree-vulkan-dispatch-abi=bda gives wrong numbers on NVIDIA's driver.
 # IREE runtime flag sets each Vulkan module also runs under (`run --runtime-flags`): the
 # per-call event timestamps (vulkan_tracing) and the queue choice are host costs per submit.

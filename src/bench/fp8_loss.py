@@ -76,6 +76,11 @@ def compare(bf16: list[float], fp8: list[float], last: int, window: int = 1) -> 
             "bf16_mean_loss": sum(bf16[-last:]) / len(bf16[-last:]), "steps_compared": len(curve), "window": window}
 
 
+def steps_to(curve: list[float], target: float, window: int) -> int | None:
+    """The first step (counted from 1) at which the `window`-step curve is at or below `target`; None if never."""
+    return next((i + window for i, loss in enumerate(curve) if loss <= target), None)
+
+
 def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
     from src.bench.fsdp_vs_seed import parse_variant
 
@@ -93,6 +98,9 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
     ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=OVERRIDES",
                     help="a float8 run to compare with bf16's, e.g. gw_hp=\"precision=fp8 precision.fp8_recipe=rowwise_with_gw_hp\" "
                          "(repeatable; default: fp8=precision=fp8)")
+    ap.add_argument("--target-step", type=int, default=0,
+                    help="also report, for every run, the first step whose curve reaches bf16's curve at this step (time to that loss = "
+                         "those steps x the run's step time, measured apart: python -m src.bench.fsdp_vs_seed)")
     ap.add_argument("--control", type=parse_variant, action="append", default=[], metavar="NAME=OVERRIDES",
                     help="a bf16 run changed in its last bits only (e.g. compiled=kernels=compile): the drift of rounding alone, "
                          "which raises the tolerance to its gap where larger; never failed itself")
@@ -115,11 +123,18 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
             losses = runner(name, overrides, args)
             curves[name] = losses
             results[name] = {**compare(bf16, losses, args.last, args.window), "role": role, "overrides": overrides}
+    if args.target_step:
+        if not args.window <= args.target_step <= args.steps:
+            ap.error(f"--target-step {args.target_step}: a step from --window {args.window} to --steps {args.steps}")
+        target = moving_average(bf16, args.window)[args.target_step - args.window]
+        for name, r in results.items():
+            r["steps_to_target"] = steps_to(moving_average(curves[name], args.window), target, args.window)
     floor = max((r["max_abs_gap"] for r in results.values() if r["role"] == "control"), default=0.0)
     limit = max(args.tol, floor)
     for r in results.values():
         r["passed"] = r["max_abs_gap"] <= limit
     (args.out / "fp8_loss.json").write_text(json.dumps({"tol": args.tol, "control_floor": floor, "limit": limit, "steps": args.steps,
+                                                        "target_step": args.target_step,
                                                         "model": args.model, "last": args.last, "results": results, "losses": curves}, indent=2))
     print(f"last {args.last} of {args.steps} steps, {args.window}-step curves against bf16 (mean loss "
           f"{next(iter(results.values()))['bf16_mean_loss']:.4f}); tolerance {args.tol} nats"
@@ -127,7 +142,8 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
     print(f"{'run':<24} {'role':<8} {'max |gap|':>9} {'mean gap':>9} {'max step':>9}  verdict")
     for name, r in results.items():
         verdict = "rounding alone" if r["role"] == "control" else ("within" if r["passed"] else "OUTSIDE")
-        print(f"{name:<24} {r['role']:<8} {r['max_abs_gap']:>9.4f} {r['mean_gap']:>+9.4f} {r['max_abs_step_gap']:>9.4f}  {verdict}")
+        to = f"  reaches bf16's step-{args.target_step} loss at step {r['steps_to_target']}" if args.target_step else ""
+        print(f"{name:<24} {r['role']:<8} {r['max_abs_gap']:>9.4f} {r['mean_gap']:>+9.4f} {r['max_abs_step_gap']:>9.4f}  {verdict}{to}")
     if any(r["role"] == "variant" and not r["passed"] for r in results.values()):
         sys.exit(1)
     return results

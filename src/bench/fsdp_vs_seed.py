@@ -1,4 +1,4 @@
-"""SEED.md's FSDP2 script beside named variants of `python -m src.run +exp=fsdp4`, run alternately
+"""docs/SEED.md's FSDP2 script beside named variants of `python -m src.run +exp=fsdp4`, run alternately
 in one call on the same GPUs, so every ratio is measured side by side.
 
     python -m src.bench.fsdp_vs_seed --nproc 2 --steps 30 --rounds 3 --seed-compile --budget-s 540 \\
@@ -34,7 +34,7 @@ from pathlib import Path
 SEED_SCRIPT = Path(__file__).with_name("seed_fsdp.py")
 ENV_VAR = re.compile(r"^[A-Z][A-Z0-9_]*=")
 FIGURES = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "step_time_s", "host_step_time_s", "final_loss", "host_rss_growth_mb",
-           # kernels.cudagraphs runs: graphs held, recorded again (a weight moved), run launched instead
+           # speed.cudagraphs runs: graphs held, recorded again (a weight moved), run launched instead
            "cudagraphs", "cudagraph_rerecords", "cudagraph_skips",
            # rank 0's GPU over the timed steps: runs compare fairly at the same clock, and a step at its
            # power cap runs at a lower one (src/profiling/gpu_clocks.py); the seed's script does not sample

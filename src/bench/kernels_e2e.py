@@ -17,7 +17,7 @@ Each run is `python -m src.run +exp=fsdp4` (the seed's model, data and optimizer
 `kernels=SETTING`; `auto` reads --diagnosis (the mini_llm H200 diagnosis kept as a test fixture, or
 a fresh one from `+exp=diagnose`). The final loss is printed, but it is no check of a setting's
 numerics: the seed's recipe fits random targets at lr 3e-4 with no warm-up or clipping, and eager's
-own loss left the plateau on 2 of 6 seeds over 24 steps on an H200 (docs/PERFORMANCE.md section 7,
+own loss left the plateau on 2 of 6 seeds over 24 steps on an H200 (docs/lab/PERFORMANCE.md section 7,
 "kernels=auto's loss spike"); `python -m src.bench.fp8_loss --variant NAME="kernels=..."` compares
 loss curves on a recipe that trains. A setting NAME=OVERRIDES runs those overrides in place of
 `kernels=NAME`, e.g. auto's choice as fixed settings, to tell the choice's step time from the

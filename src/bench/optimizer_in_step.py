@@ -10,7 +10,7 @@ host already ahead), and after the last step, a few more times with the device i
 (alone). The second and later updates change the weights further; the run's losses after --after
 are not the experiment's. Times are GPU time between events; the bytes are those of one fused
 update (read parameter, gradient and both moments; write parameter and moments, and the bf16
-copies TritonAdamW writes under optim.cast_in_step), in the moments' own dtype. Under
+copies TritonAdamW writes under speed.cast_in_step), in the moments' own dtype. Under
 optim.impl=triton a step that reports its norm sums the gradients' squares inside the update: the
 in-step and again rows both carry them (the flag is set around the step's update), the alone rows
 do not.
@@ -87,7 +87,7 @@ def main() -> int:
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
     local, grads = [local_shard(p) for p in params], [local_shard(p.grad) for p in params]
     # read and write the parameter and both moments (fp32, or bf16 under optim.state_dtype), read the
-    # gradient; TritonAdamW's bf16 copies of the parameters (optim.cast_in_step) written too
+    # gradient; TritonAdamW's bf16 copies of the parameters (speed.cast_in_step) written too
     moments = [local_shard(opt.state[p]["exp_avg"]) for p in params]
     moved = sum(t.numel() * (2 * t.element_size() + g.element_size() + 4 * m.element_size()) for t, g, m in zip(local, grads, moments))
     moved += sum(c.out.numel() * c.out.element_size() for _, c in getattr(opt, "_copies", {}).values() if c.out.untyped_storage().size())

@@ -1,4 +1,4 @@
-"""SEED.md section 1's `train_fsdp.py`, unchanged in what it computes, with timing added so it can be
+"""docs/SEED.md section 1's `train_fsdp.py`, unchanged in what it computes, with timing added so it can be
 compared with `python -m src.run +exp=fsdp4`:
 
     torchrun --standalone --nproc_per_node=N src/bench/seed_fsdp.py --steps 20

@@ -132,12 +132,8 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     else:
         # torchao gathers float8 only for tensorwise scales; rowwise weights are gathered in bf16
         # str(): torchao matches `type(name) == str`, so a StrEnum member fell through to "unknown recipe_name"
+        # (the run sets Inductor's emulate_precision_casts for these recipes: src/speed/inductor.py)
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(str(recipe)), emulate=emulate)
-        # what torchtitan sets for rowwise, its short-term fix of pytorch/pytorch#150859 (Inductor's
-        # low-precision casts rounding unlike eager's)
-        import torch._inductor.config as inductor_config
-
-        inductor_config.emulate_precision_casts = True
     convert_to_float8_training(model, module_filter_fn=module_filter, config=config)
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 

@@ -15,7 +15,7 @@ output mapped where the driver made it host-visible and mappable, else a page-al
 imported once (VK_EXT_external_memory_host; the copy lands in it, no staging buffer), else one
 staging buffer allocated once and mapped once. Each read is then one small DMA and one wait.
 
-Zero-copy (SEED.md section 3): on unified-memory devices the driver can import page-aligned host
+Zero-copy (docs/SEED.md section 3): on unified-memory devices the driver can import page-aligned host
 memory as a device buffer. `transfer_times` measures both paths for a buffer the size of the KV
 cache: a copy into device memory against importing the host pages, and the readback.
 """

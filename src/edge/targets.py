@@ -3,7 +3,7 @@
 `edge.target` is what `--iree-vulkan-target` takes (IREE 3.13): an architecture code name, or an
 LLVM-style name (sm_80, gfx1100). The names below are the ones IREE documents; others in those
 two LLVM styles pass through. Cooperative-matrix capable targets (VK_KHR_cooperative_matrix:
-the GPU's matrix units from portable SPIR-V) are marked, for the comparison SEED.md makes.
+the GPU's matrix units from portable SPIR-V) are marked, for the comparison docs/SEED.md makes.
 """
 from __future__ import annotations
 

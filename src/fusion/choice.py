@@ -122,7 +122,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         from src.fusion.measure import BLOCK, chosen, graphs_hint, measure_on_gpu, optimizer_chosen
 
         log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked, compiled%s "
-                 "and eager", ", ".join(choice.ops) or "no diagnosed op", " (replayed from CUDA graphs, kernels.cudagraphs)" if cfg.kernels.cudagraphs else "")
+                 "and eager", ", ".join(choice.ops) or "no diagnosed op", " (replayed from CUDA graphs, speed.cudagraphs)" if cfg.speed.cudagraphs else "")
         timings = measure_on_gpu(list(choice.ops), cfg)
         fused, compiled, compile_blocks = chosen(timings)
         optimizer = optimizer_chosen(timings)
@@ -141,8 +141,8 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         why = "no GPU here" if measure else "under an external launcher each rank would time on its own"
         log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s%s", why, ", ".join(module_ops) or "nothing",
                  " (AdamW's kernels are swapped only where they are timed)" if OPTIMIZER in choice.ops else "")
-    if cfg.kernels.cudagraphs and not compile_blocks and not compiled:
-        log.info("kernels=auto: kernels.cudagraphs=true replays compiled graphs, and auto compiled nothing; the step launches its kernels one by one")
+    if cfg.speed.cudagraphs and not compile_blocks and not compiled:
+        log.info("kernels=auto: speed.cudagraphs=true replays compiled graphs, and auto compiled nothing; the step launches its kernels one by one")
     with open_dict(cfg):
         if optimizer is not None:
             cfg.optim.impl = optimizer

@@ -1,4 +1,4 @@
-"""SEED.md's MiniLLM as a plain nn.Module: no config objects, no sharding, no kernels inside.
+"""docs/SEED.md's MiniLLM as a plain nn.Module: no config objects, no sharding, no kernels inside.
 
 Pre-norm blocks: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x)) with a SiLU MLP of 4x width (or
 LLaMA's SwiGLU MLP with `mlp="swiglu"`), an untied output head. Attention keeps nn.MultiheadAttention's parameters (one qkv projection with

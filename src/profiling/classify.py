@@ -1,6 +1,6 @@
-"""Bound verdicts per kernel from Speed-of-Light percentages (SEED.md section 2).
+"""Bound verdicts per kernel from Speed-of-Light percentages (docs/SEED.md section 2).
 
-SEED.md's table gives typical readings: memory-bound kernels run SM < 25% with HBM > 75%,
+docs/SEED.md's table gives typical readings: memory-bound kernels run SM < 25% with HBM > 75%,
 compute-bound ones SM > 75% with HBM < 50%. Real kernels sit between: silu on an H200 reads SM 74%
 and HBM 77% (shared/fixtures/ncu), which the literal pair misses although HBM is the unit at its
 limit and fusing the op away is exactly the remedy. So the verdict goes to the unit nearest its
@@ -39,7 +39,7 @@ class Verdict:
     limiter: str
     """hbm, sm, latency or occupancy"""
     textbook: bool
-    """both of SEED.md's readings hold, not just the dominant unit's"""
+    """both of docs/SEED.md's readings hold, not just the dominant unit's"""
     remedy: str
     margin_pct: float = math.nan
     """percentage points to the nearest threshold (or SM/HBM crossover) that would change the verdict:

@@ -14,8 +14,8 @@ Schema `perflab.diagnosis/1` (all times in seconds, shares as fractions of the p
         sm_pct, hbm_pct          time-weighted Speed-of-Light throughputs
         bound          memory-bound | compute-bound | neither
         limiter        hbm | sm | latency | occupancy
-        textbook       SEED.md's two readings both hold
-        remedy         SEED.md's remedy for the verdict
+        textbook       docs/SEED.md's two readings both hold
+        remedy         docs/SEED.md's remedy for the verdict
         fusion         the fused kernel that removes it (an op of src/fusion/registry.py), or null
         margin_pct     percentage points to the nearest threshold that would change the verdict
         summary        one line: "layers.*.ffn/silu: memory-bound (margin 2.0 pts), 11.0% of step -> fused Triton SiLU-mul" } ],

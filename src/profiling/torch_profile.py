@@ -1,4 +1,4 @@
-"""task=profile: torch.profiler over the real training loop (SEED.md section 2, step A).
+"""task=profile: torch.profiler over the real training loop (docs/SEED.md section 2, step A).
 
 A wait / warmup / active schedule skips the first steps (allocator warm-up, compilation), records
 `active` steps once, and then writes, per rank: a Chrome/Perfetto trace (ui.perfetto.dev) and,

@@ -60,13 +60,6 @@ def _check_numbers(cfg: DictConfig) -> None:
         need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
 
 
-def _cpp_compiler() -> str | None:
-    """The C++ compiler Inductor would call: $CXX, else g++ or clang++ on PATH."""
-    import shutil
-
-    return next((c for c in (os.environ.get("CXX"), "g++", "clang++") if c and shutil.which(c)), None)
-
-
 def _check_in_backward(cfg: DictConfig) -> None:
     """optim.in_backward updates a unit before backward has reduced the others' gradients: nothing
     that needs the global norm first, and FSDP2's reduce-scatter to hook."""
@@ -95,19 +88,42 @@ def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
                           "(or TRITON_INTERPRET=1 to run it in Triton's interpreter, slowly)")
 
 
-def _check_symm_mem(sharding: DictConfig, backend: str) -> None:
-    if sharding.strategy not in ("fsdp2", "hsdp") or backend != "cuda" or sharding.cpu_offload:
-        raise ConfigError(
-            f"sharding.symm_mem=true puts FSDP2's all-gather buffers in NCCL symmetric memory; with sharding={sharding.name} "
-            f"backend={backend} use sharding=fsdp2 backend=cuda (without cpu_offload)"
-        )
-    from src.distributed.symm_mem import symm_mem_route
+def _check_speed(cfg: DictConfig, backend: str) -> None:
+    """speed.*: the recipes asked for by name on this torch (src/speed/apply.py), and the levers' own needs."""
+    from src.speed.apply import refusal
 
-    if symm_mem_route() is None:
-        import torch
+    speed, sharding = cfg.speed, cfg.sharding
+    why_not = refusal(cfg)
+    if why_not:
+        raise ConfigError(why_not)
+    compiles = cfg.kernels.compile or cfg.kernels.auto  # kernels=auto may compile the blocks or single ops
+    if speed.cudagraphs and not (compiles and cfg.kernels.compile_backend == "inductor"):
+        fix = "set kernels.compile_backend=inductor" if compiles else "add kernels=compile (or kernels=auto, which compiles where it measures a gain)"
+        raise ConfigError(f"speed.cudagraphs=true replays the run's Inductor-compiled graphs, and kernels={cfg.kernels.name} "
+                          f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; {fix}")
+    if speed.cudagraphs and backend != "cuda":
+        raise ConfigError(f"speed.cudagraphs=true replays the compiled blocks from CUDA graphs, and backend={backend} has none; "
+                          "use backend=cuda or drop the override")
+    if speed.cudagraphs and sharding.strategy in ("fsdp2", "hsdp") and not speed.keep_unsharded:
+        # FSDP2 frees the gathered weights after each step and gathers them into new memory: each new
+        # address records the blocks' graphs again
+        raise ConfigError(f"speed.cudagraphs=true replays the compiled blocks with their weights where they were recorded, and "
+                          f"sharding={sharding.name} gathers the weights into new memory every step; add speed.keep_unsharded=true (or use speed=graphs)")
+    for knob in ("forward_prefetch", "backward_prefetch"):
+        k = speed[knob]
+        if k < 0:
+            raise ConfigError(f"speed.{knob}={k}: the number of units to prefetch must be 0 (FSDP2's own order) or more")
+        if k and sharding.strategy not in ("fsdp2", "hsdp"):
+            raise ConfigError(f"speed.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
+    if speed.symm_mem:
+        if sharding.strategy not in ("fsdp2", "hsdp") or backend != "cuda" or sharding.cpu_offload:
+            raise ConfigError(f"speed.symm_mem=true puts FSDP2's all-gather buffers in NCCL symmetric memory; with sharding={sharding.name} "
+                              f"backend={backend} use sharding=fsdp2 backend=cuda (without cpu_offload)")
+        from torch.distributed.fsdp import FSDPModule
 
-        raise ConfigError(f"sharding.symm_mem=true needs FSDP2's set_symm_mem_for_comm or its set_custom_all_gather with NCCL symmetric-memory pools; "
-                          f"torch {torch.__version__} has neither: drop the override")
+        if not hasattr(FSDPModule, "set_symm_mem_for_comm"):
+            raise ConfigError(f"speed.symm_mem=true needs FSDP2's set_symm_mem_for_comm (torch 2.13+), which torch {torch.__version__} lacks: "
+                              "drop the override or install a newer torch")
 
 
 def _check_text_file(cfg: DictConfig) -> None:
@@ -150,30 +166,6 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(why_not)
     if cfg.kernels.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
-    for option, what in (("cpp_wrapper", "writes Inductor's launch code in C++"), ("max_autotune", "autotunes Inductor's GEMMs"),
-                         ("static_launch", "launches this project's Triton kernels through Inductor's static launcher"),
-                         ("cudagraphs", "captures Inductor's kernels in CUDA graphs")):
-        # kernels=auto may compile the blocks or single ops: the options then apply to what it compiles
-        compiles = cfg.kernels.compile or cfg.kernels.auto
-        if cfg.kernels[option] and not (compiles and cfg.kernels.compile_backend == "inductor"):
-            fix = "set kernels.compile_backend=inductor" if compiles else "add kernels=compile (or kernels=auto, which compiles where it measures a gain)"
-            raise ConfigError(f"kernels.{option}=true {what} for the run's compiled graphs, and kernels={cfg.kernels.name} "
-                              f"(compile={cfg.kernels.compile}, compile_backend={cfg.kernels.compile_backend}) compiles none with Inductor; {fix}")
-    if cfg.kernels.cudagraphs and backend != "cuda":
-        raise ConfigError(f"kernels.cudagraphs=true replays the compiled blocks from CUDA graphs, and backend={backend} has none; "
-                          "use backend=cuda or drop the override")
-    if cfg.kernels.cudagraphs and cfg.sharding.strategy in ("fsdp2", "hsdp") and not cfg.sharding.keep_unsharded:
-        # FSDP2 frees the gathered weights after each step and gathers them into new memory: each new
-        # address records the blocks' graphs again (on an H200, 252 ms a step against 60 launched)
-        raise ConfigError(f"kernels.cudagraphs=true replays the compiled blocks with their weights where they were recorded, and "
-                          f"sharding={cfg.sharding.name} gathers the weights into new memory every step; add sharding.keep_unsharded=true")
-    if cfg.kernels.static_launch and cfg.kernels.cpp_wrapper:
-        raise ConfigError("kernels.static_launch=true replaces Triton's Python launcher, and kernels.cpp_wrapper=true launches every kernel "
-                          "from C++ code with none; drop one of them")
-    if cfg.kernels.cpp_wrapper and not _cpp_compiler():
-        raise ConfigError("kernels.cpp_wrapper=true compiles Inductor's launch code with a C++ compiler, and none is here (CXX, g++, clang++); "
-                          "install g++ or drop the override")
-
     fused = selected_ops(cfg.kernels.fused)
     if cfg.kernels.auto:
         from src.fusion.choice import auto_choice
@@ -232,16 +224,8 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if sharding.strategy == "hsdp":
         if sharding.replicate < 1 or world % sharding.replicate:
             raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")
-    if sharding.keep_unsharded and sharding.strategy not in ("fsdp2", "hsdp"):
-        raise ConfigError(f"sharding.keep_unsharded=true keeps FSDP2's gathered parameters, and sharding={sharding.name} gathers none; use sharding=fsdp2 or hsdp")
     if sharding.split_root and sharding.strategy not in ("fsdp2", "hsdp"):
         raise ConfigError(f"sharding.split_root=true shards the embedding and head apart, and sharding={sharding.name} does not shard; use sharding=fsdp2 or hsdp")
-    for knob in ("forward_prefetch", "backward_prefetch"):
-        k = sharding[knob]
-        if k < 0:
-            raise ConfigError(f"sharding.{knob}={k}: the number of units to prefetch must be 0 (FSDP2's own order) or more")
-        if k and sharding.strategy not in ("fsdp2", "hsdp"):
-            raise ConfigError(f"sharding.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
     if cfg.optim.in_backward:
         _check_in_backward(cfg)
     if cfg.optim.state_dtype != "float32" and cfg.optim.impl != "triton":
@@ -251,8 +235,7 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
         _check_triton_optimizer(cfg, backend)
     if cfg.kernels.attention != "default" and backend != "cuda":
         raise ConfigError(f"kernels.attention={cfg.kernels.attention} picks a CUDA attention kernel; with backend={backend} use kernels.attention=default")
-    if sharding.symm_mem:
-        _check_symm_mem(sharding, backend)
+    _check_speed(cfg, backend)
     if sharding.cpu_offload and backend != "cuda":
         raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")
     if cfg.train.steps < 1:

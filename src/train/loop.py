@@ -127,7 +127,7 @@ def optimizer_step(
     `need_norm` false (a step nobody reads, no clipping, no skipping): no norm is computed and None
     returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
     host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
-    what backward has not already updated). `clip_in_update` (optim.clip_in_update, fused AdamW
+    what backward has not already updated). `clip_in_update` (speed.clip_in_update, fused AdamW
     only): the clipping factor goes to the update kernel instead of a pass over the gradients. An
     optimizer that sums the gradients' squares as it updates (optim.impl=triton) gives the norm of a
     step that only reports it (no clipping, no skipping)."""

@@ -42,7 +42,7 @@ class ProgressReporter:
             # line); the bracket says how many of train.steps are done.
             log.info("step %d [%d/%d] | %s", s.step, s.step + 1, self.total, line)
         if self.seed_line:
-            # SEED.md prints rank 0's own max_memory_allocated, not the max over ranks.
+            # docs/SEED.md prints rank 0's own max_memory_allocated, not the max over ranks.
             print(f"Step {s.step} | Loss: {s.loss:.4f} | Peak VRAM/GPU: {s.rank0_peak_mem_alloc_gb:.2f} GB", flush=True)
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
-from src.distributed.parallelize import cudagraph_counts, cudagraph_skips, parallelize
+from src.distributed.parallelize import parallelize
 from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.fusion.trial import LossTrial
@@ -39,6 +39,7 @@ from src.profiling.gpu_clocks import FIGURES as CLOCK_FIGURES
 from src.profiling.gpu_clocks import ClockSampler, describe
 from src.profiling.torch_profile import TorchProfileSession
 from src.runtime import RunContext, settings, setup_logging, world_size
+from src.speed.inductor import cudagraph_counts, cudagraph_skips
 from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import RUN_ARTIFACTS, default_run_name, start_tracker, write_json
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
@@ -74,7 +75,7 @@ class Trainer:
             dist.broadcast_object_list(shared, src=0)
             ctx = replace(ctx, run_dir=shared[0])
         self.cfg, self.ctx = cfg, ctx
-        self.graph_skips_before = cudagraph_skips() if cfg.kernels.cudagraphs else None
+        self.graph_skips_before = cudagraph_skips() if cfg.speed.cudagraphs else None
         self.run_dir = Path(ctx.run_dir) if (ctx.run_dir and env.is_main) else None
         if ctx.run_dir:  # a note left by this rank's previous attempt (an elastic restart) is stale
             (Path(ctx.run_dir) / ERROR_NOTE.format(rank=env.rank)).unlink(missing_ok=True)
@@ -108,8 +109,9 @@ class Trainer:
             mesh = build_mesh(env.device.type, env.world_size, cfg.sharding.strategy, cfg.sharding.replicate)
         laid = parallelize(model, cfg, mesh, env.device)
         self.model, self.autocast_dtype, self.after_optimizer = laid.model, laid.autocast_dtype, laid.after_optimizer
+        self.speed = laid.speed
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload, cfg.train.seed)
-        if mesh is not None and cfg.optim.cast_in_step:
+        if "cast_in_step" in self.speed:
             self._cast_in_step()
         self.in_backward = StepInBackward(self.model, self.optimizer) if cfg.optim.in_backward else None
         self.units_stepped_in_backward: int | None = None
@@ -126,6 +128,8 @@ class Trainer:
         self.loss_trial = self._loss_trial()
         if self.resumed_from is not None:
             self.tracker.set_tags({"resumed_from": str(self.resumed_from), "resumed_at_step": str(self.start_step)})
+        # which of torch's functions this run replaced, on which torch: a column to compare runs by
+        self.tracker.set_tags({"speed.recipes": ",".join(self.speed) or "none", "torch": torch.__version__})
         if env.is_main:
             log.info(
                 "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",
@@ -145,14 +149,16 @@ class Trainer:
             self.clocks = ClockSampler.for_device(env.device, cfg.train.gpu_clock_interval_s)
 
     def _cast_in_step(self) -> None:
-        """optim.cast_in_step: where it applies (TritonAdamW, one-rank groups unsharded directly),
+        """speed.cast_in_step: where it applies (TritonAdamW, one-rank groups unsharded directly),
         the update writes the unsharded parameters and they stay allocated; the log says so and
         what it holds."""
-        from src.distributed.one_rank import cast_in_step
+        from src.speed.one_rank import cast_in_step
 
         n, kept = cast_in_step(self.model, self.optimizer)
-        if n and self.env.is_main:
-            log.info("optim.cast_in_step: the Triton AdamW update writes %d parameters' %s casts into their one-rank unsharded "
+        if not n:
+            self.speed.remove("cast_in_step")
+        elif self.env.is_main:
+            log.info("speed.cast_in_step: the Triton AdamW update writes %d parameters' %s casts into their one-rank unsharded "
                      "storage, kept between steps (%.2f GB); unshards cast only what changed since", n, self.cfg.precision.param_dtype, kept / 1e9)
 
     def _swap_kernels(self, model: torch.nn.Module) -> FusedModel:
@@ -233,8 +239,8 @@ class Trainer:
                 # DCP writes the shards through tensors of its own, moving no counter the kept casts
                 # compare: at a resume nothing is kept yet (a parameter is, from its first unshard
                 # on), so this guards a load after that
-                if self.cfg.optim.cast_in_step:
-                    from src.distributed.one_rank import forget_casts
+                if "cast_in_step" in self.speed:
+                    from src.speed.one_rank import forget_casts
 
                     forget_casts(self.model)
 
@@ -291,13 +297,13 @@ class Trainer:
         float8's scales); returns (loss, global grad norm) as device tensors, not yet synced; the
         norm None when `need_norm` is false and neither clipping nor skipping needs it."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self.cfg.kernels.cudagraphs:
+        if self.cfg.speed.cudagraphs:
             # the trees' outputs of the last step are dead from here: its graphs may be replayed over them
             torch.compiler.cudagraph_mark_step_begin()
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
                               self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm,
-                              self._update_rest if self.in_backward is not None else None, self.cfg.optim.clip_in_update)
+                              self._update_rest if self.in_backward is not None else None, self.cfg.speed.clip_in_update)
         return loss.detach(), norm
 
     def _update_rest(self) -> None:
@@ -351,6 +357,8 @@ class Trainer:
             "flops_per_token": self.fpt,
             "optim_impl": optimizer_impl(cfg.optim.impl, env.device.type, cfg.sharding.cpu_offload),
             "optim_units_in_backward": self.units_stepped_in_backward,
+            "speed_recipes": list(self.speed),
+            "torch_version": torch.__version__,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
             **summarize(result, cfg.train.untimed_steps),
             "start_step": self.start_step,
@@ -362,7 +370,7 @@ class Trainer:
             **(self.clock_figures or dict.fromkeys(CLOCK_FIGURES)),
         }
         if self.graph_skips_before is not None:
-            # kernels.cudagraphs: the graphs held and re-recorded, and compiled graphs that ran launched
+            # speed.cudagraphs: the graphs held and re-recorded, and compiled graphs that ran launched
             # instead (this process, this run)
             counts = cudagraph_counts(env.device)
             summary.update(cudagraphs=counts["graphs"], cudagraph_rerecords=counts["rerecords"],
@@ -384,12 +392,12 @@ class Trainer:
             if summary["skipped_steps"]:
                 log.info("train.nonfinite=skip dropped the optimizer update of %d step(s): %s", summary["skipped_steps"], summary["skipped_at"])
             if summary.get("cudagraph_skips"):
-                log.warning("kernels.cudagraphs: %d compiled graph(s) ran their kernels launched one by one instead of replayed "
+                log.warning("speed.cudagraphs: %d compiled graph(s) ran their kernels launched one by one instead of replayed "
                             "from a CUDA graph; Inductor logged why above ('skipping cudagraphs due to ...')", summary["cudagraph_skips"])
             if summary.get("cudagraph_rerecords"):
                 # each re-recording is a step's worth of capture on the host; more than a few per graph cost more than graphs save
-                log.warning("kernels.cudagraphs: %d graph(s) recorded again because a weight they read had moved (%d graphs held); "
-                            "if the steps are slower than with kernels.cudagraphs=false, drop it", summary["cudagraph_rerecords"], summary["cudagraphs"])
+                log.warning("speed.cudagraphs: %d graph(s) recorded again because a weight they read had moved (%d graphs held); "
+                            "if the steps are slower than with speed.cudagraphs=false, drop it", summary["cudagraph_rerecords"], summary["cudagraphs"])
             if summary["steps"] == 0:
                 log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
             else:

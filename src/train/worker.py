@@ -9,8 +9,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import shutdown
-from src.distributed.parallelize import inductor_config, release_cuda_graphs
 from src.runtime import RunContext
+from src.speed import restore_all
+from src.speed.inductor import inductor_config, release_cuda_graphs
 from src.train.trainer import Trainer
 
 
@@ -25,13 +26,16 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
             raise
         finally:
             try:
-                if cfg.kernels.cudagraphs:
+                if cfg.speed.cudagraphs:
                     release_cuda_graphs()
             finally:
                 try:
                     shutdown()
                 finally:
-                    free(trainer)
+                    try:
+                        free(trainer)
+                    finally:
+                        restore_all()  # torch's own FSDP2 functions back: the next run in this process decides its own
 
 
 def free(trainer: Trainer) -> None:

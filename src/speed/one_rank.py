@@ -1,4 +1,4 @@
-"""FSDP2 on a one-rank shard group without its stand-in copies (`sharding.one_rank_copies=direct`).
+"""speed.one_rank_copies and speed.cast_in_step: FSDP2 on a one-rank shard group without its stand-in copies.
 
 With one rank FSDP2 gathers and reduce-scatters nothing, but it still copies as if it did:
 
@@ -13,8 +13,8 @@ With one rank FSDP2 gathers and reduce-scatters nothing, but it still copies as 
   whose second buffer is its first, recorded on the reduce stream), and the copy is a no-op. Plain
   FSDP groups only: HSDP's all-reduce and an all-reduce hook read the output on another stream.
 
-For mini_llm on one H200 these are the profile's 207 DtoD memcpys, 2.8 ms a step of the seed's
-eager step (docs/PERFORMANCE.md 7's one-GPU anatomy). The parameters and gradients are the same
+For mini_llm on one H200 these are the profile's 207 DtoD memcpys, 2.8 ms of the seed's eager step
+(docs/lab/PERFORMANCE.md 7, the one-GPU anatomy). The parameters and gradients are the same
 bits: the cast is the same fp32 -> bf16 copy (round to nearest even), and the gradients are read
 from the buffer they were copied into rather than a copy of it.
 
@@ -23,10 +23,10 @@ cast is cast into its unsharded storage, and `all_gather_inputs` hands FSDP2 tha
 copy is of a tensor onto itself, which torch returns from at once. Groups this does not cover
 (more than one rank, no lower param_dtype, CPU offload, tensor subclasses with their own
 `fsdp_pre_all_gather` such as float8 weights, parameters kept sharded after forward) and anything
-traced under torch.compile run FSDP2's path unchanged. Process-wide; where this torch's FSDP2 lacks
-the method or the property, nothing changes and `use_direct_unshard` says so.
+traced under torch.compile run FSDP2's path unchanged. FSDP2's private modules are imported when
+first used, so this module imports on a torch that lacks them (the recipes' probes then say so).
 
-On top of the direct unshard, `cast_in_step` (optim.cast_in_step) takes the cast out of the
+On top of the direct unshard, `cast_in_step` (speed.cast_in_step) takes the cast out of the
 unshard altogether: the unsharded storage is kept from one unshard to the next, TritonAdamW's
 update writes each parameter's bf16 cast into it as it writes the fp32 parameter, and an unshard
 casts only a parameter changed since (version counters say). 2 bytes a parameter of memory for
@@ -36,22 +36,38 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp._fully_shard import _fsdp_common
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState, alloc_storage
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-from src.distributed.fsdp_patch import CollectivesPatch
-from src.distributed.kept_unshard import FREE, mark_kept, module_groups
+from src.speed.keep_unsharded import FREE, mark_kept, module_groups, public
+from src.speed.patch import Patch
+from src.speed.recipe import FSDP, Recipe
+from src.speed.versions import TRITON_TESTED
 
 _DIRECT = "_direct_all_gather_input"  # an FSDPParam's unsharded storage, already cast, for FSDP2's copy
 _KEPT = "_kept_unsharded"  # an FSDPParam's UnshardedCopy: its unsharded storage is never freed (cast_in_step)
 _KEEP = "_keep_unsharded"  # an FSDPParamGroup's (optimizer.write_copies, module or None): its parameters are kept from their next unshard on
 
 
+def _common():
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return _fsdp_common
+
+
+def _param():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return _fsdp_param
+
+
+def _param_group_class():
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return FSDPParamGroup
+
+
 def _one_rank(group) -> bool:
     # FSDP2's own test for its one-rank unshard path (a replicate-only group is left to it)
-    return isinstance(group.mesh_info, _fsdp_common.FSDPMeshInfo) and group._all_gather_process_group.size() == 1
+    return isinstance(group.mesh_info, _common().FSDPMeshInfo) and group._all_gather_process_group.size() == 1
 
 
 def _casts_to(fsdp_param, dtype: torch.dtype | None) -> bool:
@@ -62,7 +78,7 @@ def _casts_to(fsdp_param, dtype: torch.dtype | None) -> bool:
 
 
 def _castable(fsdp_param) -> bool:
-    return _casts_to(fsdp_param, fsdp_param.param_dtype) and fsdp_param.sharded_state == ShardedState.SHARDED
+    return _casts_to(fsdp_param, fsdp_param.param_dtype) and fsdp_param.sharded_state == _param().ShardedState.SHARDED
 
 
 def _allocated(t: torch.Tensor) -> bool:
@@ -123,13 +139,13 @@ def _cast_into_unsharded(group, marked: list) -> None:
         out = p.all_gather_outputs[0]
         kept = p.__dict__.get(_KEPT)
         if kept is None and _KEEP in group.__dict__:  # its first unshard since cast_in_step: from now on kept
-            alloc_storage(out)
+            _param().alloc_storage(out)
             kept = p.__dict__[_KEPT] = UnshardedCopy(out)
-            mark_kept(p)  # FSDP2's free leaves it (kept_unshard.py)
+            mark_kept(p)  # FSDP2's free leaves it (keep_unsharded.py)
             new.append((p.sharded_param, kept))
         tensors = (p.sharded_param, p._sharded_local_tensor, shard)
         if kept is None or not kept.fresh(out, tensors):
-            alloc_storage(out)
+            _param().alloc_storage(out)
             with torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(shard)
             if kept is not None and kept.out is out:
@@ -162,9 +178,6 @@ def _wait_for_unshard(self):
             p.__dict__.pop(_DIRECT, None)
 
 
-# FSDP2's own method runs with functorch's transforms off where this torch does that (2.13): so
-# does the cast before it
-wait_for_unshard = getattr(_fsdp_common, "_disable_functorch_if_active", lambda f: f)(_wait_for_unshard)
 
 
 def _all_gather_inputs(self) -> list[torch.Tensor]:
@@ -174,14 +187,19 @@ def _all_gather_inputs(self) -> list[torch.Tensor]:
     return INPUTS.fsdp2["all_gather_inputs"].fget(self)
 
 
-UNSHARD = CollectivesPatch({"wait_for_unshard": wait_for_unshard}, owner=lambda: FSDPParamGroup)
-INPUTS = CollectivesPatch({"all_gather_inputs": property(_all_gather_inputs)}, owner=lambda: FSDPParam)
+UNSHARD = Patch({"wait_for_unshard": _wait_for_unshard}, owner=_param_group_class)
+INPUTS = Patch({"all_gather_inputs": property(_all_gather_inputs)}, owner=lambda: _param().FSDPParam)
 
 
 def use_direct_unshard() -> bool:
     """One-rank unshards cast straight into the unsharded parameters; False (and nothing changed)
     where this torch's FSDP2 lacks `FSDPParamGroup.wait_for_unshard` or `FSDPParam.all_gather_inputs`,
     or other code has replaced them since an earlier install."""
+    if UNSHARD.fsdp2 is None and UNSHARD.replacements["wait_for_unshard"] is _wait_for_unshard:
+        # FSDP2's own method runs with functorch's transforms off where this torch does that (2.13+):
+        # so does the cast before it (wrapped once, at the first install: the patch compares by identity)
+        disable = getattr(_common(), "_disable_functorch_if_active", lambda f: f)
+        UNSHARD.replacements["wait_for_unshard"] = disable(_wait_for_unshard)
     if not INPUTS.install():
         return False
     if UNSHARD.install():
@@ -191,7 +209,7 @@ def use_direct_unshard() -> bool:
 
 
 def restore_unshard() -> None:
-    """FSDP2's cast and copy again (sharding.one_rank_copies=fsdp2, tests), unless other code has
+    """FSDP2's cast and copy again (speed.one_rank_copies=off, tests), unless other code has
     replaced the method or property since: theirs are left. Parameters kept by cast_in_step stay
     kept (their optimizer still writes their storage)."""
     UNSHARD.restore()
@@ -218,26 +236,26 @@ def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
     foreach AdamW, `_foreach_mul_`), writes through `.data`, torch.distributed.checkpoint's load:
     after such a write, call forget_casts."""
     write = getattr(optimizer, "write_copies", None)
-    if write is None or not UNSHARD.installed() or not INPUTS.installed() or not FREE.install():
+    if write is None or not UNSHARD.installed() or not INPUTS.installed() or not (public() or FREE.install()):
         return 0, 0
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     n = nbytes = 0
     for module, groups in module_groups(model):
         kept_all, marked = bool(groups), []
         for group in groups:
-            dtype = group.mp_policy.param_dtype
             # what _castable will find at the first unshard, from what is known before it (FSDP2
-            # sets param_dtype there): fp32 parameters computed in bf16 (the update rounds to bf16 only)
-            params = [p for p in group.fsdp_params if _one_rank(group) and dtype == torch.bfloat16
-                      and p.sharded_param.dtype == torch.float32 and _casts_to(p, dtype)]
+            # sets param_dtype there, from each parameter's policy: torch 2.15 has no group policy):
+            # fp32 parameters computed in bf16 (the update rounds to bf16 only)
+            params = [p for p in group.fsdp_params if _one_rank(group) and p.mp_policy.param_dtype == torch.bfloat16
+                      and p.sharded_param.dtype == torch.float32 and _casts_to(p, torch.bfloat16)]
             kept_all = kept_all and len(params) == len(group.fsdp_params)
             if not params:
                 continue
             if any(id(p.sharded_param) not in owned for p in params):
-                raise ValueError("optim.cast_in_step: the optimizer does not hold every parameter of the model's FSDP2 groups")
+                raise ValueError("speed.cast_in_step: the optimizer does not hold every parameter of the model's FSDP2 groups")
             marked.append(group)
             n += len(params)
-            nbytes += sum(p.sharded_param.numel() for p in params) * dtype.itemsize
+            nbytes += sum(p.sharded_param.numel() for p in params) * torch.bfloat16.itemsize
         for group in marked:  # the module stops resharding once all its groups' parameters are kept
             group.__dict__[_KEEP] = (write, module if kept_all else None)
     return n, nbytes
@@ -265,11 +283,11 @@ def forget_casts(model: nn.Module) -> int:
 def _aliasable(group) -> bool:
     """A group whose reduce output may be its input: one rank, plain FSDP (HSDP's all-reduce and an
     all-reduce hook run the reduce's last reads on another stream, which the alias does not cover)."""
-    return (_one_rank(group) and not isinstance(group.mesh_info, _fsdp_common.DDPMeshInfo)
+    return (_one_rank(group) and not isinstance(group.mesh_info, _common().DDPMeshInfo)
             and getattr(group, "_all_reduce_hook", None) is None)
 
 
-class OneRankReduceScatter(ReduceScatter):
+class OneRankReduceScatter:
     """A reduce-scatter comm for a one-rank group. FSDP2 allocates the reduce-scatter input on the
     compute stream, then an output of the same size on its reduce stream, and copies one into the
     other; the output handed back is the input, so that copy is of a tensor onto itself. Never
@@ -322,3 +340,56 @@ def alias_one_rank_reduces(model: nn.Module) -> int:
         group._reduce_scatter_comm = OneRankReduceScatter(group)
         n += 1
     return n
+
+
+def restore() -> None:
+    """Both of one_rank_copies' replacements back to FSDP2's own (what cast_in_step marked kept stays kept)."""
+    restore_unshard()
+
+
+PARAM, GROUP = f"{FSDP}._fsdp_param:", f"{FSDP}._fsdp_param_group:"
+COMMON, API = f"{FSDP}._fsdp_common:", f"{FSDP}._fsdp_api:"
+_READS = (COMMON + "FSDPMeshInfo", COMMON + "DDPMeshInfo", PARAM + "ShardedState", PARAM + "alloc_storage",
+          GROUP + "FSDPParamGroup.mesh_info", GROUP + "FSDPParamGroup.fsdp_params", GROUP + "FSDPParamGroup.device",
+          GROUP + "FSDPParamGroup._all_gather_result", GROUP + "FSDPParamGroup._all_gather_process_group",
+          PARAM + "FSDPParam.init_all_gather_outputs", PARAM + "FSDPParam.all_gather_outputs", PARAM + "FSDPParam.param_dtype",
+          PARAM + "FSDPParam.sharded_param", PARAM + "FSDPParam.offload_to_cpu", PARAM + "FSDPParam._sharded_local_tensor",
+          PARAM + "FSDPParam.sharded_state", PARAM + "FSDPParam._sharded_param_data", "torch.autograd:_unsafe_preserve_version_counter")
+_SIGNATURES = {GROUP + "FSDPParamGroup.wait_for_unshard": ("self",), PARAM + "FSDPParam.all_gather_inputs": ("self",),
+               PARAM + "FSDPParam.init_all_gather_outputs": ("self", "all_gather_input_numels", "all_gather_input_dtypes", "world_size", "device")}
+
+
+def _originals() -> dict:
+    return {**UNSHARD.originals(GROUP + "FSDPParamGroup."), **INPUTS.originals(PARAM + "FSDPParam.")}
+
+
+RECIPE = Recipe(
+    name="one_rank_copies",
+    does="drops FSDP2's stand-in copies on a one-rank shard group (each unshard one cast into the unsharded parameters, "
+         "each reduce's output its input)",
+    replaces=(GROUP + "FSDPParamGroup.wait_for_unshard", PARAM + "FSDPParam.all_gather_inputs"),
+    reads=(*_READS, GROUP + "FSDPParamGroup._reduce_scatter_comm", f"{FSDP}._fsdp_collectives:DefaultReduceScatter",
+           API + "ReduceScatter.allocate"),
+    signatures={**_SIGNATURES, API + "ReduceScatter.allocate": ("self", "size", "dtype", "device"),
+                API + "ReduceScatter.__call__": ("self", "output_tensor", "input_tensor", "group", "op", "async_op")},
+    gain="one H200, +exp=fsdp4 dist.nproc=1: 207 copies, 2.8 ms a step: docs/RESULTS.md, FSDP2's copies",
+    parity="tests/test_one_rank.py::test_direct_copies_give_fsdp2s_bits_without_its_casts_and_gradient_copies",
+    restore=restore,
+    originals=_originals,
+)
+
+CAST_RECIPE = Recipe(
+    name="cast_in_step",
+    does="has the Triton AdamW update write each one-rank parameter's bf16 cast into its kept unsharded storage, so unshards "
+         "cast only what changed",
+    replaces=(PARAM + "FSDPParam.free_unsharded_param",),
+    reads=(*_READS, PARAM + "FSDPParam.mp_policy"),
+    signatures={**_SIGNATURES, PARAM + "FSDPParam.free_unsharded_param": ("self",)},
+    gain="one H200, +exp=fsdp4_fp8 dist.nproc=1: 8.8 GB of casts a step taken out: docs/RESULTS.md, FSDP2's copies",
+    parity="tests/test_one_rank.py::test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote",
+    restore=restore,
+    originals=lambda: {**_originals(), **FREE.originals(PARAM + "FSDPParam.")},
+    triton=TRITON_TESTED,
+    notes=("needs speed.one_rank_copies and optim.impl=triton; on torch 2.15+ the storage is kept by FSDP2's own "
+           "keep_unsharded_storage, and free_unsharded_param is not replaced",),
+)

@@ -1,13 +1,12 @@
-"""Replacing functions of FSDP2's `_fsdp_collectives` that it looks up at each call, and putting them back.
+"""Replacing functions of FSDP2 that it looks up at each call, and putting them back.
 
 FSDP2 has no hooks inside its all-gather and reduce-scatter paths; the copies and casts there are
 module-level functions of `torch.distributed.fsdp._fully_shard._fsdp_collectives`, found by name at
-each call. src/distributed/grad_cast.py, copy_in.py and reduce_copy_in.py each replace one or two of
-them for the whole process; one_rank.py replaces a method and a property of FSDP2's classes (the
-`owner` of its patch), found by name at each call in the same way. The rules they share live here:
-install once and keep the first install's originals; never take one's own replacement, or a
-replacement of someone else's installed after ours, for the original; restore only what is still
-ours; change nothing (and say so) where this torch lacks a function.
+each call, and methods of its classes. The recipes of this package replace some of them while a run
+lasts. The rules they share live here: install once and keep the first install's originals; never
+take one's own replacement, or a replacement of someone else's installed after ours, for the
+original; restore only what is still ours; change nothing (and say so) where this torch lacks a
+function.
 """
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ def collectives():
     return _fsdp_collectives
 
 
-class CollectivesPatch:
-    """`CollectivesPatch({name: replacement})`: `install()` puts each replacement in place of the
+class Patch:
+    """`Patch({name: replacement})`: `install()` puts each replacement in place of the
     function of that name, `restore()` puts FSDP2's back. `fsdp2[name]` is FSDP2's own, kept from
     the first install for the life of the process: a replacement that other code captured while it
     was installed still reaches FSDP2's function after a restore."""
@@ -72,3 +71,10 @@ class CollectivesPatch:
         module = self.owner()
         for name, f in self.fsdp2.items():
             setattr(module, name, f)
+
+    def originals(self, prefix: str) -> dict[str, Callable]:
+        """`prefix + name` -> FSDP2's own function, while the replacements are in place (a recipe's
+        probe reads FSDP2's signatures, not ours); empty otherwise."""
+        if self.fsdp2 is None or not self.installed():
+            return {}
+        return {prefix + name: f for name, f in self.fsdp2.items()}

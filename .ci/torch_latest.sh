@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The speed recipes' parity tests, and the test files of FSDP2's one-rank path, the Triton AdamW and
+# FSDP2 against an unsharded model, on the newest torch release in a virtualenv of its own
+# (.venv-torch-latest). `install` makes it, `test` runs them; no argument does both.
+#   .ci/torch_latest.sh            # about 4 minutes to install (a CUDA build of torch, from PyPI), 4 to test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LATEST=2.15.0   # the newest release pyproject.toml's range admits
+VENV=.venv-torch-latest
+FILES=(tests/test_speed.py tests/test_grad_upcast.py tests/test_reduce_copy_in.py tests/test_copy_in.py tests/test_one_rank.py
+       tests/test_kept_unshard.py tests/test_kernel_adamw.py tests/test_fsdp_parity.py tests/test_compile_optim.py)
+if [ "${1:-install}" = install ] || [ $# = 0 ]; then
+  python3 -m venv "$VENV"
+  # PIP_CONFIG_FILE=/dev/null: no pip config, so no local cap on torch's version (a CI machine's pip
+  # config may pin it to the wheels on its disk); torch, Triton and the rest come from PyPI.
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$LATEST" -e . pytest pytest-xdist
+fi
+if [ "${1:-test}" = test ] || [ $# = 0 ]; then
+  "$VENV/bin/python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  "$VENV/bin/python" -m src.speed --markdown
+  "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile -p no:cacheprovider "${FILES[@]}"
+fi

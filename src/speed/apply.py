@@ -1,0 +1,150 @@
+"""A run's speed settings: which recipes run (decide), refusals before any rank starts (refusal),
+and installing them on the sharded model (install_fsdp).
+
+`auto` runs a recipe on a CUDA run where it applies (the run's shape: ranks a shard group, dtypes,
+the optimizer) and the recipe may run on this torch; `on` runs it wherever it applies, on any
+device (on a CPU its Triton kernels run only under Triton's interpreter; elsewhere torch's own path
+takes the call); `off` leaves torch's own path.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from src.dtypes import torch_dtype
+from src.speed import RECIPES, keep_unsharded
+from src.speed.recipe import FORCE
+
+log = logging.getLogger("src.train")
+FSDP_STRATEGIES = ("fsdp2", "hsdp")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    on: bool
+    """whether the recipe runs in this run"""
+    warning: str | None = None
+    """the one line saying why an auto recipe is off on this torch; None where it is on, or does not apply"""
+
+
+def asked(cfg: DictConfig, name: str) -> str:
+    """speed.NAME as auto, on or off (keep_unsharded is a plain switch: true is on)."""
+    value = cfg.speed[name]
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def applies(name: str, cfg: DictConfig, shard_ranks: int, reduce_dtype: str) -> bool:
+    """Whether the recipe has anything to do in a run of this shape (whatever the device)."""
+    if cfg.sharding.strategy not in FSDP_STRATEGIES:
+        return False
+    low_param = torch_dtype(cfg.precision.param_dtype) != torch.float32
+    return {
+        "grad_upcast": torch_dtype(reduce_dtype) in (torch.bfloat16, torch.float16),
+        "reduce_copy_in": True,
+        "gather_copy_in": shard_ranks > 1 and low_param and not cfg.sharding.cpu_offload,
+        "one_rank_copies": shard_ranks == 1,
+        "cast_in_step": (shard_ranks == 1 and str(cfg.optim.impl) == "triton" and not cfg.sharding.cpu_offload
+                         and torch_dtype(cfg.precision.param_dtype) == torch.bfloat16),
+        "keep_unsharded": True,
+    }[name]
+
+
+def decide(cfg: DictConfig, shard_ranks: int, device_type: str, reduce_dtype: str) -> dict[str, Verdict]:
+    """Every recipe's verdict for this run."""
+    force = bool(cfg.speed.force_unverified)
+    verdicts: dict[str, Verdict] = {}
+    for name, recipe in RECIPES.items():
+        use = asked(cfg, name)
+        if use == "off" or not applies(name, cfg, shard_ranks, reduce_dtype):
+            verdicts[name] = Verdict(False)
+        elif name == "cast_in_step" and not verdicts["one_rank_copies"].on:
+            verdicts[name] = Verdict(False)  # it casts into what the direct unshard keeps
+        elif use == "auto" and device_type != "cuda":
+            verdicts[name] = Verdict(False)  # measured on GPUs: a CPU run keeps torch's path
+        elif name == "keep_unsharded" and keep_unsharded.public():
+            verdicts[name] = Verdict(True)  # FSDP2's own set_keep_unsharded_storage: no recipe
+        else:
+            why = recipe.why_not(force)
+            verdicts[name] = Verdict(why is None, None if why is None else recipe.off_line(why))
+    return verdicts
+
+
+def refusal(cfg: DictConfig) -> str | None:
+    """The one line that refuses this run's speed settings before any rank starts; None where they can run."""
+    speed, strategy = cfg.speed, cfg.sharding.strategy
+    for name, recipe in RECIPES.items():
+        if asked(cfg, name) != "on":
+            continue
+        if strategy not in FSDP_STRATEGIES:
+            return (f"speed.{name}={'true' if recipe.switch else 'on'} {recipe.does}, and sharding={cfg.sharding.name} "
+                    f"does not use FSDP2; use sharding=fsdp2 or hsdp, or drop the override")
+        if name == "keep_unsharded" and keep_unsharded.public():
+            continue
+        line = recipe.refusal(bool(speed.force_unverified))
+        if line:
+            return line
+    if asked(cfg, "cast_in_step") == "on":
+        if asked(cfg, "one_rank_copies") == "off":
+            return ("speed.cast_in_step=on writes the casts into the storage speed.one_rank_copies keeps, and speed.one_rank_copies=off; "
+                    "set speed.one_rank_copies=auto or on")
+        if str(cfg.optim.impl) != "triton":
+            return f"speed.cast_in_step=on is done by the Triton AdamW update, and optim.impl={cfg.optim.impl}; set optim.impl=triton"
+    return None
+
+
+def install_fsdp(model: nn.Module, verdicts: dict[str, Verdict], param_dtype: str, main: bool) -> list[str]:
+    """Each recipe's replacement in place (or torch's own back) for a model FSDP2 has just sharded;
+    cast_in_step is the Trainer's, once the optimizer exists. Returns the names of the recipes that run."""
+    from src.speed import gather_copy_in, grad_upcast, one_rank, reduce_copy_in
+
+    for name in ("grad_upcast", "reduce_copy_in", "gather_copy_in", "one_rank_copies", "cast_in_step", "keep_unsharded"):
+        if main and verdicts[name].warning:
+            log.warning(verdicts[name].warning)
+    running = []
+    for name, module in (("grad_upcast", grad_upcast), ("reduce_copy_in", reduce_copy_in), ("gather_copy_in", gather_copy_in)):
+        if not verdicts[name].on:
+            module.restore()
+        elif module.install():
+            running.append(name)
+        elif main:
+            log.warning("speed.%s: not installed (Triton is missing, or other code has replaced %s); torch's own path instead",
+                        name, ", ".join(s.rpartition(":")[2] for s in RECIPES[name].replaces))
+    if verdicts["one_rank_copies"].on:
+        if one_rank.use_direct_unshard():
+            running.append("one_rank_copies")
+        elif main:
+            log.warning("speed.one_rank_copies: the direct unshard not installed (other code has replaced FSDPParamGroup.wait_for_unshard "
+                        "or FSDPParam.all_gather_inputs); FSDP2 casts and copies as usual")
+        aliased = one_rank.alias_one_rank_reduces(model)
+        if main:
+            log.info("speed.one_rank_copies: %d one-rank FSDP2 groups reduce with no copy of their gradients", aliased)
+    else:
+        one_rank.restore_unshard()
+    if verdicts["keep_unsharded"].on:
+        n, nbytes = keep_unsharded.keep_unsharded(model, torch_dtype(param_dtype))
+        if n:
+            running.append("keep_unsharded")
+            if main:
+                size = f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+                how = "FSDP2's own set_keep_unsharded_storage" if keep_unsharded.public() else "the recipe"
+                log.info("speed.keep_unsharded: %d parameters gathered into the same memory every step (%s a rank, %s); "
+                         "no unit reshards after forward", n, size, how)
+        elif main:
+            log.warning("speed.keep_unsharded: nothing kept (other code replaced FSDPParam.free_unsharded_param); FSDP2 frees and gathers as usual")
+    if main and running:
+        log.info("speed recipes in place: %s (src/speed/; python -m src.speed lists them)", ", ".join(running))
+    return running
+
+
+def unverified_note(cfg: DictConfig) -> str | None:
+    """A line for the log where the user forced recipes onto a torch they were not verified on."""
+    if not cfg.speed.force_unverified:
+        return None
+    names = [n for n, r in RECIPES.items() if asked(cfg, n) != "off" and r.why_not(False) and not r.probe()]
+    return f"{FORCE}: {', '.join(names)} run on a torch they were not verified on" if names else None
