@@ -69,6 +69,7 @@ def test_a_float8_job_leaves_emulate_precision_casts_as_it_found_it(tmp_path: Pa
 
     from src.train.trainer import Trainer
 
+    pytest.importorskip("torchao")  # pip install -e ".[fp8]"
     seen = []
     train = Trainer.train
     monkeypatch.setattr(Trainer, "train", lambda self: seen.append(inductor.emulate_precision_casts) or train(self))

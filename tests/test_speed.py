@@ -141,6 +141,9 @@ def _run_and_snapshot(tmp_path: Path, name: str, overrides: list[str], monkeypat
 
 
 def test_the_torch_preset_changes_no_torch_attribute_and_a_run_puts_back_what_it_replaced(tmp_path, in_process_runs, monkeypatch):
+    from src.speed import restore_all
+
+    restore_all()  # torch's own, whatever a test before this one in the process left installed
     before = _snapshot()
     during, summary = _run_and_snapshot(tmp_path, "torch", ["speed=torch", "precision.reduce_dtype=bfloat16"], monkeypatch)
     assert _changed(before, during) == [] and _changed(before, _snapshot()) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from src.fusion.attention import use_sdpa_backend
+from src.fusion.attention import restore_sdpa_backends, use_sdpa_backend
 from src.train.loop import forward_backward_step, optimizer_step, summarize, train_loop
 
 
@@ -64,6 +64,9 @@ def test_sdpa_backend_leaves_only_the_chosen_kernel_on():
         before = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "cudnn")}
         use_sdpa_backend("default")  # torch's own order: nothing switched
         assert before == {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "cudnn")}
+        restore_sdpa_backends()  # what a run does at its end: the switches as torch had them before the first change
+        assert saved == {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "cudnn")}
+        restore_sdpa_backends()  # nothing changed since: nothing to do
     finally:
         for name, on in saved.items():
             getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)

@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import shutdown
+from src.fusion.attention import restore_sdpa_backends
 from src.runtime import RunContext
 from src.speed import restore_all
 from src.speed.inductor import inductor_config, release_cuda_graphs
@@ -35,7 +36,9 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                     try:
                         free(trainer)
                     finally:
-                        restore_all()  # torch's own FSDP2 functions back: the next run in this process decides its own
+                        # torch's own FSDP2 functions and attention switches back: the next run in this process decides its own
+                        restore_all()
+                        restore_sdpa_backends()
 
 
 def free(trainer: Trainer) -> None:
