@@ -67,10 +67,19 @@ def _hooked() -> bool:
     return any(bool(getattr(hook, "calls", hook)) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
-def _current_stream() -> int:
+def _raw_stream() -> int:
     # What Triton's driver asks torch for (driver.active.get_current_stream): the raw stream handle
     # of the current device, without building a torch.cuda.Stream object (2-3 us).
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+def _stream_object() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+# torch's private accessors where this torch has them (2.11-2.15 do), else the public ones
+_current_stream = _raw_stream if hasattr(torch._C, "_cuda_getCurrentRawStream") else _stream_object
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 class Launcher:
@@ -96,7 +105,7 @@ class Launcher:
         if not ENABLED or torch.compiler.is_compiling() or _hooked():
             self.kernel[grid](*args, **meta)
             return
-        key = (torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1, tuple(map(arg_key, args)), meta_part, _compile_knobs())
+        key = (_current_device() if torch.cuda.is_initialized() else -1, tuple(map(arg_key, args)), meta_part, _compile_knobs())
         entry = self.compiled.get(key)
         if entry is None:
             self._launch_and_keep(key, grid, args, meta)
