@@ -208,9 +208,11 @@ class KernelsConfig:
 
 @dataclass
 class SpeedConfig:
-    """How the step is made faster without changing what it computes: the recipes that replace torch
-    internals (src/speed/: each verified on named torch releases, held to torch's own path bit for
-    bit) and FSDP2's and Inductor's own levers. Presets: conf/speed/ (torch, copies, graphs)."""
+    """Speed-ups that leave what the step computes unchanged (python -m src.speed lists the recipes).
+
+    The recipes replace torch internals (src/speed/: each verified on named torch releases, held to
+    torch's own path bit for bit); the rest are FSDP2's and Inductor's own levers. Presets:
+    conf/speed/ (torch, copies, graphs)."""
 
     name: str = MISSING
     grad_upcast: Use = Use.auto

@@ -47,6 +47,7 @@ def settings(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         "precision": cfg.precision.name,
         "backend": cfg.backend.name,
         "kernels": cfg.kernels.name,
+        "speed": cfg.speed.name,
         "data": cfg.data.name,
         "world_size": world_size,
         "dist_fake": bool(cfg.dist.fake),  # rank 0 alone, collectives faked: no figure here is the group's

@@ -41,6 +41,8 @@ def test_default_run_writes_one_run_dir_with_summary(default_run: Path):
         assert key in summary, key
     s = summary["settings"]
     assert (s["model"], s["sharding"], s["precision"], s["backend"], s["world_size"]) == ("tiny", "fsdp2", "bf16", "cpu", 2)
+    # speed=copies' recipes are measured on GPUs: a CPU run trains through torch's own FSDP2, nothing replaced
+    assert s["speed"] == "copies" and summary["speed_recipes"] == [] and summary["torch_version"]
     # the default trains on text, so the loss falls from ln(256) = 5.55 (random tokens stay there)
     assert s["data"] == "text" and summary["final_loss"] < summary["initial_loss"] - 0.02, summary
     console = (default_run / "console.txt").read_text().splitlines()

@@ -128,8 +128,8 @@ class Trainer:
         self.loss_trial = self._loss_trial()
         if self.resumed_from is not None:
             self.tracker.set_tags({"resumed_from": str(self.resumed_from), "resumed_at_step": str(self.start_step)})
-        # which of torch's functions this run replaced, on which torch: a column to compare runs by
-        self.tracker.set_tags({"speed.recipes": ",".join(self.speed) or "none", "torch": torch.__version__})
+        # which of torch's functions this run replaced (the torch tag says which torch): a column to compare runs by
+        self.tracker.set_tags({"speed.recipes": ",".join(self.speed) or "none"})
         if env.is_main:
             log.info(
                 "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",
