@@ -27,6 +27,13 @@ class Mlp(StrEnum):
     swiglu = "swiglu"
 
 
+class Arch(StrEnum):
+    """The architecture: src/models/ARCH/ (src/models/__init__.py ARCHS)."""
+
+    mini_llm = "mini_llm"
+    llama3 = "llama3"
+
+
 class Strategy(StrEnum):
     fsdp2 = "fsdp2"
     hsdp = "hsdp"
@@ -111,6 +118,8 @@ class StateDtype(StrEnum):
 @dataclass
 class ModelConfig:
     name: str = MISSING
+    arch: Arch = Arch.mini_llm
+    """mini_llm (docs/SEED.md's model) or llama3 (LLaMA 3.x: RoPE, grouped-query attention, SwiGLU; Qwen 2.5's shapes too)"""
     vocab_size: int = 32000
     """tokens in the vocabulary (embedding rows and head columns)"""
     dim: int = 2048
@@ -127,6 +136,27 @@ class ModelConfig:
     """causal attention mask; the seed's script has none, so +exp=fsdp4 turns it off to match it"""
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    n_kv_heads: int = 0
+    """llama3: key/value heads that the query heads share in groups (grouped-query attention); 0: n_heads"""
+    head_dim: int = 0
+    """llama3: width of a head; 0: dim / n_heads"""
+    rope_theta: float = 500000.0
+    """llama3: the rotary embedding's base"""
+    rope_factor: float = 0.0
+    """llama3: LLaMA 3.1's rotary frequency scaling (8 for 3.1-8B, 32 for 3.2-1B/3B); 0: none"""
+    rope_low_freq: float = 1.0
+    """llama3: LLaMA 3.1 scaling's low_freq_factor"""
+    rope_high_freq: float = 4.0
+    """llama3: LLaMA 3.1 scaling's high_freq_factor"""
+    rope_original_len: int = 8192
+    """llama3: the context length the unscaled frequencies were trained at"""
+    tie_embeddings: bool = False
+    """llama3: the output head shares the token embedding's weight"""
+    qkv_bias: bool = False
+    """llama3: biases on the q, k and v projections (Qwen 2.5)"""
+    hf_path: str = ""
+    """llama3: a Hugging Face LlamaForCausalLM (or Qwen2ForCausalLM) folder whose weights the run starts from;
+    its config.json must match this model's shape"""
 
 
 @dataclass

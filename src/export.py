@@ -1,8 +1,12 @@
 """`python -m src.export CHECKPOINT [--out model.safetensors]`: a DCP checkpoint (saved by any number
 of ranks) to one plain state_dict file for inference, in a single process on the CPU.
 
-The checkpoint's config.yaml gives the model's shape; the file loads into `MiniLLM(**config)` with
-`safetensors.torch.load_file` and `load_state_dict`.
+The checkpoint's config.yaml gives the model's shape; the file loads into the model (build_model) with
+`safetensors.torch.load_file` and `load_state_dict`. With `--hf` (the LLaMA 3 family) the output is a
+Hugging Face folder instead, config.json and model.safetensors, that transformers' LlamaForCausalLM
+(Qwen2ForCausalLM where q, k and v have biases) loads:
+
+    python -m src.export outputs/.../checkpoints/step_00000100 --hf --out llama-hf
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m src.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path, help="a step_NNNNNNNN folder")
-    ap.add_argument("--out", type=Path, default=Path("model.safetensors"))
+    ap.add_argument("--out", type=Path, default=None, help="the file (model.safetensors) or, with --hf, the folder (hf/)")
+    ap.add_argument("--hf", action="store_true", help="a Hugging Face folder (config.json, model.safetensors); the LLaMA 3 family only")
     args = ap.parse_args(argv)
+    args.out = args.out or Path("hf" if args.hf else "model.safetensors")
     config = args.checkpoint / "config.yaml"
     try:
         if not args.checkpoint.is_dir():
@@ -31,8 +37,23 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{args.checkpoint}: no checkpoint there (no DCP .metadata){hint}")
         if not config.exists():
             raise CheckpointError(f"{args.checkpoint}: no config.yaml beside the checkpoint; it tells the model's shape")
-        model = build_model(OmegaConf.load(config))
-        export_checkpoint(args.checkpoint, args.out, model)
+        model_cfg = OmegaConf.load(config)
+        if args.hf and model_cfg.get("arch", "mini_llm") != "llama3":
+            raise CheckpointError(f"--hf writes a Hugging Face LlamaForCausalLM, and this checkpoint's model is {model_cfg.get('name')} "
+                                  f"(arch {model_cfg.get('arch', 'mini_llm')}); drop --hf for a plain safetensors file")
+        model = build_model(model_cfg)
+        if args.hf:
+            import tempfile
+
+            from safetensors.torch import load_file
+
+            from src.models.llama3.hf import save_hf
+
+            with tempfile.TemporaryDirectory() as tmp:
+                export_checkpoint(args.checkpoint, Path(tmp) / "model.safetensors", model)
+                save_hf(model, OmegaConf.to_container(model_cfg, resolve=True), load_file(Path(tmp) / "model.safetensors"), args.out)
+        else:
+            export_checkpoint(args.checkpoint, args.out, model)
     except CheckpointError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

@@ -31,7 +31,7 @@ def test_fp8_composes_with_bf16_params_and_fp32_reduction():
     (["backend=cpu"], None, "precision=fp8 runs float8 GEMMs on an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper, Blackwell), not on backend=cpu; use precision=bf16"),
     (["backend=cuda"], ((8, 0), "NVIDIA A100-SXM4-80GB"), "precision=fp8 needs compute capability 8.9+ for float8 tensor cores; NVIDIA A100-SXM4-80GB is 8.0: use precision=bf16"),
     (["backend=cuda", "model.dim=72", "model.n_heads=4"], H200, "precision=fp8: model.dim is 72, not a multiple of 16"),
-    (["backend=cuda", "model.ffn_hidden=1000"], H200, "precision=fp8: the MLP's hidden width (model.ffn_hidden, or dim * ffn_mult) is 1000, not a multiple of 16"),
+    (["backend=cuda", "model.ffn_hidden=1000"], H200, "precision=fp8: the MLP's hidden width (model.ffn_hidden) is 1000, not a multiple of 16"),
     (["backend=cuda", "data.batch_size=3", "data.seq_len=100"], H200, "precision=fp8: data.batch_size x data.seq_len is 300, not a multiple of 16"),
 ])
 def test_fp8_is_refused_where_it_cannot_run(overrides, capability, message):

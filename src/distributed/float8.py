@@ -30,14 +30,25 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def float8_dims(model_cfg, data_cfg) -> dict[str, int]:
-    """Every size that reaches a float8 GEMM in a block: the width and the MLP's hidden width (both
-    sides of every Linear; qkv's 3 * dim follows) and the token count, the inner dimension of the
-    grad-weight GEMM (grad_out^T @ input)."""
-    return {
-        "model.dim": model_cfg.dim,
-        "the MLP's hidden width (model.ffn_hidden, or dim * ffn_mult)": model_cfg.ffn_hidden or model_cfg.dim * model_cfg.ffn_mult,
-        "data.batch_size x data.seq_len": data_cfg.batch_size * data_cfg.seq_len,
-    }
+    """Every size that reaches a float8 GEMM in a block: both sides of each of its nn.Linear layers
+    (the width, the attention projections' widths, the MLP's hidden width) and the token count, the
+    inner dimension of the grad-weight GEMM (grad_out^T @ input)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from src.models import build_model
+
+    with torch.device("meta"):
+        block = build_model(OmegaConf.merge(model_cfg, {"n_layers": 1})).layers[0]
+    dims = {"model.dim": model_cfg.dim}
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear):
+            for size in (module.in_features, module.out_features):
+                if size not in dims.values():
+                    label = "the MLP's hidden width (model.ffn_hidden)" if name.startswith("ffn.") else f"the width of {name} (model={model_cfg.name})"
+                    dims[label] = size
+    dims["data.batch_size x data.seq_len"] = data_cfg.batch_size * data_cfg.seq_len
+    return dims
 
 
 def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name: str, dims: dict[str, int], impl: str = "torchao",

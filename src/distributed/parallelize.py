@@ -123,6 +123,9 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> n
     (distribute_tensor with src_data_rank=None slices locally, no communication).
     """
     model.to_empty(device=device)
+    tie = getattr(model, "tie_weights", None)  # a shared weight (a tied head) becomes two tensors in to_empty
+    if tie is not None:
+        tie()
     for name, param in model.named_parameters():
         name = name.replace("_orig_mod.", "").replace("_fsdp_wrapped_module.", "")
         kind, std = model.param_init(name)
@@ -218,6 +221,12 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)
+    if cfg.model.hf_path:  # each rank reads only the rows of its own shards
+        from src.models.llama3.hf import load_hf_weights
+
+        n = load_hf_weights(model, cfg.model.hf_path)
+        if main:
+            log.info("model.hf_path: %d parameters read from %s", n, cfg.model.hf_path)
     if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return Parallelized(model, autocast_dtype, after_optimizer, speed_on)

@@ -115,7 +115,7 @@ def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: st
 def _code_hash() -> str:
     """The source that decides what gets exported: a change to the model or the exporter is a new module."""
     import src.edge.model as edge_model
-    import src.models.mini_llm as mini_llm
+    import src.models.mini_llm.model as mini_llm
 
     digest = hashlib.sha256()
     for module in (edge_model, mini_llm):

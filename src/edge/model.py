@@ -1,7 +1,7 @@
 """MiniLLM for inference on edge runtimes: prefill and greedy decode over a KV cache that lives in
 the model, so a compiled module keeps it on the device.
 
-The same parameters as src/models/mini_llm.py (it wraps the trained modules, so a checkpoint or a
+The same parameters as src/models/mini_llm/model.py (it wraps the trained modules, so a checkpoint or a
 safetensors export loads unchanged), with what ahead-of-time compilers need:
 
 - Attention written as matmul -> masked softmax -> matmul. IREE 3.13 fails to compile its fused

@@ -81,7 +81,7 @@ def apply_compiled(model: nn.Module, ops: list[str]) -> tuple[dict[str, int], ob
     """Swap the modules of `ops` for compiled ones, in place; returns (op -> modules swapped, the
     compiled loss function or None)."""
     from src.fusion.registry import swap_modules
-    from src.models.mini_llm import SiLUMul
+    from src.models.layers import SiLUMul
 
     unknown = [op for op in ops if op not in COMPILABLE]
     if unknown:

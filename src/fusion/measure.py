@@ -315,10 +315,14 @@ def build_block(model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: 
     """One transformer block of this model as the run's blocks are before compile and sharding: in
     the compute dtype (FSDP2 gathers the blocks' parameters in it), and with precision=fp8 its
     linears swapped for the run's float8 ones (impl and recipe), so the casts are timed too."""
-    from src.models.mini_llm import TransformerBlock
+    from src.models import build_model
 
     m = model_cfg
-    block = TransformerBlock(m.dim, m.n_heads, m.ffn_hidden or m.dim * m.ffn_mult, m.causal, m.norm_eps, str(m.mlp)).to(device, dtype)
+    from omegaconf import OmegaConf
+
+    with torch.device("meta"):
+        model = build_model(OmegaConf.merge(m, {"n_layers": 1}))  # the block's arguments, one block's worth
+    block = model.new_block().to(device, dtype)
     if precision_cfg is not None and precision_cfg.float8:
         from src.distributed.float8 import act_in_cast, convert_blocks_to_float8
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from kernels.triton.device import interpreted
-from src.models.mini_llm import SiLUMul
+from src.models.layers import SiLUMul
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ def _short(symbol: str) -> str:
 def rows(symbols: bool) -> list[list[str]]:
     out = []
     for recipe in RECIPES.values():
-        why = recipe.why_not()
-        here = "runs" if why is None else why
+        why, native = recipe.why_not(), recipe.native()
+        here = f"torch's own instead: {native}" if native else "runs" if why is None else why
         touched = ", ".join(_short(s) for s in recipe.replaces)
         if symbols:
             touched += "; reads " + ", ".join(_short(s) for s in recipe.reads)

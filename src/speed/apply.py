@@ -67,8 +67,8 @@ def decide(cfg: DictConfig, shard_ranks: int, device_type: str, reduce_dtype: st
             verdicts[name] = Verdict(False)  # it casts into what the direct unshard keeps
         elif use == "auto" and device_type != "cuda":
             verdicts[name] = Verdict(False)  # measured on GPUs: a CPU run keeps torch's path
-        elif name == "keep_unsharded" and keep_unsharded.public():
-            verdicts[name] = Verdict(True)  # FSDP2's own set_keep_unsharded_storage: no recipe
+        elif recipe.native():
+            verdicts[name] = Verdict(True)  # torch's own in the recipe's place (FSDP2's set_keep_unsharded_storage)
         else:
             why = recipe.why_not(force)
             verdicts[name] = Verdict(why is None, None if why is None else recipe.off_line(why))
@@ -84,7 +84,7 @@ def refusal(cfg: DictConfig) -> str | None:
         if strategy not in FSDP_STRATEGIES:
             return (f"speed.{name}={'true' if recipe.switch else 'on'} {recipe.does}, and sharding={cfg.sharding.name} "
                     f"does not use FSDP2; use sharding=fsdp2 or hsdp, or drop the override")
-        if name == "keep_unsharded" and keep_unsharded.public():
+        if recipe.native():
             continue
         line = recipe.refusal(bool(speed.force_unverified))
         if line:

@@ -110,5 +110,6 @@ RECIPE = Recipe(
     originals=lambda: FREE.originals(PARAM + "FSDPParam."),
     torch=("2.11", "2.13", "2.14"),
     switch=True,
+    native=lambda: "FSDP2's own FSDPModule.set_keep_unsharded_storage" if public() else None,
     notes=("torch 2.15+: FSDP2's own FSDPModule.set_keep_unsharded_storage instead (public), so the recipe is not used there",),
 )

@@ -95,6 +95,8 @@ class Recipe:
     """anything else a reader of the recipe table should know (an upstream issue, a removal condition)"""
     switch: bool = False
     """the knob is true/false (off unless asked for) rather than auto/on/off"""
+    native: Callable[[], str | None] = lambda: None
+    """what this torch offers itself in the recipe's place (then no recipe runs: the knob takes torch's own); None: nothing"""
 
     @property
     def knob(self) -> str:

@@ -211,5 +211,10 @@ def export_checkpoint(ckpt: Path, out: Path, model: nn.Module) -> None:
     with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": that is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(out))
+    seen: set[int] = set()
+    tensors = {}
+    for k, v in state["model"].items():  # a tied weight (embedding and head) written under each name
+        tensors[k] = v.contiguous().clone() if v.data_ptr() in seen else v.contiguous()
+        seen.add(v.data_ptr())
+    save_file(tensors, str(out))
     readable_like_any_file(Path(out))

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from src.compose import ConfigError
 from src.distributed.float8 import gathers_float8
 from src.fusion.registry import REGISTRY, interpreted, selected_ops, triton_usable
+from src.models.checks import model_refusal
 from src.runtime import world_size
 
 TRAINING_TASKS = {"train", "profile"}
@@ -191,12 +192,12 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     if not_compilable:
         raise ConfigError(f"kernels.compiled={not_compilable}: no compiled variant of that op; there are: {', '.join(COMPILABLE)}")
     m = cfg.model
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of {m.n_heads}, or another n_heads")
-    if m.mlp not in ("silu", "swiglu"):
-        raise ConfigError(f"model.mlp={m.mlp}: use silu (the seed's MLP) or swiglu (LLaMA's gated MLP)")
-    if min(m.dim, m.n_layers, m.n_heads, m.vocab_size, m.ffn_mult) < 1 or m.ffn_hidden < 0:
-        raise ConfigError("model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive (ffn_hidden 0 or more)")
+    why_not = model_refusal(m)
+    if why_not:
+        raise ConfigError(why_not)
+    if m.tie_embeddings and sharding.split_root:
+        raise ConfigError(f"sharding.split_root=true puts the embedding and the head in FSDP2 units of their own, and model={m.name} ties them "
+                          "(one weight): set sharding.split_root=false")
     if cfg.data.source == "text":
         _check_text_file(cfg)
     if not 0.0 <= cfg.train.label_smoothing < 1.0:

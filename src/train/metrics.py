@@ -1,8 +1,9 @@
 """Throughput, MFU and memory figures for a training step.
 
-MFU follows torchtitan: 100 * flops_per_token * tokens_per_s_per_device / peak_flops, where
-flops_per_token = 6 * N_non_embedding + 6 * layers * heads * (qk_dim + v_dim) * seq_len, and peak
-is the datasheet's dense rate for the device and compute dtype. Where no peak is known (a CPU, an
+MFU follows torchtitan: 100 * flops_per_token * tokens_per_s_per_device / peak_flops, where each
+model counts its own flops_per_token (src/models/protocol.py: 6 x the parameters a token multiplies,
+plus 12 x layers x heads x head_dim x seq_len for attention), and peak is the datasheet's dense rate
+for the device and compute dtype. Where no peak is known (a CPU, an
 unlisted GPU) MFU is None and shows as "n/a": a made-up denominator would make it meaningless.
 """
 from __future__ import annotations
@@ -23,12 +24,6 @@ PEAK_FLOPS = {
     "L40S": {"bfloat16": 362e12, "float16": 362e12, "tf32": 183e12, "float32": 91.6e12},
     "A10G": {"bfloat16": 70e12, "float16": 70e12, "tf32": 35e12, "float32": 31.2e12},
 }
-
-
-def flops_per_token(n_params_non_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (fwd 2N + bwd 4N) plus attention scores and
-    values, 6 * L * H * (qk_dim + v_dim) * T (torchtitan's count; it does not halve for causal)."""
-    return 6 * n_params_non_embedding + 6 * n_layers * n_heads * (2 * head_dim) * seq_len
 
 
 def peak_flops(device: torch.device, compute_dtype: str) -> float | None:

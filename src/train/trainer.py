@@ -45,7 +45,7 @@ from src.tracking.mlflow_run import RUN_ARTIFACTS, default_run_name, start_track
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
 from src.train.loop import LoopResult, forward_backward_step, optimizer_step, summarize, train_loop
-from src.train.metrics import flops_per_token, peak_flops, reset_peak_memory
+from src.train.metrics import peak_flops, reset_peak_memory
 from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.progress import ProgressReporter
 from src.train.records import MetricsFile, log_auto_choice, make_tracker
@@ -100,8 +100,7 @@ class Trainer:
         with torch.device("meta"):
             model = build_model(cfg.model)
         self.n_params = model.num_params(non_embedding=False)
-        self.fpt = flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layers, cfg.model.n_heads,
-                                   cfg.model.dim // cfg.model.n_heads, cfg.data.seq_len)
+        self.fpt = model.flops_per_token(cfg.data.seq_len)  # src/models/protocol.py: torchtitan's count
         self.kernels = self._swap_kernels(model)
         use_sdpa_backend(cfg.kernels.attention)  # before compile traces the blocks
         mesh = None

@@ -14,13 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.models.layers import SiLUMul, SwiGLUFeedForward, add_norm, split_projection
 
-def split_projection(linear: nn.Module, x: torch.Tensor, pieces: int) -> tuple[torch.Tensor, ...]:
-    """linear(x).chunk(pieces, -1). A linear with `split_forward` (kernels/triton/fp8_linear.py)
-    returns the chunks itself and takes their gradients apart in backward, where autograd would
-    first copy them into one tensor (in_proj's 8192 x 6144 gradient a block at the seed's shapes)."""
-    split = getattr(linear, "split_forward", None)
-    return split(x, pieces) if split is not None else linear(x).chunk(pieces, -1)
+__all__ = ["MLPS", "Attention", "FeedForward", "MiniLLM", "SiLUMul", "SwiGLUFeedForward", "TransformerBlock", "add_norm", "split_projection"]
 
 
 class Attention(nn.Module):
@@ -58,38 +54,7 @@ class FeedForward(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
-class SiLUMul(nn.Module):
-    """silu(g) * u: SwiGLU's activation as a module of its own, so a fused kernel can replace it."""
-
-    def forward(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return F.silu(g) * u
-
-
-class SwiGLUFeedForward(nn.Module):
-    """LLaMA's MLP: down(silu(gate(x)) * up(x)), no biases."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.act = SiLUMul()
-        self.down = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x), self.up(x)))
-
-
 MLPS = {"silu": FeedForward, "swiglu": SwiGLUFeedForward}
-
-
-def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, norm(x + residual)); a norm with `add_forward` (kernels/triton/rms_norm.py)
-    does both in one kernel instead of writing the sum and reading it straight back."""
-    fused = getattr(norm, "add_forward", None)
-    if fused is not None:
-        return fused(x, residual)
-    h = x + residual
-    return h, norm(h)
 
 
 class TransformerBlock(nn.Module):
@@ -127,10 +92,9 @@ class MiniLLM(nn.Module):
         ffn_hidden = ffn_hidden or dim * ffn_mult
         self.n_layers, self.n_heads, self.dim = n_layers, n_heads, dim
         self.init_std = init_std
+        self._block_args = (dim, n_heads, ffn_hidden, causal, norm_eps, mlp)
         self.embed = nn.Embedding(vocab_size, dim)
-        self.layers = nn.ModuleList(
-            TransformerBlock(dim, n_heads, ffn_hidden, causal, norm_eps, mlp) for _ in range(n_layers)
-        )
+        self.layers = nn.ModuleList(TransformerBlock(*self._block_args) for _ in range(n_layers))
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,3 +130,14 @@ class MiniLLM(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """torchtitan's count (src/models/protocol.py): 6 x the non-embedding parameters (the untied
+        head among them) plus 12 x layers x heads x head_dim x seq_len for attention."""
+        return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * self.n_heads * (self.dim // self.n_heads) * seq_len
+
+    def new_block(self) -> nn.Module:
+        return TransformerBlock(*self._block_args)
+
+    def tie_weights(self) -> None:
+        """Nothing is tied: the seed's head has its own weight."""
