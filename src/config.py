@@ -386,6 +386,23 @@ class TrainConfig:
     line); 0 turns it off"""
 
 
+class ACMode(StrEnum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    """Activation checkpointing: blocks recompute their activations in backward instead of keeping them."""
+
+    mode: ACMode = ACMode.none
+    """none; full (every block keeps only its input); selective (ac.selective says which)"""
+    selective: str = "op"
+    """with mode=selective: op (every block keeps its matmuls' and attention's outputs, recomputes the rest),
+    or N (every Nth block in full)"""
+
+
 @dataclass
 class FaultConfig:
     """Fault injection, to prove that failures are reported and recovered from (tests, drills)."""
@@ -433,6 +450,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -189,6 +189,13 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         if main:
             log.info("float8 (%s scales, %s casts): %d block linears, weights all-gathered in %s%s", cfg.precision.fp8_recipe, impl, n_fp8,
                      "float8" if gather_fp8 else "bf16", ", the MLPs' SiLU inside the down projections' casts" if fold else "")
+    if cfg.ac.mode != "none":  # torchtitan's order: float8, activation checkpointing, compile, FSDP2
+        from src.distributed.activation_checkpoint import apply_activation_checkpointing
+
+        n_ac = apply_activation_checkpointing(model, str(cfg.ac.mode), str(cfg.ac.selective))
+        if main:
+            log.info("activation checkpointing (%s%s): %d of %d blocks", cfg.ac.mode, f", {cfg.ac.selective}" if cfg.ac.mode == "selective" else "",
+                     n_ac, len(model.layers))
     if cfg.profile.nvtx:
         from src.profiling.annotate import module_ranges
 

@@ -227,6 +227,8 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"sharding.replicate={sharding.replicate} must divide the world size {world} for hsdp; set dist.nproc to a multiple of it")
     if sharding.split_root and sharding.strategy not in ("fsdp2", "hsdp"):
         raise ConfigError(f"sharding.split_root=true shards the embedding and head apart, and sharding={sharding.name} does not shard; use sharding=fsdp2 or hsdp")
+    if cfg.ac.mode == "selective" and cfg.ac.selective != "op" and not (cfg.ac.selective.isdigit() and int(cfg.ac.selective) >= 1):
+        raise ConfigError(f"ac.selective={cfg.ac.selective}: op (keep the matmuls' outputs, recompute the rest) or N >= 1 (every Nth block in full)")
     if cfg.optim.in_backward:
         _check_in_backward(cfg)
     if cfg.optim.state_dtype != "float32" and cfg.optim.impl != "triton":
