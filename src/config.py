@@ -78,6 +78,7 @@ class DistBackend(StrEnum):
 class DataSource(StrEnum):
     random = "random"
     text = "text"
+    tokens = "tokens"
 
 
 class Schedule(StrEnum):
@@ -281,7 +282,7 @@ class SpeedConfig:
 class DataConfig:
     name: str = MISSING
     source: DataSource = DataSource.random
-    """random (the seed's uniform tokens) or text (byte-level corpus)"""
+    """random (the seed's uniform tokens), text (byte-level corpus) or tokens (a corpus python -m src.data.prepare made)"""
     batch_size: int = 8
     """sequences per device per step (the seed's 8); the global batch is batch_size x data-parallel ranks"""
     seq_len: int = 1024
@@ -289,6 +290,8 @@ class DataConfig:
     """text only: a UTF-8 file to train on; empty means the Python standard library's own source"""
     corpus_mb: float = 4.0
     """text only: megabytes of the standard-library corpus to read"""
+    tokens_path: str | None = None
+    """tokens only: the folder python -m src.data.prepare wrote (meta.json, token shards, tokenizer.json)"""
 
 
 @dataclass

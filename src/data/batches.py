@@ -1,9 +1,12 @@
-"""Token batches for training: the seed's random tokens, or a byte-level text corpus.
+"""Token batches for training: the seed's random tokens, a byte-level text corpus, or a pre-tokenized
+corpus (src/data/tokens.py, made by `python -m src.data.prepare`).
 
 Every step draws one *global* batch of `batch_size * dp_world` sequences from a generator seeded by
 (seed, step) and each data-parallel rank takes its own slice. So the data a run sees is fixed by
 the seed and the global batch, not by how many ranks share it: a 2-rank FSDP2 run and a 1-rank run
-with twice the batch train on the same sequences, which is what the parity tests compare.
+with twice the batch train on the same sequences, which is what the parity tests compare. And a
+run resumed from a checkpoint after N steps (the step is saved) draws exactly the batches an
+uninterrupted run draws from step N on.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class TokenBatches:
         device: torch.device | str = "cpu",
         text_path: str | None = None,
         corpus_mb: float = 4.0,
+        tokens_path: str | None = None,
     ):
         self.source, self.vocab_size = source, vocab_size
         self.batch_size, self.seq_len = batch_size, seq_len
@@ -55,8 +59,12 @@ class TokenBatches:
             if len(raw) <= seq_len + 1:
                 raise ValueError(f"text corpus has {len(raw)} bytes; it needs more than seq_len+1={seq_len + 1}")
             self.corpus = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        elif source == "tokens":
+            from src.data.tokens import TokenShards
+
+            self.shards = TokenShards(Path(tokens_path), seq_len + 1)
         elif source != "random":
-            raise ValueError(f"data.source={source!r} is not one of: random, text")
+            raise ValueError(f"data.source={source!r} is not one of: random, text, tokens")
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
@@ -73,6 +81,12 @@ class TokenBatches:
             shape = (global_batch, self.seq_len)
             inputs = torch.randint(0, self.vocab_size, shape, generator=gen)[lo:hi]
             targets = torch.randint(0, self.vocab_size, shape, generator=gen)[lo:hi]
+        elif self.source == "tokens":
+            import numpy as np
+
+            picks = torch.randint(0, self.shards.windows, (global_batch,), generator=gen)[lo:hi]
+            window = torch.from_numpy(np.stack([self.shards.read(i) for i in picks.tolist()]).astype(np.int64))
+            inputs, targets = window[:, :-1], window[:, 1:]
         else:
             starts = torch.randint(0, len(self.corpus) - self.seq_len - 1, (global_batch,), generator=gen)[lo:hi]
             window = torch.stack([self.corpus[s : s + self.seq_len + 1] for s in starts.tolist()]).long()

@@ -141,6 +141,23 @@ def _check_text_file(cfg: DictConfig) -> None:
         raise ConfigError(f"data.text_path={path}: the file {what}; data.seq_len={cfg.data.seq_len} needs at least {need} bytes: give a longer file or lower data.seq_len")
 
 
+def _check_tokens(cfg: DictConfig) -> None:
+    """data=tokens: a prepared folder whose vocabulary the model holds and whose shards hold a window."""
+    from src.data.tokens import TokenDataError, TokenShards
+
+    path = cfg.data.tokens_path
+    if not path:
+        raise ConfigError("data=tokens reads a corpus python -m src.data.prepare made: set data.tokens_path=DIR")
+    try:
+        shards = TokenShards(Path(path), cfg.data.seq_len + 1)
+    except TokenDataError as err:
+        raise ConfigError(str(err)) from None
+    vocab = shards.meta["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokens_path={path} holds token ids up to {vocab - 1} (its tokenizer's vocabulary, {vocab}), "
+                          f"and model.vocab_size={cfg.model.vocab_size}: set model.vocab_size={vocab} or more")
+
+
 def _lowest_capability(cuda_device_count: int) -> tuple[tuple[int, int] | None, str]:
     """The lowest compute capability among the visible GPUs and that GPU's name; probed only for
     precision=fp8, the one setting that needs it."""
@@ -200,6 +217,8 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
                           "(one weight): set sharding.split_root=false")
     if cfg.data.source == "text":
         _check_text_file(cfg)
+    if cfg.data.source == "tokens":
+        _check_tokens(cfg)
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing={cfg.train.label_smoothing}: a fraction in [0, 1), e.g. 0.1")
     if cfg.train.nonfinite not in ("fail", "skip"):

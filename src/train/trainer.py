@@ -117,7 +117,7 @@ class Trainer:
         self._checkpoint_and_resume()
         self.batches = TokenBatches(
             cfg.data.source, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed,
-            env.rank, env.world_size, env.device, cfg.data.text_path, cfg.data.corpus_mb,
+            env.rank, env.world_size, env.device, cfg.data.text_path, cfg.data.corpus_mb, cfg.data.tokens_path,
         )
         self.batches.step = self.start_step  # the data position is the step: the batch of step s depends on (seed, s) only
         self.peak = peak_flops(env.device, cfg.precision.param_dtype)

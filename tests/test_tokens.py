@@ -1,0 +1,102 @@
+"""Real data: `python -m src.data.prepare` with a BPE trained by `tokenizers` or a tokenizer.json given,
+memory-mapped shards (uint16 and uint32, windows never across a shard's end), a run on them whose
+resume from a checkpoint sees the same next batches, and the refusals of a corpus a run cannot use."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("tokenizers")
+
+from src.compose import ConfigError, compose_config  # noqa: E402
+from src.data.batches import TokenBatches  # noqa: E402
+from src.data.prepare import main as prepare  # noqa: E402
+from src.data.tokens import TokenShards, write_shards  # noqa: E402
+from src.runtime import RunContext  # noqa: E402
+
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 40 + "\n") * 5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(3):
+        (d / f"doc{i}.txt").write_text(f"Document {i}. " + TEXT + "def f(x):\n    return x * 2\n" * (i + 1))
+    out = d / "bpe"
+    assert prepare(["--train-bpe", "300", "--text", *map(str, sorted(d.glob("doc*.txt"))), "--out", str(out), "--shard-tokens", "700"]) == 0
+    return out
+
+
+def test_prepare_writes_shards_a_tokenizer_and_meta(corpus):
+    from tokenizers import Tokenizer
+
+    meta = json.loads((corpus / "meta.json").read_text())
+    assert meta["vocab_size"] == 300 and meta["dtype"] == "uint16" and len(meta["shards"]) >= 2 and meta["eos_id"] is not None
+    ids = np.concatenate([np.fromfile(corpus / name, dtype=np.uint16) for name, _ in meta["shards"]])
+    assert len(ids) == meta["tokens"] == sum(n for _, n in meta["shards"]) and ids.max() < 300
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    first = ids[: list(ids).index(meta["eos_id"])].tolist()  # the first document, up to its end-of-text
+    assert tokenizer.decode(first).startswith("Document 0. The quick brown fox")
+    # the same tokenizer.json given back encodes the same ids (a checkpoint's tokenizer, as LLaMA's)
+    again = corpus.parent / "again"
+    assert prepare(["--tokenizer", str(corpus / "tokenizer.json"), "--text", *map(str, sorted(corpus.parent.glob("doc*.txt"))),
+                    "--out", str(again), "--shard-tokens", "700"]) == 0
+    assert json.loads((again / "meta.json").read_text())["shards"] == meta["shards"]
+
+
+def test_windows_are_read_from_their_own_shard_in_either_dtype(tmp_path):
+    docs = [list(range(10)), list(range(100, 107))]
+    for vocab, dtype in ((300, np.uint16), (70000, np.uint32)):
+        meta = write_shards(tmp_path / str(vocab), iter(docs), vocab, eos_id=vocab - 1, tokenizer="test", shard_tokens=8)
+        assert meta["dtype"] == np.dtype(dtype).name
+        shards = TokenShards(tmp_path / str(vocab), window=4)
+        flat = [t for d in docs for t in (*d, vocab - 1)]  # 19 tokens in shards of 8, 8, 3
+        assert [n for _, n in meta["shards"]] == [8, 8, 3] and shards.windows == 5 + 5 + 0
+        windows = [shards.read(i).tolist() for i in range(shards.windows)]
+        assert windows[0] == flat[0:4] and windows[4] == flat[4:8] and windows[5] == flat[8:12]
+
+
+def test_a_run_on_tokens_resumes_at_the_same_batch(tmp_path, corpus, in_process_runs):
+    """4 steps straight against 2 steps, a checkpoint, and 2 more resumed: the same fp32 losses on the
+    steps after the checkpoint, because the batch of a step is drawn by (seed, step)."""
+    from src.train.worker import train
+
+    common = ["model=llama3_tiny", "model.vocab_size=300", "data=tokens", f"data.tokens_path={corpus}", "data.seq_len=32",
+              "data.batch_size=2", "dist.nproc=1", "precision=fp32", "tracking=none", "train.progress=false",
+              "checkpoint.enabled=true", "checkpoint.interval=2"]
+
+    def run(name: str, steps: int, extra=()) -> list[float]:
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        train(compose_config([*common, f"train.steps={steps}", f"checkpoint.folder={tmp_path / name / 'ck'}", *extra]),
+              RunContext(run_dir=str(d), cwd=str(tmp_path)))
+        return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    straight = run("straight", 4)
+    first = run("first", 2)
+    resumed = run("resumed", 4, [f"checkpoint.resume={tmp_path / 'first' / 'ck' / 'step_00000002'}"])
+    assert first == straight[:2] and resumed[-2:] == straight[2:]
+    batches = TokenBatches("tokens", 300, 2, 32, 0, tokens_path=str(corpus))
+    batches.step = 3
+    x, y = next(batches)
+    assert x.dtype == torch.int64 and x.shape == (2, 32) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_a_corpus_the_run_cannot_use_is_refused_in_one_line(tmp_path, corpus):
+    from src.validate import validate
+
+    def refused(overrides: list[str]) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate(compose_config(overrides), cuda_device_count=0, mps_available=False)
+        return str(err.value)
+
+    assert refused(["data=tokens"]) == "data=tokens reads a corpus python -m src.data.prepare made: set data.tokens_path=DIR"
+    assert refused(["data=tokens", f"data.tokens_path={tmp_path}"]).startswith(f"data.tokens_path={tmp_path}: no meta.json there")
+    assert refused(["data=tokens", f"data.tokens_path={corpus}", "model=llama3_tiny", "data.seq_len=32"]) == (
+        f"data.tokens_path={corpus} holds token ids up to 299 (its tokenizer's vocabulary, 300), and model.vocab_size=256: "
+        "set model.vocab_size=300 or more")
+    assert "no shard holds 100001 tokens" in refused(["data=tokens", f"data.tokens_path={corpus}", "model.vocab_size=300", "data.seq_len=100000"])
