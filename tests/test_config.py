@@ -80,7 +80,7 @@ def test_fsdp4_fp8_is_the_tuned_run_with_float8_blocks_one_launch_adamw_and_grap
 
 BAD_OVERRIDES = [
     (["precision=fp9"], "precision=fp9: no such option in group 'precision'; use one of: bf16, fp32"),
-    (["model.dimm=3"], "model.dimm=3: unknown key 'model.dimm'; valid keys in model: vocab_size, dim,"),
+    (["model.dimm=3"], "model.dimm=3: unknown key 'model.dimm'; valid keys in model: arch, vocab_size, dim,"),
     (["+model.dimm=3"], "model.dimm: unknown key in model; valid keys:"),
     (["model.dim=abc"], "model.dim=abc: Value 'abc' of type 'str' could not be converted to Integer; model.dim takes an integer"),
     (["train.steps=1.5"], "train.steps=1.5:"),
@@ -106,7 +106,7 @@ BAD_OVERRIDES = [
     (["kernels.attention=cudn"], "kernels.attention=cudn: not a choice of kernels.attention; use one of: default, flash, efficient, cudnn"),
     (["data=text", "data.text_path=/no/such/file.txt"], "data.text_path=/no/such/file.txt: no such file"),
     (["data=text", "data.text_path=/dev"], "data.text_path=/dev: not a regular file"),
-    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, fsdp4_fp8, fsdp4_tuned, kernels, kernels_cpu, profile"),
+    (["+exp=nope"], "exp=nope: no such option in group 'exp'; use one of: diagnose, edge, fsdp4, fsdp4_fp8, fsdp4_tuned, kernels, kernels_cpu, llama3_1b, llama3_1b_fp8, profile"),
     # issue 14: each of these used to fail inside a rank, or train nonsense, or make folders
     (["optim.lr=-1"], "optim.lr=-1.0: must be a positive finite learning rate"),
     (["kernels.loss_trial=-1"], "kernels.loss_trial=-1: must be 0 (no trial) or more pairs of steps"),
@@ -114,7 +114,7 @@ BAD_OVERRIDES = [
     (["optim.lr=nan"], "optim.lr=nan: must be a positive finite learning rate"),
     (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]: must be two numbers in [0, 1)"),
     (["data=random", "model.vocab_size=1"], "model.vocab_size=1: must be at least 2 tokens"),
-    (["model=base_model"], "model=base_model: no such option in group 'model'; use one of: mini_llm, small, tiny"),
+    (["model=base_model"], "model=base_model: no such option in group 'model'; use one of: llama3_1b, llama3_3b, llama3_8b, llama3_tiny, mini_llm, qwen2_5_0_5b, small, tiny"),
     (["sharding=base_sharding"], "sharding=base_sharding: no such option"),
     (["sharding.strategy=fsdp"], "sharding.strategy=fsdp: not a choice of sharding.strategy; use one of: fsdp2, hsdp, none"),
     (["speed.grad_upcast=triton"], "speed.grad_upcast=triton: not a choice of speed.grad_upcast; use one of: auto, on, off"),
@@ -157,7 +157,7 @@ def test_a_text_file_too_short_to_read_a_window_from_is_refused(tmp_path: Path):
 
 def test_help_lists_groups_and_every_option_with_its_docstring(workdir: Path):
     proc = run_cli(["--help", "optim.schedule=cosine"], cwd=workdir, timeout=120)
-    assert proc.returncode == 0 and "model: mini_llm, small, tiny" in proc.stdout
+    assert proc.returncode == 0 and "model: llama3_1b, llama3_3b, llama3_8b, llama3_tiny, mini_llm, qwen2_5_0_5b, small, tiny" in proc.stdout
     assert "base_" not in proc.stdout  # schemas are not offered as options
     lines = proc.stdout.splitlines()
     # the composed values (tiny's width, the override) beside each field's docstring from src/config.py

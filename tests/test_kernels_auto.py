@@ -59,6 +59,35 @@ def test_without_a_diagnosis_auto_names_the_command_that_makes_one(tmp_path, mon
     assert proc.returncode == 2 and "kernels.diagnosis=nowhere.json: no diagnosis.json there" in proc.stderr
 
 
+def test_on_a_gpu_without_a_diagnosis_auto_times_every_fusable_op_and_says_so(tmp_path, monkeypatch, caplog):
+    """A fresh GPU machine: no diagnosis anywhere, so every op with a fused variant (and AdamW's
+    kernels) is a candidate, the timing alone decides, and the log says that is what happened. A
+    named diagnosis that is missing is still refused: the user asked for that one."""
+    import logging
+
+    import src.fusion.choice as choice_mod
+    import src.fusion.measure as measure_mod
+    from src.fusion.choice import MEASURED_ONLY, apply_auto_choice
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(choice_mod, "_gpu_present", lambda: True)
+    timer, calls = _stub_timer({("rms_norm", "eager"): 0.10, ("rms_norm", "triton"): 0.05, ("add_rms_norm", "eager"): 0.15,
+                                ("add_rms_norm", "triton"): 0.08, ("swiglu", "eager"): 0.3, ("swiglu", "triton"): 0.2,
+                                ("head_loss", "eager"): 1.0, ("head_loss", "triton"): 0.9, ("head_loss", "linear_cross_entropy"): 0.6,
+                                ("block", "picked"): 0.5, ("block", "compile"): 0.6, ("block", "eager"): 0.7})
+    monkeypatch.setattr(measure_mod, "measure_on_gpu", lambda ops, cfg: measure_mod.measure(ops, cfg, timer))
+    cfg = compose_config(["kernels=auto", "model=llama3_tiny", "backend=cuda", "dist.nproc=1", "data.seq_len=64"])
+    caplog.set_level(logging.INFO, logger="src.run")
+    choice = apply_auto_choice(cfg, tmp_path)
+    assert choice.diagnosis == "" and set(choice.ops) >= {"rms_norm", "swiglu", "cross_entropy"}
+    assert all(lines == [MEASURED_ONLY] for lines in choice.ops.values())
+    assert {case for case, *_ in calls} >= {"rms_norm", "swiglu", "head_loss", "block"}  # what LLaMA has, timed
+    assert set(cfg.kernels.fused) == {"rms_norm", "swiglu", "linear_cross_entropy"}
+    assert any("no diagnosis of model=llama3_tiny" in r.getMessage() and "timing alone decides" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="kernels.diagnosis=nowhere.json: no diagnosis.json there"):
+        apply_auto_choice(compose_config(["kernels=auto", "kernels.diagnosis=nowhere.json", "backend=cuda", "dist.nproc=1"]), tmp_path)
+
+
 def test_auto_finds_this_models_diagnosis_swaps_its_ops_and_logs_why(tmp_path):
     # A diagnose run of model=tiny as task=diagnose leaves it: RUN/config.yaml, RUN/diagnose/diagnosis.json.
     run = tmp_path / "outputs" / "2026-11-30" / "00-00-00"

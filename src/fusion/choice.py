@@ -95,11 +95,21 @@ def _choose(path_name: str, mtime_ns: int, size: int) -> AutoChoice:
     return AutoChoice(str(path), str(diagnosis.get("device", "")), ops)
 
 
+MEASURED_ONLY = "no diagnosis of this model: every fusable op it has is timed on this GPU"
+
+
 def auto_choice(cfg: DictConfig, cwd: str | Path) -> AutoChoice | None:
-    """The choice `kernels=auto` makes for this config (None for any other kernels setting)."""
+    """The choice `kernels=auto` makes for this config (None for any other kernels setting). Without
+    a diagnosis, on a GPU, every op with a fused variant is a candidate and the timing on this GPU
+    decides alone (a diagnosis only narrows what is timed); without either, the run is refused."""
     if not cfg.kernels.auto:
         return None
-    return choose(find_diagnosis(cfg, cwd))
+    try:
+        return choose(find_diagnosis(cfg, cwd))
+    except ConfigError:
+        if cfg.kernels.diagnosis or cfg.backend.name != "cuda" or not _gpu_present():
+            raise
+        return AutoChoice("", "", {op: [MEASURED_ONLY] for op in (*REGISTRY, OPTIMIZER)})
 
 
 def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) -> AutoChoice | None:
@@ -110,6 +120,9 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
     choice = auto_choice(cfg, cwd)
     if choice is None:
         return None
+    if not choice.diagnosis:
+        log.info("kernels=auto: no diagnosis of model=%s under ./outputs or ./multirun; every op with a fused variant is timed on "
+                 "this GPU instead, and the timing alone decides (a diagnosis narrows what is timed: `%s`)", cfg.model.name, make_one(cfg))
     module_ops = [op for op in choice.ops if op in REGISTRY]
     fused, compiled, measured, compile_blocks, optimizer, reasons = module_ops, [], {}, bool(cfg.kernels.compile), None, {}
     if OPTIMIZER in choice.ops:
