@@ -2,7 +2,7 @@
 
 The field docstrings in src/config.py and src/config_tasks.py are the reference; Python keeps no
 such strings at run time, so they are read from the source with `ast`. conf/config.yaml's `hydra.help.template` places this
-text under Hydra's own listing of the config groups (`${perflab_options:}`, a resolver).
+text under the config groups' listing (`${perflab_groups:}` and `${perflab_options:}`, resolvers).
 """
 from __future__ import annotations
 
@@ -79,6 +79,19 @@ def options_help(*, _root_=None) -> str:
     return "\n".join(out).replace("$", "$$")  # Hydra fills the template with string.Template
 
 
+def groups_help() -> str:
+    """Each config group of conf/ and its options, wrapped at WIDTH (Hydra's $APP_CONFIG_GROUPS puts
+    a group on one line however long)."""
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    lines = []
+    for group in sorted(p for p in conf.iterdir() if p.is_dir()):
+        options = ", ".join(sorted(f.stem for f in group.glob("*.yaml")))
+        lines.append(textwrap.fill(options, WIDTH, initial_indent=f"{group.name}: ", subsequent_indent="  "))
+    return "\n".join(lines)
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("perflab_options"):
         OmegaConf.register_new_resolver("perflab_options", options_help, use_cache=False)
+    if not OmegaConf.has_resolver("perflab_groups"):
+        OmegaConf.register_new_resolver("perflab_groups", groups_help, use_cache=False)
