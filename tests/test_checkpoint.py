@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from src.export import main as export_main
-from src.models.mini_llm import MiniLLM
+from src.models import build_model
 from tests.conftest import read_summary, run_cli
 
 # fp32 so that "equal" means equal: same ranks, same reduction order, same bits.
@@ -136,11 +136,11 @@ def test_two_rank_checkpoint_loads_in_one_process_and_exports_for_inference(tmp_
     os.umask(umask)
     for weights in (out, _run_dir(straight) / "model.safetensors"):  # safetensors alone leaves 0600
         assert weights.stat().st_mode & 0o777 == 0o666 & ~umask, oct(weights.stat().st_mode)
-    cfg = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(ckpt / "config.yaml")).items() if k != "name"}
-    model = MiniLLM(**cfg)
+    cfg = OmegaConf.load(ckpt / "config.yaml")  # the model's shape, as build_model reads it
+    model = build_model(cfg)
     model.load_state_dict(load_file(str(out)))
-    tokens = torch.randint(0, cfg["vocab_size"], (2, 17))
-    reference = MiniLLM(**cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17))
+    reference = build_model(cfg)
     reference.load_state_dict(load_file(str(_run_dir(straight) / "model.safetensors")))
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
 

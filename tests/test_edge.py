@@ -92,6 +92,26 @@ def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
     assert artifacts.manifest["variant"] == "llvmpipe-nocoop"
 
 
+def _llama_matches_torch(tmp_path: Path, cache: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from src.compose import compose_config
+
+    model = OmegaConf.to_container(compose_config(["model=llama3_tiny"]).model, resolve=True)
+    ref = reference_model(model, {"seed": 0}, PROMPT + STEPS, BATCH)
+    artifacts = build(copy.deepcopy(ref), model, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache)
+    _generates_torch_tokens(IreeRunner(artifacts, "vulkan"), ref, "fp32")
+    assert tuple(ref.k_cache.shape) == (2, BATCH, 2, PROMPT + STEPS, 16)  # two key/value heads of four query heads
+
+
+@needs_vulkan
+def test_the_llama_family_with_rope_and_grouped_kv_cache_matches_torch_on_vulkan(tmp_path, cache):
+    """model=llama3_tiny (RoPE with 3.1's scaling, 2 key/value heads for 4 query heads, a tied head,
+    the norm before it) through IREE on lavapipe: prefill and ten decode steps, each step's logits
+    within fp32's tolerance of torch's and the same greedy tokens."""
+    in_own_process(_llama_matches_torch, tmp_path, cache)
+
+
 @needs_vulkan
 def test_no_growing_hoists_by_default_take_the_constant_copy_and_its_gpu_wait_out_of_decode(tmp_path, cache):
     in_own_process(_no_growing_hoists_match_torch, tmp_path, cache)

@@ -16,10 +16,6 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
     from src.edge.task import default_target
 
     e = cfg.edge
-    if cfg.model.arch != "mini_llm":
-        # src/edge/model.py's KV-cache module is MiniLLM's (one qkv of three equal pieces, no RoPE)
-        raise ConfigError(f"task=infer exports MiniLLM models (model=tiny, small, mini_llm); model={cfg.model.name} (model.arch={cfg.model.arch}) "
-                          "has no edge module yet: pick one of those")
     if e.action not in ("bench", "compile", "run"):
         raise ConfigError(f"edge.action={e.action}: bench (compile if needed, then time here), compile (artifacts for another device) or run (time artifacts)")
     if backend not in ("vulkan", "mps", "cpu", "cuda"):

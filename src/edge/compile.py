@@ -115,10 +115,13 @@ def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: st
 def _code_hash() -> str:
     """The source that decides what gets exported: a change to the model or the exporter is a new module."""
     import src.edge.model as edge_model
+    import src.models.layers as layers
+    import src.models.llama3.model as llama3
+    import src.models.llama3.rope as rope
     import src.models.mini_llm.model as mini_llm
 
     digest = hashlib.sha256()
-    for module in (edge_model, mini_llm):
+    for module in (edge_model, layers, mini_llm, llama3, rope):
         digest.update(Path(module.__file__).read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]

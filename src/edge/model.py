@@ -1,13 +1,16 @@
-"""MiniLLM for inference on edge runtimes: prefill and greedy decode over a KV cache that lives in
-the model, so a compiled module keeps it on the device.
+"""A model of src/models/ for inference on edge runtimes: prefill and greedy decode over a KV cache
+that lives in the model, so a compiled module keeps it on the device.
 
-The same parameters as src/models/mini_llm/model.py (it wraps the trained modules, so a checkpoint or a
-safetensors export loads unchanged), with what ahead-of-time compilers need:
+The same parameters as the trained model (it wraps its modules, so a checkpoint or a safetensors
+export loads unchanged), reading it through src/models/protocol.py: each block's `attn.heads(x,
+positions)` gives q, k and v as the cache keeps them (LLaMA's rotated for their positions, its keys
+and values for its n_kv_heads only, shared by the query heads' groups), `norm` (where the model has
+one) comes before the head. With what ahead-of-time compilers need:
 
 - Attention written as matmul -> masked softmax -> matmul. IREE 3.13 fails to compile its fused
   attention op for SPIR-V (`iree_linalg_ext.online_attention` bufferization), which is what
   `scaled_dot_product_attention` lowers to; the explicit form compiles for every target.
-- The cache is two persistent buffers, `k_cache` and `v_cache`, (L, B, heads, max_seq, head_dim)
+- The cache is two persistent buffers, `k_cache` and `v_cache`, (L, B, kv heads, max_seq, head_dim)
   each. iree.turbine exports a mutated buffer as a mutable module global, and an externalised one
   as a parameter (zeros in the .irpa) rather than constants in the .vmfb: inlined zeros made a
   16 MiB module for a 16 MiB cache. So no cache tensor crosses the module boundary: a decode call
@@ -32,11 +35,15 @@ import math
 import torch
 import torch.nn as nn
 
-from src.models.mini_llm import MiniLLM, add_norm
+from src.models.layers import add_norm
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v for (B, nh, Tq, hs) queries over (B, nh, S, hs) keys."""
+    """softmax(q k^T / sqrt(d) + mask) v for (B, nh, Tq, hs) queries over (B, kv, S, hs) keys (kv heads,
+    each shared by nh / kv query heads: repeated up to nh)."""
+    if k.shape[1] != q.shape[1]:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     # softmax in fp32: fp16 scores of a 256-wide row would round the normaliser to 11 bits
     probs = torch.softmax((scores + mask).float(), dim=-1).to(v.dtype)
@@ -66,18 +73,18 @@ def greedy_token(logits: torch.Tensor) -> torch.Tensor:
 
 
 class EdgeLM(nn.Module):
-    def __init__(self, model: MiniLLM, max_seq: int, batch: int = 1):
+    def __init__(self, model: nn.Module, max_seq: int, batch: int = 1):
         super().__init__()
         self.model = model
         self.max_seq = max_seq
-        self.n_heads = model.n_heads
-        self.head_dim = model.dim // model.n_heads
+        attn = model.layers[0].attn
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.resize_cache(batch)
 
     def resize_cache(self, batch: int) -> EdgeLM:
         """Zeroed caches for `batch` sequences, in the dtype and on the device of the weights."""
         w = self.model.embed.weight
-        shape = (len(self.model.layers), batch, self.n_heads, self.max_seq, self.head_dim)
+        shape = (len(self.model.layers), batch, self.n_kv_heads, self.max_seq, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device))
         self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device))
         return self
@@ -86,11 +93,8 @@ class EdgeLM(nn.Module):
     def batch(self) -> int:
         return self.k_cache.shape[1]
 
-    def _qkv(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        B, T, C = x.shape
-        qkv = block.attn.in_proj(block.norm1(x)).view(B, T, 3, self.n_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
-        return q, k, v
+    def _qkv(self, block: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return block.attn.heads(block.norm1(x), positions)  # q (B, nh, T, hs); k, v (B, kv, T, hs)
 
     def _finish(self, block: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = y.shape
@@ -99,16 +103,19 @@ class EdgeLM(nn.Module):
         return h + block.ffn(normed)
 
     def _sample(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model.head(x[:, -1])  # (B, V)
+        x = x[:, -1]
+        norm = getattr(self.model, "norm", None)  # LLaMA's norm before the head; MiniLLM has none
+        logits = self.model.head(norm(x) if norm is not None else x)  # (B, V)
         return greedy_token(logits), logits
 
     def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = tokens.shape
         x = self.model.embed(tokens)
         causal = torch.full((T, T), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
+        positions = torch.arange(T, device=x.device)
         ks, vs = [], []
         for block in self.model.layers:
-            q, k, v = self._qkv(block, x)
+            q, k, v = self._qkv(block, x, positions)
             ks.append(k)
             vs.append(v)
             x = self._finish(block, x, _attend(q, k, v, causal))
@@ -126,12 +133,12 @@ class EdgeLM(nn.Module):
         mask = torch.where(positions <= pos, 0.0, float("-inf")).to(x.dtype).view(1, 1, 1, self.max_seq)
         ks, vs = [], []
         for i, block in enumerate(self.model.layers):
-            q, k, v = self._qkv(block, x)  # (B, nh, 1, hs)
+            q, k, v = self._qkv(block, x, pos)  # q (B, nh, 1, hs), k and v (B, kv, 1, hs)
             ks.append(k)
             vs.append(v)
             x = self._finish(block, x, _attend(q, torch.where(here, k, self.k_cache[i]), torch.where(here, v, self.v_cache[i]), mask))
         index = pos.to(torch.int64)
-        self.k_cache.index_copy_(3, index, torch.stack(ks))  # (L, B, nh, 1, hs) into position pos
+        self.k_cache.index_copy_(3, index, torch.stack(ks))  # (L, B, kv, 1, hs) into position pos
         self.v_cache.index_copy_(3, index, torch.stack(vs))
         return self._sample(x)
 

@@ -49,11 +49,10 @@ def reference_model(model_cfg: dict, weights: dict, max_seq: int, batch: int = 1
     """The model in fp32 on the CPU: seeded initialisation (src/distributed/parallelize.py, as
     training starts from), or a safetensors export of a trained one."""
     from src.distributed.parallelize import materialize_and_init
-    from src.models.mini_llm import MiniLLM
+    from src.models import build_model
 
-    kwargs = {k: v for k, v in model_cfg.items() if k != "name"}
     with torch.device("meta"):
-        model = MiniLLM(**kwargs)
+        model = build_model(model_cfg)
     materialize_and_init(model, torch.device("cpu"), weights.get("seed", 0))
     if weights.get("safetensors"):
         from safetensors.torch import load_file

@@ -3,6 +3,7 @@ constructor arguments only, never the config object (build_model is the boundary
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
@@ -32,9 +33,10 @@ def foreign_fields(model_cfg: DictConfig, defaults: dict) -> list[str]:
     return [k for k, v in model_cfg.items() if k not in own and k in defaults and v != defaults[k]]
 
 
-def build_model(model_cfg: DictConfig) -> CausalLM:
-    """The config-to-constructor boundary: the model itself only sees plain arguments."""
-    cfg = OmegaConf.to_container(model_cfg, resolve=True)
+def build_model(model_cfg: DictConfig | Mapping) -> CausalLM:
+    """The config-to-constructor boundary: the model itself only sees plain arguments. `model_cfg`:
+    the model group of a run's config (or a checkpoint's config.yaml), as a DictConfig or a dict."""
+    cfg = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
     arch = str(cfg.get("arch", "mini_llm"))
     own = arguments(arch)
     return ARCHS[arch](**{k: v for k, v in cfg.items() if k in own})

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from src.models.layers import SwiGLUFeedForward, add_norm
-from src.models.llama3.rope import RopeConfig, apply_rotary, rotary_table
+from src.models.llama3.rope import RopeConfig, apply_rotary, rotary_at
 
 
 def llama_ffn_hidden(dim: int, multiple_of: int = 256) -> int:
@@ -40,14 +40,20 @@ class GroupedQueryAttention(nn.Module):
         self.qkv = nn.Linear(dim, sum(self.sizes), bias=qkv_bias)
         self.out_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, hd), k and v (B, KV, T, hd), q and k rotated for `positions` (T,): what attention
+        reads, and what a KV cache keeps (src/edge/model.py)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_table(self.rope, T, x.device, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cos, sin = rotary_at(self.rope, positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.heads(x, torch.arange(T, device=x.device))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.n_kv_heads != self.n_heads)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H * hd)
         return self.out_proj(y)

@@ -42,14 +42,18 @@ def inverse_frequencies(rope: RopeConfig, device: torch.device | None = None) ->
     return torch.where(medium, blended, scaled)
 
 
-def rotary_table(rope: RopeConfig, seq_len: int, device: torch.device, dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (seq_len, head_dim) in `dtype`, for positions start .. start + seq_len - 1:
-    position p's angles p * inv_freq, twice over."""
-    inv_freq = inverse_frequencies(rope, device)
-    positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (T, hd/2)
+def rotary_at(rope: RopeConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (len(positions), head_dim) in `dtype`, for the given positions (an int tensor:
+    a KV cache's decode passes the one it writes): position p's angles p * inv_freq, twice over."""
+    inv_freq = inverse_frequencies(rope, positions.device)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)  # (T, hd/2)
     emb = torch.cat((angles, angles), dim=-1)  # (T, hd)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_table(rope: RopeConfig, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_at positions 0 .. seq_len - 1."""
+    return rotary_at(rope, torch.arange(seq_len, device=device), dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

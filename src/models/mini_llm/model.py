@@ -29,6 +29,22 @@ class Attention(nn.Module):
         self.in_proj = nn.Linear(dim, 3 * dim, bias=True)
         self.out_proj = nn.Linear(dim, dim, bias=True)
 
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads  # every head its own keys and values
+
+    @property
+    def head_dim(self) -> int:
+        return self.in_proj.in_features // self.n_heads
+
+    def heads(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v), each (B, n_heads, T, head_dim), as a KV cache keeps them (src/edge/model.py);
+        `positions` goes unused: the seed's attention has no position embedding."""
+        B, T, C = x.shape
+        qkv = self.in_proj(x).view(B, T, 3, self.n_heads, C // self.n_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hs)
+        return q, k, v
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         # q, k, v split off the token axis and only then viewed as (B, nh, T, hs): backward's dq, dk
