@@ -100,3 +100,24 @@ def test_a_parallel_joblib_sweep_logs_parent_and_children_to_the_server(tmp_path
     best = max(children.values(), key=lambda c: c.data.metrics["summary.tokens_per_s_per_device"])
     assert parent.data.metrics["summary.tokens_per_s_per_device"] == best.data.metrics["summary.tokens_per_s_per_device"]
     assert parent.data.tags["best_job"].startswith(best.info.run_name)
+
+
+def test_a_call_to_a_server_still_down_after_the_retry_window_is_skipped_with_one_warning(caplog):
+    """The store stops answering and does not come back within tracking.retry_s: the call is given up
+    (None), the rest of the record is skipped, one warning names the first error. (It raised
+    UnboundLocalError before: the error was bound only when the retry itself ran and failed.)"""
+    import logging
+
+    from src.tracking.mlflow_run import MlflowTracker
+
+    down = f"http://127.0.0.1:{_free_port()}"
+    tracker = MlflowTracker(down, "e", "r", {}, {}, None, metric_writer=False, retry_s=0.2)
+
+    def refused():
+        raise ConnectionError("connection refused")
+
+    with caplog.at_level(logging.WARNING):
+        assert tracker._server_call("the summary metrics", refused) is None
+        assert tracker._server_call("the run's end", refused) is None  # skipped, no second warning
+    warnings = [r.getMessage() for r in caplog.records if "did not take" in r.getMessage()]
+    assert len(warnings) == 1 and "the summary metrics (ConnectionError: connection refused)" in warnings[0] and tracker.server_lost

@@ -243,7 +243,8 @@ class MlflowTracker(NullTracker):
             return None
         try:
             return call()
-        except Exception:
+        except Exception as first:
+            err = first  # what the warning names, unless the retry fails too (a server still down: no retry)
             if is_server(self.uri) and wait_for_server(self.uri, self.retry_s):
                 try:
                     return call()
