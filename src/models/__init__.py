@@ -3,33 +3,47 @@ constructor arguments only, never the config object (build_model is the boundary
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from src.models.llama3 import Llama3
+from src.models.llama3 import checks as llama3_checks
 from src.models.mini_llm import MiniLLM
+from src.models.mini_llm import checks as mini_llm_checks
 from src.models.protocol import CausalLM
 
-ARCHS: dict[str, type[nn.Module]] = {"mini_llm": MiniLLM, "llama3": Llama3}
-"""model.arch -> the class; a new architecture is a folder under src/models/ and a line here"""
 
-# model.* fields that are not constructor arguments: every architecture's, and one architecture's own
-COMMON = ("name", "arch")
-LOADERS = {"llama3": ("hf_path",)}
-"""arch -> the fields that say where its weights come from (read by parallelize, not the constructor)"""
+@dataclass(frozen=True)
+class Architecture:
+    model: type[nn.Module]
+    """the class, built from the model.* fields its constructor names"""
+    refusal: Callable[[DictConfig], str | None]
+    """its own settings checks (src/models/ARCH/checks.py): one line, or None"""
+    loaders: tuple[str, ...] = ()
+    """model.* fields that say where its weights come from (read by parallelize, not the constructor)"""
+
+
+ARCHS: dict[str, Architecture] = {
+    "mini_llm": Architecture(MiniLLM, mini_llm_checks.refusal),
+    "llama3": Architecture(Llama3, llama3_checks.refusal, ("hf_path",)),
+}
+"""model.arch -> the architecture; a new one is a folder under src/models/, a line here and its conf/model/*.yaml"""
+
+COMMON = ("name", "arch")  # model.* fields of every architecture that no constructor reads
 
 
 def arguments(arch: str) -> set[str]:
     """The constructor arguments of `arch`'s class: the model.* fields it reads."""
-    return set(inspect.signature(ARCHS[arch].__init__).parameters) - {"self"}
+    return set(inspect.signature(ARCHS[arch].model.__init__).parameters) - {"self"}
 
 
 def foreign_fields(model_cfg: DictConfig, defaults: dict) -> list[str]:
     """model.* fields set away from their schema default that this architecture does not read."""
     arch = str(model_cfg.arch)
-    own = arguments(arch) | set(COMMON) | set(LOADERS.get(arch, ()))
+    own = arguments(arch) | set(COMMON) | set(ARCHS[arch].loaders)
     return [k for k, v in model_cfg.items() if k not in own and k in defaults and v != defaults[k]]
 
 
@@ -39,4 +53,4 @@ def build_model(model_cfg: DictConfig | Mapping) -> CausalLM:
     cfg = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
     arch = str(cfg.get("arch", "mini_llm"))
     own = arguments(arch)
-    return ARCHS[arch](**{k: v for k, v in cfg.items() if k in own})
+    return ARCHS[arch].model(**{k: v for k, v in cfg.items() if k in own})

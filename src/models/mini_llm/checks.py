@@ -1,0 +1,10 @@
+"""model.* settings MiniLLM cannot be built with (src/models/checks.py runs the ones every architecture shares first)."""
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+
+def refusal(m: DictConfig) -> str | None:
+    if m.dim % m.n_heads:
+        return f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; pick a dim that is a multiple of {m.n_heads}, or another n_heads"
+    return None
