@@ -44,3 +44,24 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[
         return fused(x, residual)
     h = x + residual
     return h, norm(h)
+
+
+class PreNormBlock(nn.Module):
+    """A pre-norm transformer block: x + attn(norm1(x)), then + ffn(norm2(.)), the residual add joined
+    with the second norm (add_norm). Subclasses make norm1, attn, norm2 and ffn."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x)))
+        return h + self.ffn(normed)
+
+
+def logits_or_loss(head: nn.Module, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """head(x), the logits (B, T, vocab); or, given targets and a head with a fused `loss` (the fused
+    linear + cross-entropy of kernels/triton), the mean loss without ever forming the logits. Called
+    inside the model's forward, so FSDP2's root hooks cover the head weight it reads."""
+    if targets is not None:
+        fused_loss = getattr(head, "loss", None)
+        if fused_loss is None:
+            raise ValueError("model(idx, targets) needs the fused linear + cross-entropy head (kernels.fused: linear_cross_entropy)")
+        return fused_loss(x, targets)
+    return head(x)  # (B, T, vocab)

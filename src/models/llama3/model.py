@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.layers import SwiGLUFeedForward, add_norm
+from src.models.layers import PreNormBlock, SwiGLUFeedForward, logits_or_loss
 from src.models.llama3.rope import RopeConfig, apply_rotary, rotary_at
 
 
@@ -59,7 +59,7 @@ class GroupedQueryAttention(nn.Module):
         return self.out_proj(y)
 
 
-class Llama3Block(nn.Module):
+class Llama3Block(PreNormBlock):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_hidden: int, rope: RopeConfig,
                  norm_eps: float, qkv_bias: bool, causal: bool):
         super().__init__()
@@ -67,10 +67,6 @@ class Llama3Block(nn.Module):
         self.attn = GroupedQueryAttention(dim, n_heads, n_kv_heads, head_dim, rope, qkv_bias, causal)
         self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
         self.ffn = SwiGLUFeedForward(dim, ffn_hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x)))
-        return h + self.ffn(normed)
 
 
 class Llama3(nn.Module):
@@ -125,13 +121,7 @@ class Llama3(nn.Module):
         x = self.embed(idx)  # (B, T, dim)
         for layer in self.layers:
             x = layer(x)
-        x = self.norm(x)
-        if targets is not None:
-            fused_loss = getattr(self.head, "loss", None)
-            if fused_loss is None:
-                raise ValueError("model(idx, targets) needs the fused linear + cross-entropy head (kernels.fused: linear_cross_entropy)")
-            return fused_loss(x, targets)
-        return self.head(x)  # (B, T, vocab)
+        return logits_or_loss(self.head, self.norm(x), targets)
 
     def param_init(self, name: str) -> tuple[str, float]:
         """GPT-2's scheme, as MiniLLM's: N(0, init_std), the projections that write into the residual

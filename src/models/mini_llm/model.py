@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.layers import SiLUMul, SwiGLUFeedForward, add_norm, split_projection
+from src.models.layers import PreNormBlock, SiLUMul, SwiGLUFeedForward, add_norm, logits_or_loss, split_projection
 
 __all__ = ["MLPS", "Attention", "FeedForward", "MiniLLM", "SiLUMul", "SwiGLUFeedForward", "TransformerBlock", "add_norm", "split_projection"]
 
@@ -73,17 +73,13 @@ class FeedForward(nn.Module):
 MLPS = {"silu": FeedForward, "swiglu": SwiGLUFeedForward}
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     def __init__(self, dim: int, n_heads: int, ffn_hidden: int, causal: bool = True, norm_eps: float = 1e-6, mlp: str = "silu"):
         super().__init__()
         self.norm1 = nn.RMSNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, n_heads, causal)
         self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
         self.ffn = MLPS[mlp](dim, ffn_hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x)))
-        return h + self.ffn(normed)
 
 
 class MiniLLM(nn.Module):
@@ -120,12 +116,7 @@ class MiniLLM(nn.Module):
         x = self.embed(idx)  # (B, T, C)
         for layer in self.layers:
             x = layer(x)
-        if targets is not None:
-            fused_loss = getattr(self.head, "loss", None)
-            if fused_loss is None:
-                raise ValueError("model(idx, targets) needs the fused linear + cross-entropy head (kernels.fused: linear_cross_entropy)")
-            return fused_loss(x, targets)
-        return self.head(x)  # (B, T, vocab)
+        return logits_or_loss(self.head, x, targets)
 
     def param_init(self, name: str) -> tuple[str, float]:
         """How parameter `name` is initialised: ("ones" | "zeros" | "normal", std).
