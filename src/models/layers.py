@@ -2,6 +2,8 @@
 fused-kernel hooks (split_projection, add_norm) that kernels/triton's modules plug into."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -53,6 +55,19 @@ class PreNormBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x)))
         return h + self.ffn(normed)
+
+
+def gpt2_init(name: str, init_std: float, n_layers: int) -> tuple[str, float]:
+    """GPT-2's initialisation of parameter `name`: ("zeros" | "ones" | "normal", std). N(0, init_std)
+    for weights, the two projections that write into the residual stream scaled by 1/sqrt(2 * n_layers)
+    so its variance stays put with depth; norms ones, biases zeros."""
+    if name.endswith("bias"):
+        return "zeros", 0.0
+    if ".norm" in name or name.startswith("norm."):
+        return "ones", 0.0
+    if name.endswith(("out_proj.weight", "ffn.down.weight")):
+        return "normal", init_std / math.sqrt(2 * n_layers)
+    return "normal", init_std
 
 
 def logits_or_loss(head: nn.Module, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 
 from src.dtypes import torch_dtype
 from src.speed import RECIPES, keep_unsharded
-from src.speed.recipe import FORCE
 
 log = logging.getLogger("src.train")
 FSDP_STRATEGIES = ("fsdp2", "hsdp")
@@ -103,9 +102,9 @@ def install_fsdp(model: nn.Module, verdicts: dict[str, Verdict], param_dtype: st
     cast_in_step is the Trainer's, once the optimizer exists. Returns the names of the recipes that run."""
     from src.speed import gather_copy_in, grad_upcast, one_rank, reduce_copy_in
 
-    for name in ("grad_upcast", "reduce_copy_in", "gather_copy_in", "one_rank_copies", "cast_in_step", "keep_unsharded"):
-        if main and verdicts[name].warning:
-            log.warning(verdicts[name].warning)
+    for verdict in verdicts.values():
+        if main and verdict.warning:
+            log.warning(verdict.warning)
     running = []
     for name, module in (("grad_upcast", grad_upcast), ("reduce_copy_in", reduce_copy_in), ("gather_copy_in", gather_copy_in)):
         if not verdicts[name].on:
@@ -141,10 +140,3 @@ def install_fsdp(model: nn.Module, verdicts: dict[str, Verdict], param_dtype: st
         log.info("speed recipes in place: %s (src/speed/; python -m src.speed lists them)", ", ".join(running))
     return running
 
-
-def unverified_note(cfg: DictConfig) -> str | None:
-    """A line for the log where the user forced recipes onto a torch they were not verified on."""
-    if not cfg.speed.force_unverified:
-        return None
-    names = [n for n, r in RECIPES.items() if asked(cfg, n) != "off" and r.why_not(False) and not r.probe()]
-    return f"{FORCE}: {', '.join(names)} run on a torch they were not verified on" if names else None

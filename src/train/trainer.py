@@ -125,10 +125,11 @@ class Trainer:
         if cfg.kernels.auto and env.is_main:
             log_auto_choice(cfg, self.kernels, self.run_dir, self.tracker)
         self.loss_trial = self._loss_trial()
-        if self.resumed_from is not None:
-            self.tracker.set_tags({"resumed_from": str(self.resumed_from), "resumed_at_step": str(self.start_step)})
         # which of torch's functions this run replaced (the torch tag says which torch): a column to compare runs by
-        self.tracker.set_tags({"speed.recipes": ",".join(self.speed) or "none"})
+        tags = {"speed.recipes": ",".join(self.speed) or "none"}
+        if self.resumed_from is not None:
+            tags.update(resumed_from=str(self.resumed_from), resumed_at_step=str(self.start_step))
+        self.tracker.set_tags(tags)
         if env.is_main:
             log.info(
                 "%s: %.1fM params, %s over %d rank(s) on %s, %s, batch %dx%d per device, %d steps",

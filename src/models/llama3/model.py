@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.layers import PreNormBlock, SwiGLUFeedForward, logits_or_loss
+from src.models.layers import PreNormBlock, SwiGLUFeedForward, gpt2_init, logits_or_loss
 from src.models.llama3.rope import RopeConfig, apply_rotary, rotary_at
 
 
@@ -126,13 +126,7 @@ class Llama3(nn.Module):
     def param_init(self, name: str) -> tuple[str, float]:
         """GPT-2's scheme, as MiniLLM's: N(0, init_std), the projections that write into the residual
         stream scaled by 1/sqrt(2 * n_layers), norms ones, biases zeros (a tied head is the embedding)."""
-        if name.endswith("bias"):
-            return "zeros", 0.0
-        if name.endswith("norm.weight") or ".norm" in name:
-            return "ones", 0.0
-        if name.endswith(("out_proj.weight", "ffn.down.weight")):
-            return "normal", self.init_std / math.sqrt(2 * self.n_layers)
-        return "normal", self.init_std
+        return gpt2_init(name, self.init_std, self.n_layers)
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())  # a tied weight once

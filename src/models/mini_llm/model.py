@@ -8,13 +8,19 @@ and lets the causal mask (which the seed lacks) be a flag.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from src.models.layers import PreNormBlock, SiLUMul, SwiGLUFeedForward, add_norm, logits_or_loss, split_projection
+from src.models.layers import (
+    PreNormBlock,
+    SiLUMul,
+    SwiGLUFeedForward,
+    add_norm,
+    gpt2_init,
+    logits_or_loss,
+    split_projection,
+)
 
 __all__ = ["MLPS", "Attention", "FeedForward", "MiniLLM", "SiLUMul", "SwiGLUFeedForward", "TransformerBlock", "add_norm", "split_projection"]
 
@@ -126,13 +132,7 @@ class MiniLLM(nn.Module):
         Kept as data, not applied here, so sharded code can draw each full tensor from its own
         seeded generator and initial weights do not depend on the world size.
         """
-        if name.endswith("bias"):
-            return "zeros", 0.0
-        if ".norm" in name:
-            return "ones", 0.0
-        if name.endswith(("out_proj.weight", "ffn.down.weight")):
-            return "normal", self.init_std / math.sqrt(2 * self.n_layers)
-        return "normal", self.init_std
+        return gpt2_init(name, self.init_std, self.n_layers)
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
