@@ -523,6 +523,9 @@ class SubmititSlurmConfig(SlurmQueueConf):
     tasks_per_node: int = 1
     """one: the task is the node's elastic agent, which starts dist.nproc ranks"""
     gpus_per_node: int | None = _GPUS_PER_NODE
+    cpus_per_task: int | None = II("dist.nproc")
+    """a CPU per rank at least: SLURM binds the task, and so all its ranks, to the CPUs it asked for
+    (one when unset: dist.nproc ranks on one core)"""
     timeout_min: int = 240
     """SLURM's --time in minutes; the partition's limit may be lower"""
 

@@ -63,10 +63,18 @@ def tracking(slurm_cluster: SlurmCluster, tmp_path_factory):
 
 
 def _launcher(cluster: SlurmCluster, timeout_min: int = 10) -> list[str]:
-    """What a sweep on this cluster passes: its partition, and a job of one CPU (a node of two runs
-    both jobs of a sweep at once) and 2 GB."""
+    """What a sweep on this cluster passes: its partition, a time limit and 2 GB a job (the CPUs are
+    SubmititSlurmConfig's, one a rank)."""
     return ["-m", "hydra/launcher=submitit_slurm", f"hydra.launcher.partition={cluster.partition}", f"hydra.launcher.timeout_min={timeout_min}",
-            "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
+            "hydra.launcher.mem_gb=2"]
+
+
+def _submitted(sweep_dir: Path) -> tuple[list[str], set[str]]:
+    """The SLURM job ids submitit kept a result for (ARRAY_TASK of a sweep, a plain id for a job
+    alone) and the #SBATCH flags of the one script it wrote."""
+    (script,) = sweep_dir.glob(".submitit/*/*_submission.sh")
+    flags = {line.split()[1] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")}
+    return sorted(result.parent.name for result in sweep_dir.glob(".submitit/*/*_result.pkl")), flags
 
 
 def _slurm_time(value: str) -> datetime:
@@ -83,18 +91,15 @@ def test_a_two_job_sweep_through_sbatch_is_one_parent_run_with_two_finished_chil
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + slurm_cluster.logs()
     (sweep_dir,) = tmp_path.glob("multirun/*/*")
 
-    # the sbatch script submitit wrote, as SLURM took it
-    (script,) = sweep_dir.glob(".submitit/*/*_submission.sh")
-    flags = {line.split()[1] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")}
+    job_ids, flags = _submitted(sweep_dir)
     assert {f"--partition={slurm_cluster.partition}", "--time=10", "--cpus-per-task=1", "--mem=2GB", "--nodes=1", "--ntasks-per-node=1",
             "--array=0-1%2"} <= flags
     assert not any(flag.startswith(("--gpus", "--gres")) for flag in flags)  # backend=cpu asks for no GPU
-    array_id = script.parent.name
-    jobs = {task: slurm_cluster.job(f"{array_id}_{task}") for task in (0, 1)}
-    for task, job in jobs.items():
-        assert job.get("JobState") == "COMPLETED" and job["ExitCode"] == "0:0", (task, job)
+    assert len(job_ids) == 2 and {job_id.split("_")[1] for job_id in job_ids} == {"0", "1"}  # one array, a task per job
+    jobs = {job_id: slurm_cluster.job(job_id) for job_id in job_ids}
+    for job_id, job in jobs.items():
+        assert job.get("JobState") == "COMPLETED" and job["ExitCode"] == "0:0", (job_id, job)
         assert job["Partition"] == slurm_cluster.partition and job["NodeList"] == slurm_cluster.hostname and job["NumCPUs"] == "1"
-        assert (sweep_dir / ".submitit" / f"{array_id}_{task}" / f"{array_id}_{task}_0_result.pkl").exists()
     starts = [_slurm_time(job["StartTime"]) for job in jobs.values()]
     ends = [_slurm_time(job["EndTime"]) for job in jobs.values()]
     assert max(starts) <= min(ends)  # the two jobs ran at once, a CPU each
@@ -110,3 +115,19 @@ def test_a_two_job_sweep_through_sbatch_is_one_parent_run_with_two_finished_chil
         assert summary["status"] == "finished" and summary["steps"] == 2
         run = next(r for r in children.values() if r.info.run_id == summary["mlflow_run_id"])
         assert run.data.metrics["summary.final_loss"] == pytest.approx(summary["final_loss"])
+
+
+def test_a_two_rank_job_is_given_a_cpu_per_rank(tmp_path: Path, slurm_cluster: SlurmCluster):
+    """SLURM binds a job's task, and with it every rank its agent starts, to the CPUs the job asked
+    for: one when sbatch names none, where two gloo ranks would share a core. SubmititSlurmConfig
+    asks for dist.nproc; the 2-rank job gets both of the node's CPUs and trains as one 2-rank run."""
+    args = [*_launcher(slurm_cluster), "dist.nproc=2", "data=random", "train.steps=2", "tracking=none"]
+    proc = run_cli(args, cwd=tmp_path, timeout=300, env=slurm_cluster.env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + slurm_cluster.logs()
+    (sweep_dir,) = tmp_path.glob("multirun/*/*")
+    (job_id,), flags = _submitted(sweep_dir)
+    assert "--cpus-per-task=2" in flags
+    job = slurm_cluster.job(job_id)
+    assert job.get("JobState") == "COMPLETED" and job["NumCPUs"] == "2", job
+    summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["settings"]["world_size"] == 2 and summary["steps"] == 2
