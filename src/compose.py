@@ -2,10 +2,15 @@
 in one line that names the bad value and the fix."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+import yaml
+from hydra import compose, version
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
@@ -23,21 +28,53 @@ class ConfigError(Exception):
     """A setting that cannot work. The message is the one line the user sees."""
 
 
-def compose_config(overrides: list[str], config_name: str = "config", with_hydra: bool = False) -> DictConfig:
-    """Compose exactly what `python -m src.run OVERRIDES` would, without creating an output dir."""
+def compose_config(overrides: list[str], config_name: str = "config", with_hydra: bool = False, config_dir: str | None = None) -> DictConfig:
+    """Compose exactly what `python -m src.run OVERRIDES` would, without creating an output dir.
+    `config_dir`: Hydra's --config-dir, a folder of extra config files searched after conf/."""
     gh = GlobalHydra.instance()
     if gh.is_initialized():
         gh.clear()
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            try:
-                return compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
-            except OverrideParseException as exc:
-                raise ConfigError(explain_parse_error(exc, overrides)) from None
-            except (ConfigCompositionException, MissingConfigException, OmegaConfBaseException) as exc:
-                raise ConfigError(explain_compose_error(exc, overrides)) from exc
+        _init_hydra(config_dir)
+        try:
+            return compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
+        except OverrideParseException as exc:
+            raise ConfigError(explain_parse_error(exc, overrides)) from None
+        except (ConfigCompositionException, MissingConfigException, OmegaConfBaseException) as exc:
+            raise ConfigError(explain_compose_error(exc, overrides)) from exc
+        except yaml.YAMLError as exc:  # Hydra lets the YAML parser's own error through, with ~30 lines of traceback
+            raise ConfigError(explain_yaml_error(exc)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _init_hydra(config_dir: str | None) -> None:
+    """Hydra's search path as `python -m src.run [--config-dir DIR]` builds it: conf/, then DIR
+    where hydra.main puts it (hydra/_internal/utils.py, run_hydra: before the structured schemas)."""
+    version.setbase("1.3")
+    search_path = create_config_search_path(str(CONF_DIR))  # as initialize_config_dir gives it
+    if config_dir is not None:
+        folder = os.path.abspath(config_dir)
+        if not os.path.isdir(folder):
+            what = "a file, not a folder" if os.path.exists(folder) else "no such folder"
+            raise ConfigError(f"--config-dir {config_dir}: {what}; give a folder of extra config files, "
+                              "e.g. DIR/model/mine.yaml for model=mine")
+        search_path.prepend(provider="command-line", path=f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
+    Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)  # initialize_config_dir's job name
+
+
+def explain_yaml_error(exc: yaml.YAMLError) -> str:
+    """The YAML parser's error as one line: the file, the line and what the parser expected."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    if mark is None:
+        return f"a config file is not valid YAML ({problem}); fix it"
+    path = Path(mark.name)
+    shown = path.relative_to(Path.cwd()) if path.is_absolute() and path.is_relative_to(Path.cwd()) else path
+    context = getattr(exc, "context", None)
+    start = getattr(exc, "context_mark", None)
+    where = f" ({context} that starts on line {start.line + 1})" if context and start is not None and start.line != mark.line else ""
+    return f"{shown}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}{where}; fix that line"
 
 
 def _override_for(key: str, overrides: list[str]) -> str:

@@ -20,6 +20,7 @@ import argparse  # noqa: E402
 import itertools  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -34,6 +35,8 @@ from src.fusion.choice import apply_auto_choice  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
 from src.tasks import run_task  # noqa: E402
 from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri  # noqa: E402
+from src.train.checks import TRAINING_TASKS  # noqa: E402
+from src.train.resume_check import check_checkpoints  # noqa: E402
 from src.validate import validate  # noqa: E402
 
 log = logging.getLogger("src.run")
@@ -73,17 +76,32 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     return [list(job) for job in itertools.product(*values.values())]
 
 
-def _check_output_dir(overrides: list[str], multirun: bool) -> None:
-    """The run (or sweep) directory Hydra is about to create must be creatable: otherwise Hydra
-    fails with two chained tracebacks (`hydra.run.dir=/proc/x`)."""
+def _planned_run_dir(overrides: list[str], config_dir: str | None = None) -> Path:
+    """hydra.run.dir as Hydra will make it, absolute (a `${now:}` in it may tick a second on: such a
+    folder is new either way, with no checkpoint in it)."""
+    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+    folder = Path(str(OmegaConf.select(compose_config(hydra_overrides, with_hydra=True, config_dir=config_dir), "hydra.run.dir")))
+    return folder if folder.is_absolute() else Path.cwd() / folder
+
+
+def _check_output_dir(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
+    """The run (or sweep) directory Hydra is about to create must be a folder of its own, and
+    creatable: otherwise Hydra fails with two chained tracebacks (`hydra.run.dir=/proc/x`), or an
+    empty `hydra.run.dir=` writes config.yaml, summary.json, run.log and .hydra/ into this folder."""
     import tempfile
 
     hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    cfg = compose_config(hydra_overrides, with_hydra=True)
-    folder = Path(str(OmegaConf.select(cfg, key)))
+    cfg = compose_config(hydra_overrides, with_hydra=True, config_dir=config_dir)
+    value = str(OmegaConf.select(cfg, key) or "")
+    folder = Path(value)
     given = _override_for_key(key, overrides)
     existing = folder if folder.is_absolute() else Path.cwd() / folder
+    if not value.strip() or existing.resolve() == Path.cwd().resolve():
+        files = "the sweep's files (multirun.yaml, a folder per job: 0/, 1/, ...)" if multirun else "the run's files (config.yaml, summary.json, run.log, .hydra/)"
+        what = "an empty folder puts" if not value.strip() else "naming the current folder puts"
+        example = "multirun/mine" if multirun else "outputs/mine"
+        raise ConfigError(f"{given}: {what} {files} straight into {Path.cwd()}; give them a folder of their own, e.g. {key}={example}")
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
@@ -107,11 +125,13 @@ def _launcher(overrides: list[str]) -> str:
     return "basic"
 
 
-def preflight(overrides: list[str], multirun: bool) -> None:
+def preflight(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
+    """Compose and validate every job of the command; raise ConfigError on the first that cannot
+    run. `config_dir`: Hydra's --config-dir, searched as Hydra itself will."""
     launcher = _launcher(overrides) if multirun else "basic"
     jobs = []
     for job in _job_overrides(overrides, multirun):
-        cfg = compose_config(job)
+        cfg = compose_config(job, config_dir=config_dir)
         # the GPUs are the cluster's, not this (login) machine's: gpus_per_node asks for dist.nproc
         validate(cfg, cuda_device_count=cfg.dist.nproc if launcher == "submitit_slurm" else None)
         if cfg.dist.nnodes > 1 and not cfg.dist.rdzv_endpoint and launcher not in SUBMITIT_LAUNCHERS and not cfg.dist.fake:
@@ -121,7 +141,25 @@ def preflight(overrides: list[str], multirun: bool) -> None:
             )
         jobs.append(cfg)
     check_launcher(launcher, overrides, jobs)
-    _check_output_dir(overrides, multirun)
+    _check_output_dir(overrides, multirun, config_dir)
+    # the checkpoint each job resumes from (its files, its model) and the folder it saves in; a
+    # sweep's jobs get their folders when they start, so only an explicit one is checked here
+    run_dir = None if multirun else _planned_run_dir(overrides, config_dir)
+    for cfg in jobs:
+        check_checkpoints(cfg, run_dir)
+    if launcher == "basic":  # the jobs' ranks run on this machine
+        _warn_ranks_over_cores(jobs)
+
+
+def _warn_ranks_over_cores(jobs: list[DictConfig]) -> None:
+    """CPU ranks beyond the cores: each rank gets one OpenMP thread (src/distributed/launch.py) and
+    a time-share of a core, and gloo's collectives wait on the slowest, so the run crawls; it still
+    runs, so this warns and goes on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = sorted({cfg.dist.nproc for cfg in jobs if cfg.backend.name == "cpu" and not cfg.dist.fake and cfg.task.name in TRAINING_TASKS})
+    if ranks and ranks[-1] > cores:
+        sys.stderr.write(f"warning: dist.nproc={ranks[-1]} CPU ranks on {cores} core(s): the ranks share the cores and the run will be slow; "
+                         f"dist.nproc={cores} or fewer uses each core once\n")
 
 
 def _fail(message: str, code: int = EXIT_BAD_CONFIG) -> None:
@@ -209,14 +247,17 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     try:
         validate(cfg)  # again on the node that runs it: its GPUs are the ones that count
         apply_auto_choice(cfg, ctx.cwd)
+        # again where the job runs (a requeued SLURM job resumes from the checkpoint its last attempt saved)
+        verified = check_checkpoints(cfg, Path(hc.runtime.output_dir))
     except ConfigError as err:
         _fail(str(err))
+    ctx.verified_checkpoint = str(verified) if verified is not None else None
     return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
 
 
-def run_as_worker(overrides: list[str]) -> None:
+def run_as_worker(overrides: list[str], config_dir: str | None = None) -> None:
     """Entry under torchrun / srun: this process is already one rank of the run."""
-    cfg = compose_config(overrides, with_hydra=True)
+    cfg = compose_config(overrides, with_hydra=True, config_dir=config_dir)
     adopt_torchrun_shape(cfg, overrides)
     validate(cfg, as_worker=True)
     apply_auto_choice(cfg, os.getcwd(), measure=False)
@@ -234,6 +275,24 @@ def run_as_worker(overrides: list[str]) -> None:
         tracking_uri=resolve_tracking_uri(cfg.tracking.uri, cwd),
     )
     run_job(cfg, ctx, multirun=False)
+
+
+# A value's runs of characters that Hydra's override grammar reads unquoted are ASCII only (its
+# lexer's ID and UNQUOTED_CHAR); these characters delimit such runs (lists, dicts, sweeps, calls).
+_DELIMITERS = re.compile(r"""[^\s,\[\]{}():='"]+""")
+
+
+def quote_non_ascii(args: list[str]) -> list[str]:
+    """`tracking.run_name=expérience` as `tracking.run_name='expérience'`: Hydra's grammar takes
+    any character inside quotes and none but ASCII outside, so each bare run of characters holding
+    a non-ASCII one is quoted. A value the user quoted, a flag or a key is left as it is."""
+    quoted = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-") and key.isascii() and not value.isascii() and not any(q in value for q in "'\""):
+            arg = key + sep + _DELIMITERS.sub(lambda m: m.group() if m.group().isascii() else f"'{m.group()}'", value)
+        quoted.append(arg)
+    return quoted
 
 
 def _args_parser() -> argparse.ArgumentParser:
@@ -257,14 +316,15 @@ def main() -> None:
     # of every run on a new store; the ranks and the metric writer inherit this.
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
 
+    sys.argv[1:] = quote_non_ascii(sys.argv[1:])  # Hydra parses sys.argv again in hydra_main
     args, _ = _args_parser().parse_known_args(sys.argv[1:])
     inspecting = any(a.split("=")[0] in _INSPECT_FLAGS for a in sys.argv[1:])
     try:
         if launched_as_worker() and not inspecting:
-            run_as_worker(args.overrides)
+            run_as_worker(args.overrides, args.config_dir)
             return
         if not inspecting:
-            preflight(args.overrides, args.multirun)
+            preflight(args.overrides, args.multirun, args.config_dir)
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:  # Ctrl-C while composing: nothing started yet

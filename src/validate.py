@@ -7,7 +7,9 @@ src/kernel_bench/checks.py, src/diagnose/checks.py.
 """
 from __future__ import annotations
 
+import copy
 import os
+import re
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
@@ -55,6 +57,42 @@ def _check_tracking_uri(cfg: DictConfig) -> None:
         raise ConfigError(f"tracking.uri={uri}: MLflow 3 takes a database or a server here: sqlite:///mlflow.db, or http://HOST:PORT of `mlflow server`")
 
 
+def _check_rdzv_endpoint(cfg: DictConfig) -> None:
+    """HOST[:PORT] as torch's elastic agent reads it (parse_rendezvous_endpoint in
+    torch/distributed/elastic/rendezvous/utils.py), which raises a ValueError inside the launch,
+    after the run's folder and MLflow run exist. No port: torch's 29400."""
+    endpoint = str(cfg.dist.rdzv_endpoint).strip()
+    if not endpoint:
+        return
+    given = f"dist.rdzv_endpoint={cfg.dist.rdzv_endpoint}"
+    example = "e.g. dist.rdzv_endpoint=node0:29400 (the first node's address)"
+    if endpoint.startswith("[") and endpoint.endswith("]"):  # a bracketed IPv6 address alone
+        host, port = endpoint[1:-1], None
+    else:
+        host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", None)
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if port is not None:
+        if not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
+            raise ConfigError(f"{given}: the port must be a number from 1 to 65535, not '{port}'; use HOST:PORT, {example}")
+        if int(port) == 0 and cfg.dist.nnodes > 1:
+            raise ConfigError(f"{given}: port 0 lets the first node bind any free port, which the other {cfg.dist.nnodes - 1} node(s) cannot know; "
+                              f"name a free port, {example}")
+    if not re.fullmatch(r"[\w.:-]+", host):
+        raise ConfigError(f"{given}: '{host}' is not a host name or IP address; use HOST:PORT with no scheme or path, {example}")
+
+
+def _check_iree_target(cfg: DictConfig) -> None:
+    """A Vulkan target the installed IREE compiler cannot resolve crashes it (SIGSEGV) mid-run
+    (src/edge/iree_targets.py); check_infer has passed the name on its pattern alone."""
+    from src.edge.iree_targets import compiler_version, known_names, resolves
+    from src.edge.task import default_target
+
+    target = default_target("vulkan", cfg.edge.target)
+    if resolves(target) is False:
+        raise ConfigError(f"edge.target={target}: the installed IREE compiler ({compiler_version()}) knows no Vulkan target of that name "
+                          f"and would crash compiling for it; use one it knows: {', '.join(known_names())}")
+
+
 def _check_fake(cfg: DictConfig, as_worker: bool) -> None:
     """dist.fake runs rank 0 of the group alone: nothing that needs the other ranks to exist."""
     world = world_size(cfg)
@@ -76,11 +114,67 @@ def _check_fake(cfg: DictConfig, as_worker: bool) -> None:
         raise ConfigError(f"fault.rank={cfg.fault.rank} never runs under dist.fake=true (rank 0 alone); set fault.rank=0")
 
 
+def _check_memory(cfg: DictConfig, as_worker: bool, capacity: tuple[int, str] | None) -> None:
+    """A run whose tensors cannot fit (src/memory_estimate.py) fails minutes later in a rank, or
+    swaps the host to a standstill: refused against the GPU's memory (no GPU visible, as on a login
+    node: not checked) or, on CPU, the host's available memory for all of this node's ranks.
+    `capacity`: (bytes, what they are), else probed. Under torchrun the ranks already run."""
+    from src.memory_estimate import estimate, gpu_capacity, host_available_bytes, human_bytes
+
+    backend = cfg.backend.name
+    if as_worker or backend not in ("cpu", "cuda"):  # MPS shares the host's memory in ways not modelled here
+        return
+    ranks = 1 if backend == "cuda" or cfg.dist.fake else cfg.dist.nproc  # a GPU holds one rank; a CPU host this node's
+    if capacity is None:
+        if backend == "cuda":
+            found = gpu_capacity(1 if cfg.dist.fake else cfg.dist.nproc)
+            capacity = found and (found[0], f"a {found[1]} has {human_bytes(found[0])}")
+        else:
+            available = host_available_bytes()
+            capacity = available and (available, f"this host has {human_bytes(available)} available")
+        if not capacity:
+            return
+    est = estimate(cfg)
+    need = est.peak * ranks
+    if need <= capacity[0]:
+        return
+    layers = _layers_that_fit(cfg, capacity[0] / ranks)
+    fixes = [f"model.n_layers={layers}" if layers else f"a narrower model (model.n_layers=1 does not fit at model.dim={cfg.model.dim})"]
+    if cfg.sharding.strategy == "none":
+        fixes.append("sharding=fsdp2 over more ranks (sharding=none copies everything to each)")
+    else:
+        fixes.append("more GPUs (dist.nproc, dist.nnodes)" if backend == "cuda" else "more hosts (dist.nnodes; this host's ranks share its memory)")
+    if cfg.ac.mode != "full":
+        fixes.append("ac.mode=full")
+    if cfg.data.batch_size > 1:
+        fixes.append(f"a data.batch_size below {cfg.data.batch_size}")
+    needs = f"{human_bytes(need)}: {ranks} ranks x {est.summary()}" if ranks > 1 else est.summary()
+    raise ConfigError(f"the run needs about {needs}, and {capacity[1]}; "
+                      f"use {', '.join(fixes[:-1])} or {fixes[-1]}")
+
+
+def _layers_that_fit(cfg: DictConfig, budget: float) -> int:
+    """The most blocks (fewer than model.n_layers) whose estimate fits `budget` bytes a rank; 0: not even one."""
+    from src.memory_estimate import estimate
+
+    trial = copy.deepcopy(cfg)
+    lo, hi = 0, cfg.model.n_layers - 1
+    while lo < hi:  # the estimate grows with the blocks: a bisection, a meta-device model each step
+        mid = (lo + hi + 1) // 2
+        trial.model.n_layers = mid
+        if estimate(trial).peak <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False,
-             cuda_capability: tuple[tuple[int, int] | None, str] | None = None) -> None:
+             cuda_capability: tuple[tuple[int, int] | None, str] | None = None, memory: tuple[int, str] | None = None) -> None:
     """Raise ConfigError for the first impossible combination. Device facts are probed unless given
     (tests pass them to check the messages for hardware this machine lacks): `cuda_capability` is
-    (the lowest compute capability of the visible GPUs, that GPU's name)."""
+    (the lowest compute capability of the visible GPUs, that GPU's name); `memory` the bytes a rank
+    may use on its device (a GPU's, or this host's for all its CPU ranks) and what they are."""
     _check_group_keys(cfg)
     _check_tracking_uri(cfg)
     backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding
@@ -98,6 +192,8 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         from src.edge.checks import check_infer
 
         check_infer(cfg, backend, cuda_device_count, mps_available)
+        if backend == "vulkan" and cfg.edge.action != "run":
+            _check_iree_target(cfg)
         return
     if task == "kernel_bench":  # one process, one device: none of the training checks apply
         from src.kernel_bench.checks import check_kernel_bench
@@ -119,6 +215,7 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
         raise ConfigError(f"backend=mps trains on one device only (sharding={sharding.name}, dist.nproc={nproc}); use sharding=none dist.nproc=1")
     if nproc < 1 or cfg.dist.nnodes < 1:
         raise ConfigError(f"dist.nproc={nproc} dist.nnodes={cfg.dist.nnodes}: both must be at least 1")
+    _check_rdzv_endpoint(cfg)
     if cfg.dist.fake:
         _check_fake(cfg, as_worker)
     elif backend == "cuda" and not as_worker and nproc > cuda_device_count:
@@ -126,3 +223,4 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
                           f"or add dist.fake=true to try rank 0 of {nproc} on one GPU (sharding, memory, compile; not speed)")
 
     check_training(cfg, cuda_device_count, cuda_capability)
+    _check_memory(cfg, as_worker, memory)
