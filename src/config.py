@@ -419,6 +419,15 @@ class FaultConfig:
     """the step at which it fails (steps count from 0, as on the console, in metrics.jsonl and MLflow)"""
 
 
+class StopSignal(StrEnum):
+    """The signals checkpoint.on_signal may name (SIGINT stays Ctrl-C: stop now, save nothing)."""
+
+    SIGTERM = "SIGTERM"
+    SIGUSR1 = "SIGUSR1"
+    SIGUSR2 = "SIGUSR2"
+    SIGHUP = "SIGHUP"
+
+
 @dataclass
 class CheckpointConfig:
     """Distributed checkpoints (torch.distributed.checkpoint) and resuming from them."""
@@ -437,6 +446,13 @@ class CheckpointConfig:
     none: start fresh; or a step_NNNNNNNN folder to resume from (any world size)"""
     export_safetensors: bool = False
     """at the end, write the full weights to <run_dir>/model.safetensors (plain state_dict)"""
+    on_signal: list[StopSignal] = field(default_factory=lambda: [StopSignal.SIGTERM, StopSignal.SIGUSR1])
+    """signals that end the run after the step it is at, with a checkpoint of that step (SLURM sends
+    SIGTERM at preemption and at the time limit, and `sbatch --signal=USR1@90`'s ahead of it); the run
+    exits 128 + the signal's number and resumes from it (resume=auto). Under a submitit job its timeout
+    signal (SIGUSR2) is added and submitit requeues the job. [] turns it off"""
+    requeue: bool = True
+    """in a SLURM batch job not run by submitit: `scontrol requeue` the job after that checkpoint"""
 
 
 @dataclass

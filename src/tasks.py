@@ -87,25 +87,77 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     if run_dir is not None:
         save_resolved_config(cfg, run_dir)
     if launched_as_worker() or cfg.dist.fake or (cfg.dist.nproc == 1 and cfg.dist.nnodes == 1):
-        return train(cfg, ctx)
+        summary = train(cfg, ctx)
+        return end_preempted(cfg, summary) if summary.get("status") == "preempted" else summary
     job, endpoint = submitit_job(), cfg.dist.rdzv_endpoint
     if job is not None:
         if job.num_nodes != cfg.dist.nnodes:
             raise ConfigError(f"dist.nnodes={cfg.dist.nnodes} but this job has {job.num_nodes} node(s); let hydra.launcher.nodes follow dist.nnodes (its default)")
         endpoint = endpoint or (job.rendezvous_endpoint if job.num_nodes > 1 else "")
-    results = launch_ranks(
-        elastic_entry,
-        (OmegaConf.to_container(cfg, resolve=True), asdict(ctx)),
-        nproc=cfg.dist.nproc,
-        nnodes=cfg.dist.nnodes,
-        max_restarts=cfg.dist.max_restarts,
-        rdzv_endpoint=endpoint,
-        notes_dir=ctx.run_dir,
-        log_name=node_log_name(job),
-        run_id=f"perflab-job{job.job_id}" if job is not None and job.num_nodes > 1 else "",
-        forkserver=cfg.backend.name == "cpu",
-    )
-    return results[min(results)]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from src.train.preempt import ForwardToRanks, stop_signals
+
+    try:
+        with ForwardToRanks(stop_signals(cfg.checkpoint.on_signal, job is not None), run_dir):
+            results = launch_ranks(
+                elastic_entry,
+                (OmegaConf.to_container(cfg, resolve=True), asdict(ctx)),
+                nproc=cfg.dist.nproc,
+                nnodes=cfg.dist.nnodes,
+                max_restarts=cfg.dist.max_restarts,
+                rdzv_endpoint=endpoint,
+                notes_dir=ctx.run_dir,
+                log_name=node_log_name(job),
+                run_id=f"perflab-job{job.job_id}" if job is not None and job.num_nodes > 1 else "",
+                forkserver=cfg.backend.name == "cpu",
+            )
+    except SignalException:
+        # torch's agent took a SIGTERM, forwarded it to the ranks and waited for them (30 s, then
+        # SIGKILL): if they saved and rank 0 recorded the stop, that record is the run's
+        summary = _read_summary(run_dir)
+        if summary.get("status") != "preempted":
+            raise
+        return end_preempted(cfg, summary)
+    summary = results[min(results)]
+    return end_preempted(cfg, summary) if summary.get("status") == "preempted" else summary
+
+
+def _read_summary(run_dir: Path | None) -> dict[str, Any]:
+    import json
+
+    path = run_dir / "summary.json" if run_dir is not None else None
+    try:
+        return json.loads(path.read_text()) if path is not None and path.exists() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def end_preempted(cfg: DictConfig, summary: dict[str, Any]) -> None:
+    """A run a signal stopped, its checkpoint saved (src/train/preempt.py): a submitit job hands over
+    to submitit's requeue (it exits there); a SLURM batch job requeues itself (checkpoint.requeue);
+    then the process exits 128 + the signal's number, a sweep on this machine with it."""
+    import os
+    import subprocess
+
+    from src.distributed.cluster import submitit_job
+    from src.train.preempt import exit_code, stop_signals
+
+    sig = signal.Signals[summary["preempted_by"]]
+    if submitit_job() is not None:
+        submitit_sig = stop_signals([sig.name], submitit=True)[-1]
+        handler = signal.getsignal(submitit_sig)
+        if callable(handler) and getattr(handler, "__name__", "") == "checkpoint_and_try_requeue":
+            log.warning("%s: handing over to submitit, which requeues the job", sig.name)
+            handler(submitit_sig, None)  # submitit requeues the job, then exits
+    elif os.environ.get("SLURM_JOB_ID") and os.environ.get("ENVIRONMENT") == "BATCH" and cfg.checkpoint.requeue:
+        job_id = os.environ["SLURM_JOB_ID"]
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+        if done.returncode == 0:
+            log.warning("%s: SLURM job %s requeued (checkpoint.requeue)", sig.name, job_id)
+        else:
+            log.warning("%s: `scontrol requeue %s` failed: %s", sig.name, job_id, (done.stderr.strip().splitlines() or [""])[0])
+    raise SystemExit(exit_code(sig))
 
 
 def one_shot(run: Callable[[DictConfig, RunContext], Any]) -> Callable[[DictConfig, RunContext], Any]:

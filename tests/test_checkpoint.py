@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,14 @@ def test_a_run_finished_after_a_restart_keeps_no_error_tag(workdir: Path):
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1, 2, 3]
 
 
-def test_a_partial_save_is_skipped_and_a_corrupt_one_named_explicitly_fails(tmp_path: Path, straight: Path):
+def _error_line(proc) -> str:
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return lines[0]
+
+
+def test_a_partial_save_is_skipped_saying_where_the_run_resumes_instead(tmp_path: Path, straight: Path):
     ck = tmp_path / "ck"
     shutil.copytree(straight / "ck", ck)
     partial = ck / "step_00000012.partial"  # a save cut off half-way
@@ -109,21 +117,90 @@ def test_a_partial_save_is_skipped_and_a_corrupt_one_named_explicitly_fails(tmp_
     (partial / ".metadata").unlink()
     proc = run_cli([*BASE, "train.steps=12", f"checkpoint.folder={ck}", "tracking=none"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (proc.stdout + proc.stderr).count("step_00000012.partial: a save that did not finish") == 1  # once, not once per rank
+    out = proc.stdout + proc.stderr
+    assert out.count("step_00000012.partial: a save that did not finish; resuming from step_00000010 instead") == 1  # once, not once per rank
     assert read_summary(tmp_path)["start_step"] == 10
+    assert not partial.exists()  # the next save of step 12 replaced it
 
-    corrupt = tmp_path / "bad" / "step_00000010"
-    shutil.copytree(straight / "ck" / "step_00000010", corrupt)
-    (corrupt / "__1_0.distcp").unlink()
-    bad = tmp_path / "badrun"
-    bad.mkdir()
-    proc = run_cli([*BASE, "train.steps=12", f"checkpoint.resume={corrupt}", "tracking=none"], cwd=bad)
-    assert proc.returncode == 1
-    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert f"checkpoint {corrupt} could not be loaded" in line
+    proc = run_cli([*BASE, f"checkpoint.resume={partial}"], cwd=tmp_path / "ck")
+    assert proc.returncode == 2
+    assert f"the newest complete one there is {ck / 'step_00000012'}" in _error_line(proc)
 
-    proc = run_cli([*BASE, f"checkpoint.resume={tmp_path / 'nope'}"], cwd=bad)
-    assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr
+
+def _refused(args: list[str], cwd: Path) -> str:
+    """The run is refused before anything starts: rc 2, one line, no run folder, no MLflow store."""
+    cwd.mkdir()
+    proc = run_cli(args, cwd=cwd)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert not (cwd / "outputs").exists() and not (cwd / "mlflow.db").exists()
+    return _error_line(proc)
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_before_any_rank_starts(tmp_path: Path, straight: Path):
+    ck = tmp_path / "ck"
+    shutil.copytree(straight / "ck", ck)
+    shard = ck / "step_00000010" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 8])  # 8 bytes flipped
+    shard.write_bytes(bytes(data))
+    line = _refused([*BASE, "train.steps=12", f"checkpoint.folder={ck}"], tmp_path / "flipped")
+    assert line == (f"error: checkpoint {ck / 'step_00000010'} is damaged: __1_0.distcp: SHA-256 differs from the manifest's; "
+                    f"resume from an earlier one (checkpoint.resume={ck / 'step_00000005'}) or start fresh (checkpoint.resume=none)")
+    shard.unlink()
+    line = _refused([*BASE, "train.steps=12", f"checkpoint.resume={ck / 'step_00000010'}"], tmp_path / "missing")
+    assert "__1_0.distcp: missing" in line
+    # resume=auto never falls back past a damaged checkpoint silently; the earlier one loads when named
+    proc = run_cli([*BASE, "train.steps=12", f"checkpoint.resume={ck / 'step_00000005'}", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 0 and read_summary(tmp_path)["start_step"] == 5
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_any_rank_starts(tmp_path: Path, straight: Path):
+    line = _refused([*BASE, "model.dim=96", f"checkpoint.resume={straight / 'ck' / 'step_00000010'}"], tmp_path / "wider")
+    assert "was saved from another model: embed.weight is [256, 64] there, [256, 96] in model tiny" in line
+    assert "(saved with model.name=tiny, model.dim=64, model.n_layers=2" in line
+    line = _refused([*BASE, "model.n_layers=3", f"checkpoint.resume={straight / 'ck' / 'step_00000010'}"], tmp_path / "deeper")
+    assert "model tiny has layers.2." in line and "the checkpoint lacks it" in line
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real filesystem that fills: a tmpfs of a given size (root only: CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts = []
+
+    def mount(size: str, *options: str) -> Path:
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(folder)], check=True)
+        mounts.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounts:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_a_disk_that_fills_mid_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path: Path, small_disk):
+    disk = small_disk("2600k")  # one checkpoint of model tiny (1.8 MB) fits, a second does not
+    proc = run_cli([*BASE, f"checkpoint.folder={disk}", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = _error_line(proc)
+    assert f"checkpoint step_00000010: no space left in {disk}: a checkpoint needs about" in line and "step_00000005 is kept" in line
+    assert sorted(p.name for p in disk.iterdir()) == ["step_00000005"]  # no partial left to trip a resume
+    from src.train.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(disk / "step_00000005") is not None  # whole, and it says so
+
+
+def test_a_checkpoint_folder_without_room_or_write_access_is_refused_before_any_rank_starts(tmp_path: Path, small_disk):
+    full = small_disk("600k")
+    line = _refused([*BASE, f"checkpoint.folder={full / 'ck'}"], tmp_path / "full")
+    assert f"checkpoint.folder={full / 'ck'}: a checkpoint of model tiny takes about" in line and f"{full} has" in line
+    read_only = small_disk("10m", "ro")
+    line = _refused([*BASE, f"checkpoint.folder={read_only / 'ck'}"], tmp_path / "ro")
+    assert line == (f"error: checkpoint.folder={read_only / 'ck'}: cannot write in {read_only} (Read-only file system); "
+                    "set checkpoint.folder to a writable folder")
 
 
 def test_two_rank_checkpoint_loads_in_one_process_and_exports_for_inference(tmp_path: Path, straight: Path, capsys):

@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -125,7 +126,26 @@ def _fresh_forkserver(entry: Callable[..., Any]) -> bool:
         return False
     server._stop()
     server.set_forkserver_preload([entry.__module__])
+    # Started here, ignoring the signals a process group gets at a SLURM preemption or time limit: a
+    # forkserver they ended left torch's agent reading its ranks as exited (code 255) while they were
+    # still saving. An ignored signal stays ignored across exec; the ranks take their defaults back
+    # (RANK_SIGNALS, restore_rank_signals).
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in RANK_SIGNALS}
+    try:
+        server.ensure_running()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     return True
+
+
+RANK_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def restore_rank_signals() -> None:
+    """A rank forked from the forkserver above starts with RANK_SIGNALS ignored: their defaults back."""
+    for sig in RANK_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "",

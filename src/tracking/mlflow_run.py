@@ -29,6 +29,13 @@ RUN_ID_FILE = ".mlflow_run_id"
 ELASTIC_RUN_FILE = ".elastic_run_id"
 PARENT_RUN_ID_FILE = ".mlflow_parent_run_id"
 SWEEP_KEYS_FILE = ".sweep_keys"  # the keys a sweep varies, one a line: its jobs are named by them
+# What the store did not take (a server down at the end, or from the start): enough to make or finish
+# the run later, `python -m src.tracking.sync RUN_DIR` (src/tracking/sync.py), which deletes it when done.
+UNSYNCED_FILE = ".mlflow_unsynced.json"
+
+
+def sync_hint(run_dir: Path | None) -> str:
+    return f"`python -m src.tracking.sync {run_dir}` stores it once the server answers" if run_dir is not None else "it is not stored"
 
 
 class TrackingUnavailable(RuntimeError):
@@ -232,6 +239,19 @@ class MlflowTracker(NullTracker):
         self.logged_steps: set[int] = set()
         self.retry_s = retry_s
         self.server_lost = False
+        self.tags_set: dict[str, str] = {}  # every tag set after the start: the sync sets them again
+
+    def _lose(self, what: str, reason: str) -> None:
+        """The store stopped answering: skip the rest of the record, and say once how to store it later."""
+        self.server_lost = True
+        where = f" in {self.run_dir}" if self.run_dir is not None else ""
+        log.warning("MLflow store at %s did not take %s (%s); the run's record stays%s: %s",
+                    self.uri, what, reason, where, sync_hint(self.run_dir))
+
+    def unsynced(self, status: str, error: str | None) -> dict[str, Any]:
+        return {"uri": self.uri, "run_id": self.run_id, "experiment": self.experiment, "run_name": self.run_name,
+                "parent_run_id": self.parent_run_id, "tags": {**self.tags, **self.tags_set},
+                "params": {k: str(v)[:6000] for k, v in self.params.items()}, "status": status, "error": error}
 
     def _server_call(self, what: str, call):
         """`call()` against the store; a server that stopped answering gets `retry_s` to come back
@@ -250,10 +270,7 @@ class MlflowTracker(NullTracker):
                     return call()
                 except Exception as again:
                     err = again
-            self.server_lost = True
-            where = f" in {self.run_dir}" if self.run_dir is not None else ""
-            log.warning("MLflow store at %s did not take %s (%s: %s); the rest of this run's MLflow record is skipped, its files stay%s",
-                        self.uri, what, type(err).__name__, (str(err).splitlines() or [""])[0][:200], where)
+            self._lose(what, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}")
             return None
 
     def start(self) -> None:
@@ -274,6 +291,12 @@ class MlflowTracker(NullTracker):
             if stale:  # the attempt that failed set it; kept as what caused the restart, not as this run's error
                 self.client.set_tag(self.run_id, f"restart_{restart}.cause", stale[:5000])
                 self.client.delete_tag(self.run_id, "error")
+            if "preempted" in previous:  # a stop signal ended the last attempt; kept under the attempt's number
+                self.client.set_tag(self.run_id, f"restart_{restart}.cause",
+                                    f"{previous['preempted']} at step {previous.get('preempted_at_step', '?')}")
+                for key in ("preempted", "preempted_at_step"):
+                    if key in previous:
+                        self.client.delete_tag(self.run_id, key)
             # Steps after the last checkpoint run again, bit for bit: log each step once.
             self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
             if self.use_writer:
@@ -303,6 +326,7 @@ class MlflowTracker(NullTracker):
             self.writer.log(step, metrics)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.tags_set.update(tags)
         for k, v in tags.items():
             self._server_call(f"tag {k}", lambda k=k, v=v: self.client.set_tag(self.run_id, k, v))
 
@@ -313,8 +337,10 @@ class MlflowTracker(NullTracker):
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
         try:
             if self.writer is not None:
-                self.writer.close()
+                stored = self.writer.close()
                 self.writer = None
+                if not stored and not self.server_lost:
+                    self._lose("every step metric", f"not answering for tracking.retry_s={self.retry_s:g} s after training ended")
             if summary:
                 from mlflow.entities import Metric
 
@@ -325,6 +351,23 @@ class MlflowTracker(NullTracker):
                 self._server_call("the error tag", lambda: self.client.set_tag(self.run_id, "error", error[:5000]))
         finally:
             self._server_call(f"the run's end ({status})", lambda: self.client.set_terminated(self.run_id, status=status))
+            if self.server_lost and self.run_dir is not None:
+                write_json(self.run_dir / UNSYNCED_FILE, self.unsynced(status, error))
+
+
+class OfflineTracker(NullTracker):
+    """A run whose store did not answer at its start: it goes on untracked, and leaves what the sync
+    needs to make its MLflow run later (UNSYNCED_FILE)."""
+
+    def __init__(self, tracker: MlflowTracker):
+        self.tracker = tracker
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.tracker.tags_set.update(tags)
+
+    def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None:
+        if self.tracker.run_dir is not None:
+            write_json(self.tracker.run_dir / UNSYNCED_FILE, self.tracker.unsynced(status, error))
 
 
 def start_tracker(tracker: NullTracker) -> NullTracker:
@@ -333,8 +376,12 @@ def start_tracker(tracker: NullTracker) -> NullTracker:
         tracker.start()
         return tracker
     except TrackingUnavailable as err:
-        log.warning("%s; the run goes on untracked, its metrics stay in the run directory (metrics.jsonl, summary.json)", err)
-        return NullTracker()
+        run_dir = getattr(tracker, "run_dir", None)
+        if run_dir is None:
+            log.warning("%s; the run goes on untracked, its figures stay in the run directory (metrics.jsonl, summary.json)", err)
+            return NullTracker()
+        log.warning("%s; the run goes on untracked, its figures stay in %s: %s", err, run_dir, sync_hint(run_dir))
+        return OfflineTracker(tracker)
 
 
 def task_tracker(cfg: Any, ctx: Any, device_name: str) -> NullTracker:

@@ -13,8 +13,8 @@ could not be stored stays pending and is sent again, with backoff, together with
 meanwhile; MLflow's SQL store skips a metric it already holds, so a batch stored by a request whose
 answer was lost is not doubled. MLflow's own HTTP retries (7, backing off to minutes) are turned off
 in this process so that this loop decides; after training ends it keeps trying for `retry_s`, then
-says what it could not store. The run's metrics.jsonl, written by the training process, keeps
-every step either way.
+exits EXIT_METRICS_NOT_STORED. The run's metrics.jsonl, written by the training process, keeps
+every step either way, and `python -m src.tracking.sync RUN_DIR` stores the rest later.
 """
 from __future__ import annotations
 
@@ -68,9 +68,10 @@ class MetricWriter:
         except (BrokenPipeError, ValueError):
             pass  # the writer died; close() reports it once, training goes on
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
         """Wait for the writer to store what it holds: up to its retry window against a server
-        that stopped answering, plus the time one last request and the system-metrics sample take."""
+        that stopped answering, plus the time one last request and the system-metrics sample take.
+        False when some step metrics may not be stored (metrics.jsonl has them all)."""
         timeout_s = self.retry_s + 2 * REQUEST_TIMEOUT_S + 30 if timeout_s is None else timeout_s
         try:
             self.process.stdin.close()
@@ -81,9 +82,10 @@ class MetricWriter:
         except subprocess.TimeoutExpired:
             log.warning("MLflow metric writer did not finish in %.0f s; stopping it (metrics.jsonl keeps every step)", timeout_s)
             self.process.kill()
-            return
-        if code not in (0, EXIT_METRICS_NOT_STORED):  # EXIT_METRICS_NOT_STORED: the writer said what it could not store
+            return False
+        if code not in (0, EXIT_METRICS_NOT_STORED):
             log.warning("MLflow metric writer exited with code %s; some step metrics may be missing (metrics.jsonl keeps every step)", code)
+        return code == 0
 
 
 def _read_lines(stream, q: queue.Queue) -> None:
@@ -147,7 +149,10 @@ def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0, r
     # drop what is queued (up to FLUSH_INTERVAL_S of steps, all of a short run's). Ignore it: the
     # training process closes the pipe when it stops, however it stops (SIGKILL included), and
     # this loop stores what is left, then exits: no orphan, no lost step, no traceback of ours.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The stop signals (SIGTERM at a SLURM preemption, to the whole process group; SIGUSR1/2 ahead
+    # of a time limit) likewise: the ranks save and close the pipe, and every step gets stored.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
     # Background work: where the ranks use every core (a CPU run), the scheduler serves them first.
     os.nice(10)
@@ -197,9 +202,7 @@ def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0, r
             _finish_with_sample(monitor)
         except Exception as err:
             print(f"system metrics: the last sample was not stored ({_reason(err)})", file=sys.stderr)
-    if pending.metrics:
-        _say(f"MLflow server at {uri} did not answer for {retry_s:.0f} s after training ended: {pending.describe()} "
-             "are not in MLflow; the run directory's metrics.jsonl has them")
+    if pending.metrics:  # the training process says so, with the command that stores them later
         return EXIT_METRICS_NOT_STORED
     return 0
 

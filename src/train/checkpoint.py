@@ -1,20 +1,27 @@
 """Distributed checkpoints (torch.distributed.checkpoint) of model, optimizer, step and RNG states.
 
-Layout: <folder>/step_00000010/ holds one DCP checkpoint (a .metadata file and each rank's shards)
-plus `config.yaml`. A save is written into `step_N.partial/` and renamed to `step_N/` only once
-every rank has finished writing, so a save cut off half-way is never taken for a checkpoint;
-leftover `.partial` folders are skipped with a warning. DCP reshards on load: a checkpoint saved
+Layout: <folder>/step_00000010/ holds one DCP checkpoint (a .metadata file and each rank's shards),
+`config.yaml` (the model's settings) and `manifest.json` (the step, the world size, and every other
+file's size and SHA-256). A save is written into `step_N.partial/` and renamed to `step_N/` only
+once every rank has finished writing and the manifest is in, so a save cut off half-way is never
+taken for a checkpoint; `resume=auto` skips leftover `.partial` folders, saying which complete one it
+resumes from instead. A load checks every file against the manifest first: a flipped byte in a shard
+is refused, naming the file, before any rank trains on it. DCP reshards on load: a checkpoint saved
 by 2 ranks loads into 1 or 4. `async_mode` overlaps the write with training: the state is staged
 to host memory, written by a background thread over its own gloo group, and finalised (renamed,
 old ones pruned to `keep_last`) at the next save or at the end.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +45,23 @@ def step_dir(folder: Path, step: int) -> Path:
     return folder / f"step_{step:08d}"
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint in `folder`; partial saves are skipped with a warning."""
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The complete checkpoints in `folder` (a step_NNNNNNNN folder holding DCP's .metadata), oldest first."""
     if not folder.is_dir():
-        return None
-    if not dist.is_initialized() or dist.get_rank() == 0:  # every rank looks; one says so
+        return []
+    return sorted((p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / ".metadata").exists()), key=lambda p: p.name)
+
+
+def latest_checkpoint(folder: Path, say: bool = True) -> Path | None:
+    """The newest complete checkpoint in `folder`; a partial save after it is skipped, saying so
+    (`say`: rank 0 logs it; every rank looks)."""
+    complete = complete_checkpoints(folder)
+    latest = complete[-1] if complete else None
+    if say and folder.is_dir() and (not dist.is_initialized() or dist.get_rank() == 0):
         for partial in sorted(folder.glob("step_*.partial")):
-            log.warning("skipping %s: a save that did not finish", partial)
-    complete = sorted((p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / ".metadata").exists()), key=lambda p: p.name)
-    return complete[-1] if complete else None
+            instead = f"resuming from {latest.name} instead" if latest is not None else "no complete checkpoint: starting fresh"
+            log.warning("skipping %s: a save that did not finish; %s", partial, instead)
+    return latest
 
 
 def checkpoint_step(path: Path) -> int:
@@ -54,6 +69,83 @@ def checkpoint_step(path: Path) -> int:
     if not m or not (path / ".metadata").exists():
         raise CheckpointError(f"checkpoint.resume={path}: not a complete checkpoint (a step_NNNNNNNN folder with DCP's .metadata)")
     return int(m.group(1))
+
+
+MANIFEST = "manifest.json"
+_HASH_CHUNK = 8 << 20  # 8 MiB reads: hashlib releases the GIL on each, so threads hash files side by side
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {bytes, sha256}}; a thread a core (SHA-256 runs at about 1.5 GB/s a core)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda n: file_sha256(folder / n), names))
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The checkpoint's manifest, or None for one saved without it (before manifests were written)."""
+    f = path / MANIFEST
+    if not f.exists():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{f}: not a readable manifest ({err}); the checkpoint is damaged") from None
+
+
+def damaged_files(path: Path, manifest: dict[str, Any], rank: int = 0, world: int = 1) -> list[str]:
+    """This rank's share of the files (every world-th) that are missing, of another size, or hash
+    otherwise than the manifest says; each as '<name>: <what is wrong>'."""
+    names = sorted(manifest["files"])[rank::world]
+    problems, present = [], []
+    for name in names:
+        f, want = path / name, manifest["files"][name]
+        if not f.exists():
+            problems.append(f"{name}: missing")
+        elif f.stat().st_size != want["bytes"]:
+            problems.append(f"{name}: {f.stat().st_size} bytes, the manifest says {want['bytes']}")
+        else:
+            present.append(name)
+    got = _hash_files(path, present) if present else {}
+    problems += [f"{n}: SHA-256 differs from the manifest's" for n in present if got[n]["sha256"] != manifest["files"][n]["sha256"]]
+    return problems
+
+
+def damage_message(path: Path, problems: list[str]) -> str:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return (f"checkpoint {path} is damaged: {problems[0]}{more}; resume from an earlier one "
+            "(checkpoint.resume=PATH) or start fresh (checkpoint.resume=none)")
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any] | None:
+    """Every file of `path` against its manifest, in this process; raises CheckpointError naming the
+    first damaged file. Returns the manifest (None for a checkpoint saved without one)."""
+    manifest = read_manifest(path)
+    if manifest is not None:
+        problems = damaged_files(path, manifest)
+        if problems:
+            raise CheckpointError(damage_message(path, problems))
+    return manifest
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: this rank's share of what a save writes."""
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    if torch.is_tensor(state):
+        local = getattr(state, "_local_tensor", state)  # a DTensor writes its shard
+        return local.numel() * local.element_size()
+    return 0
 
 
 def _rng_state(rank: int) -> dict[str, Any]:
@@ -69,6 +161,7 @@ class Checkpointer:
         self.keep_last, self.async_mode, self.config_yaml = keep_last, async_mode, config_yaml
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending: tuple[Any, Path, Path, float] | None = None
+        self.expected_bytes = 0
         self.saves: list[dict[str, float]] = []
         self.load_s: float | None = None
         # DCP's async writer reduces plans in a background thread: give it a gloo group of its
@@ -85,21 +178,43 @@ class Checkpointer:
         final = step_dir(self.folder, step)
         partial = final.with_name(final.name + ".partial")
         if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # a cut-off save of this step: its files are stale
             partial.mkdir(parents=True, exist_ok=True)
             (partial / "config.yaml").write_text(self.config_yaml)
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
         state = self._state(step)
-        if self.async_mode:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
-            self.pending = (future, partial, final, t0)
-            self.saves.append({"step": step, "blocking_s": time.perf_counter() - t0})
-        else:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.expected_bytes = state_bytes(state) * world  # FSDP2 shards evenly: each rank writes about as much
+        try:
+            if self.async_mode:
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+                self.pending = (future, partial, final, t0)
+                self.saves.append({"step": step, "blocking_s": time.perf_counter() - t0})
+                return
             dcp.save(state, checkpoint_id=str(partial))
-            self.saves.append({"step": step})
-            self._finalize(partial, final)
-            self.saves[-1].update(blocking_s=time.perf_counter() - t0, total_s=time.perf_counter() - t0)
+        except (Exception, dcp.CheckpointException) as err:
+            self._failed(partial, err)
+        self.saves.append({"step": step})
+        self._finalize(partial, final)
+        self.saves[-1].update(blocking_s=time.perf_counter() - t0, total_s=time.perf_counter() - t0)
+
+    def _failed(self, partial: Path, err: BaseException) -> None:
+        """A save that could not be written: its partial folder removed (rank 0), the complete
+        checkpoints before it kept, and one line naming the folder (and, for a full disk, the bytes)."""
+        inner = _first_cause(err)
+        # torch.save's zip writer reports a full disk as "unexpected pos", not ENOSPC: the room left says it
+        full = (isinstance(inner, OSError) and inner.errno in (errno.ENOSPC, errno.EDQUOT)) or shutil.disk_usage(self.folder).free < self.expected_bytes
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = complete_checkpoints(self.folder)
+        after = f"; {kept[-1].name} is kept" if kept else ""
+        if full:
+            free = shutil.disk_usage(self.folder).free
+            raise CheckpointError(f"checkpoint {partial.name[:-len('.partial')]}: no space left in {self.folder}: a checkpoint needs about "
+                                  f"{_gb(self.expected_bytes)}, {_gb(free)} is free{after}; free space or set checkpoint.folder elsewhere") from None
+        raise CheckpointError(f"checkpoint {partial.name[:-len('.partial')]} could not be written to {self.folder}: {_one_line(inner)}{after}") from None
 
     def wait(self) -> None:
         """Finish an async save in flight: wait for the write, then rename and prune."""
@@ -107,14 +222,29 @@ class Checkpointer:
             return
         future, partial, final, t0 = self.pending
         self.pending = None
-        future.result()
+        try:
+            future.result()
+        except (Exception, dcp.CheckpointException) as err:
+            self._failed(partial, err)
         self._finalize(partial, final)
         self.saves[-1]["total_s"] = time.perf_counter() - t0
 
     def _finalize(self, partial: Path, final: Path) -> None:
+        """Every rank's shards on disk: each hashes its share of the files, rank 0 writes the
+        manifest, renames the folder and prunes to keep_last."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
         if dist.is_initialized():
             dist.barrier(group=self.group)  # every rank's shards are on disk
+        names = sorted(f.name for f in partial.iterdir() if f.name != MANIFEST)
+        mine = _hash_files(partial, names[self.rank::world])
+        shares = [mine]
+        if dist.is_initialized():
+            shares = [None] * world
+            dist.all_gather_object(shares, mine, group=self.group)
         if self.rank == 0:
+            files = {k: v for share in shares for k, v in share.items()}
+            manifest = {"step": int(final.name.split("_")[1]), "world_size": world, "torch": torch.__version__, "files": files}
+            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)
@@ -125,13 +255,35 @@ class Checkpointer:
             done = sorted((p for p in self.folder.iterdir() if _STEP_DIR.match(p.name)), key=lambda p: p.name)
             for old in done[: max(0, len(done) - self.keep_last)]:
                 shutil.rmtree(old, ignore_errors=True)
+            for stale in self.folder.glob("step_*.partial"):  # cut-off saves older than this one
+                if stale.name < final.name:
+                    shutil.rmtree(stale, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier(group=self.group)
 
-    def load(self, path: Path) -> int:
-        """Restore model, optimizer and RNG from `path`; returns the step to continue from."""
+    def verify(self, path: Path) -> None:
+        """Every rank hashes its share of the files; any damage is refused on every rank alike."""
+        manifest = read_manifest(path)
+        if manifest is None:
+            if self.rank == 0:
+                log.warning("%s has no %s (saved before checkpoints carried one): its files are not checked", path, MANIFEST)
+            return
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        problems = damaged_files(path, manifest, self.rank, world)
+        if dist.is_initialized():
+            every = [None] * world
+            dist.all_gather_object(every, problems, group=self.group)
+            problems = sorted(p for share in every for p in share)
+        if problems:
+            raise CheckpointError(damage_message(path, problems))
+
+    def load(self, path: Path, verify: bool = True) -> int:
+        """Restore model, optimizer and RNG from `path`; returns the step to continue from. `verify`:
+        check its files against the manifest first (skipped where the launcher already did)."""
         checkpoint_step(path)
         t0 = time.perf_counter()
+        if verify:
+            self.verify(path)
         state = self._state(0)
         rng = {"rng": state.pop("rng")}
         try:
@@ -139,11 +291,7 @@ class Checkpointer:
             # A rank that did not exist when the checkpoint was saved (2 ranks -> 4) keeps its own RNG.
             dcp.load(rng, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
         except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
-            causes = getattr(err, "failures", None) or {}
-            inner = next(iter(causes.values()), err) if isinstance(causes, dict) else err
-            inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
-            first = (f"{type(inner).__name__}: {inner}".strip().splitlines() or [""])[0][:300]
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from None
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {_one_line(_first_cause(err))}") from None
         kernels = optimizer_kernels(self.optimizer)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         keep_optimizer_kernels(self.optimizer, kernels)
@@ -154,6 +302,24 @@ class Checkpointer:
         self.load_s = time.perf_counter() - t0
         log.info("resumed from %s at step %d (%.2f s)", path, step, self.load_s)
         return step
+
+
+def _first_cause(err: BaseException) -> BaseException:
+    """DCP gathers each rank's failure into one CheckpointException: the first rank's own."""
+    causes = getattr(err, "failures", None) or {}
+    inner = next(iter(causes.values()), err) if isinstance(causes, dict) else err
+    inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
+    while isinstance(inner, BaseException) and inner.__cause__ is not None and not isinstance(inner, OSError):
+        inner = inner.__cause__
+    return inner
+
+
+def _one_line(err: BaseException) -> str:
+    return (f"{type(err).__name__}: {err}".strip().splitlines() or [""])[0][:300]
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")

@@ -225,12 +225,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
         raise ConfigError(f"train.nonfinite={cfg.train.nonfinite}: use fail or skip")
     ck = cfg.checkpoint
     if ck.resume not in ("auto", "none"):
-        from src.train.checkpoint import CheckpointError, checkpoint_step
+        from src.train.resume_check import resume_target
 
-        try:
-            checkpoint_step(Path(ck.resume))
-        except CheckpointError as err:
-            raise ConfigError(str(err)) from None
+        resume_target(cfg, None)  # a complete checkpoint, or one line naming the newest complete one near it
     if ck.interval < 0 or ck.keep_last < 1:
         raise ConfigError(f"checkpoint.interval={ck.interval} checkpoint.keep_last={ck.keep_last}: interval >= 0, keep_last >= 1")
     if cfg.fault.kind not in ("none", "raise", "kill", "nan"):

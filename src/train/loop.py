@@ -232,6 +232,10 @@ class LoopResult:
     wall_s: float
     skipped: list[int] = field(default_factory=list)
     """steps whose optimizer update train.nonfinite=skip dropped"""
+    stopped_by: int = 0
+    """the signal the loop stopped on before train.steps (src/train/preempt.py); 0: it ran them all"""
+    stopped_at: int = 0
+    """the steps done when it stopped (the step count of the checkpoint it saved then)"""
 
 
 def train_loop(
@@ -250,6 +254,7 @@ def train_loop(
     checkpoint_due: Callable[[int], bool] = lambda steps_done: False,
     save_checkpoint: Callable[[int], None] | None = None,
     nonfinite: str = "fail",
+    stop_due: Callable[[], int] | None = None,
 ) -> LoopResult:
     """Run `steps` optimizer steps: `step_fn(step, inputs, targets, read)` is one (Trainer.run_step)
     and returns (loss, grad norm) as device tensors, the norm None when the step is not read (`read`
@@ -260,7 +265,8 @@ def train_loop(
     the time between two reads over the steps between them (data, forward, backward, optimizer);
     what follows a read (callbacks, checkpoint) is counted apart as overhead so its share of the
     step can be reported. Steps count from 0: `start_step` is the first one run, a checkpoint after
-    N steps resumes at N."""
+    N steps resumes at N. `stop_due()`, asked before each step (the same answer on every rank), gives
+    a signal to stop on: the steps run so far are saved (save_checkpoint) and the loop ends."""
     results: list[StepStats] = []
     skipped: list[int] = []
     overhead = 0.0
@@ -281,9 +287,11 @@ def train_loop(
     last_read: tuple[int, float | torch.cuda.Event] = (start_step - 1, clock())  # (step, when it ended)
     queued_s = 0.0  # host time spent queuing the steps since the last read
     pending: tuple[int, Readback, float | None, bool] | None = None  # a logged step not yet read
+    saved_at = start_step  # the step count of the newest checkpoint (where the run resumed from, at first)
+    stopped_by = stopped_at = 0
 
     def record(step: int, readback: Readback, lr: float | None, ckpt: bool) -> None:
-        nonlocal last_read, overhead, queued_s
+        nonlocal last_read, overhead, queued_s, saved_at
         loss_v, norm_v, mem_alloc, mem_reserved = readback.read()
         t1 = time.perf_counter()
         since, t0 = last_read
@@ -316,12 +324,24 @@ def train_loop(
         overhead += time.perf_counter() - t1
         if ckpt and save_checkpoint is not None:
             save_checkpoint(step + 1)
+            saved_at = step + 1
         if readback.event is None or ckpt:
             # read at once (a CPU, a checkpoint): the device waited for the host meanwhile, so the
             # next interval starts after the callbacks and the save, which are overhead
             last_read = (step, clock())
 
     for step in range(start_step, steps):
+        stopped_by = stop_due() if stop_due is not None else 0
+        if stopped_by:
+            stopped_at = step
+            if pending is not None:
+                record(*pending)
+                pending = None
+            if save_checkpoint is not None and saved_at != step:
+                t_save = time.perf_counter()
+                save_checkpoint(step)
+                overhead += time.perf_counter() - t_save
+            break
         t_queue = time.perf_counter()
         ckpt = checkpoint_due(step + 1)
         read = not (step + 1) % log_every or step == steps - 1 or ckpt
@@ -351,7 +371,7 @@ def train_loop(
             record(step, readback, lr, ckpt)
         else:
             pending = (step, readback, lr, ckpt)
-    return LoopResult(results, overhead, time.perf_counter() - start, skipped)
+    return LoopResult(results, overhead, time.perf_counter() - start, skipped, stopped_by, stopped_at)
 
 
 def _skipped(result: LoopResult) -> dict:

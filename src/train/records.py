@@ -63,6 +63,10 @@ def make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path |
     restarted = (elastic_file is not None and elastic_file.exists() and "TORCHELASTIC_RUN_ID" in os.environ
                  and elastic_file.read_text().strip() == os.environ["TORCHELASTIC_RUN_ID"])
     ident = run_identity(cfg, ctx, env.world_size, device_name)
+    continue_id = id_file.read_text().strip() if (restarted and id_file is not None and id_file.exists()) else None
+    if continue_id is None and id_file is not None and id_file.exists() and cfg.checkpoint.resume != "none" and _preempted(run_dir):
+        # the same run directory after a stop signal saved it (a requeued job, the command again): one MLflow run
+        continue_id = id_file.read_text().strip()
     return MlflowTracker(
         uri=ident.uri,
         experiment=ident.experiment,
@@ -74,8 +78,15 @@ def make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path |
         system_metrics_interval_s=cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else 0.0,
         connect_timeout_s=cfg.tracking.connect_timeout_s,
         retry_s=cfg.tracking.retry_s,
-        continue_run_id=id_file.read_text().strip() if (restarted and id_file is not None and id_file.exists()) else None,
+        continue_run_id=continue_id,
     )
+
+
+def _preempted(run_dir: Path) -> bool:
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status") == "preempted"
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 class MetricsFile:

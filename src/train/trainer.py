@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from src.data.batches import TokenBatches
+from src.distributed.cluster import submitit_job
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
@@ -47,6 +48,7 @@ from src.train.faults import inject
 from src.train.loop import LoopResult, forward_backward_step, optimizer_step, summarize, train_loop
 from src.train.metrics import peak_flops, reset_peak_memory
 from src.train.optimizer import build_optimizer, optimizer_impl
+from src.train.preempt import STOP_FILE, StopRequest, stop_signals
 from src.train.progress import ProgressReporter
 from src.train.records import MetricsFile, log_auto_choice, make_tracker
 from src.train.schedule import lr_at
@@ -120,6 +122,7 @@ class Trainer:
             env.rank, env.world_size, env.device, cfg.data.text_path, cfg.data.corpus_mb, cfg.data.tokens_path,
         )
         self.batches.step = self.start_step  # the data position is the step: the batch of step s depends on (seed, s) only
+        self.stop = self._stop_request()
         self.peak = peak_flops(env.device, cfg.precision.param_dtype)
         self.tracker = start_tracker(self.tracker)
         if cfg.kernels.auto and env.is_main:
@@ -147,6 +150,15 @@ class Trainer:
             # the GPU's clock and power over the timed steps: a step at its power cap runs its kernels
             # at a lower clock than they run alone (src/profiling/gpu_clocks.py)
             self.clocks = ClockSampler.for_device(env.device, cfg.train.gpu_clock_interval_s)
+
+    def _stop_request(self) -> StopRequest | None:
+        """checkpoint.on_signal, where there is a checkpointer to save with: the ranks agree on a gloo
+        group of their own, so the agreement never waits behind NCCL's queue."""
+        sigs = stop_signals(self.cfg.checkpoint.on_signal, submitit_job() is not None)
+        if not sigs or self.checkpointer is None:
+            return None
+        group = dist.new_group(backend="gloo") if self.env.world_size > 1 and not self.cfg.dist.fake else None
+        return StopRequest(sigs, Path(self.ctx.run_dir) / STOP_FILE if self.ctx.run_dir else None, group)
 
     def _cast_in_step(self) -> None:
         """speed.cast_in_step: where it applies (TritonAdamW, one-rank groups unsharded directly),
@@ -228,14 +240,15 @@ class Trainer:
         ck, ctx = self.cfg.checkpoint, self.ctx
         self.checkpointer, self.start_step, self.resumed_from = None, 0, None
         folder = Path(ck.folder) if ck.folder else (Path(ctx.run_dir) / "checkpoints" if ctx.run_dir else None)
-        if ck.enabled or ck.resume not in ("auto", "none"):
+        # a folder to save in on a stop signal (src/train/preempt.py) is one to resume from too
+        if ck.enabled or ck.resume not in ("auto", "none") or (ck.on_signal and folder is not None and not self.cfg.dist.fake):
             if folder is None and ck.enabled:
                 raise ValueError("checkpoint.enabled needs a run directory or checkpoint.folder")
             self.checkpointer = Checkpointer(folder, self.model, self.optimizer, ck.keep_last, ck.async_mode, OmegaConf.to_yaml(self.cfg.model))
             resumed = Path(ck.resume) if ck.resume not in ("auto", "none") else (latest_checkpoint(folder) if ck.resume == "auto" and folder else None)
             self.resumed_from = resumed
             if resumed is not None:
-                self.start_step = self.checkpointer.load(resumed)
+                self.start_step = self.checkpointer.load(resumed, verify=str(resumed) != ctx.verified_checkpoint)
                 # DCP writes the shards through tensors of its own, moving no counter the kept casts
                 # compare: at a resume nothing is kept yet (a parameter is, from its first unshard
                 # on), so this guards a load after that
@@ -263,9 +276,10 @@ class Trainer:
                 log_every=cfg.train.log_every, on_step=callbacks,
                 start_step=self.start_step,
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
-                save_checkpoint=self.checkpointer.save if self.checkpointer is not None and ck.enabled else None,
+                save_checkpoint=self.checkpointer.save if self.checkpointer is not None else None,
                 # dist.fake: the gathered weights are not the model's, so a NaN says nothing of the run
                 nonfinite="unchecked" if cfg.dist.fake and cfg.train.nonfinite == "fail" else cfg.train.nonfinite,
+                stop_due=self.stop.agreed if self.stop is not None else None,
             )
             if self.checkpointer is not None:
                 self.checkpointer.wait()
@@ -273,6 +287,8 @@ class Trainer:
                 model = self.model
                 export_safetensors(model.module if isinstance(model, DistributedDataParallel) else model, Path(ctx.run_dir) / "model.safetensors")
         finally:
+            if self.stop is not None:
+                self.stop.close()
             if session is not None:
                 session.stop()
             if self.clocks is not None:
@@ -349,9 +365,12 @@ class Trainer:
     def _finish(self, result: LoopResult, session: TorchProfileSession | None) -> dict[str, Any]:
         """summary.json, curves.png and the run's artifacts; the tracker FINISHED; the last log line."""
         cfg, env, ctx, tracker, checkpointer = self.cfg, self.env, self.ctx, self.tracker, self.checkpointer
+        stopped = signal.Signals(result.stopped_by).name if result.stopped_by else None
         summary = {
             "task": cfg.task.name,
-            "status": "finished",
+            "status": "preempted" if stopped else "finished",
+            "preempted_by": stopped,
+            "preempted_at_step": result.stopped_at if stopped else None,
             "settings": settings(cfg, env.world_size),
             "params": self.n_params,
             "flops_per_token": self.fpt,
@@ -387,7 +406,9 @@ class Trainer:
             for name in RUN_ARTIFACTS:
                 tracker.log_artifact(run_dir / name)
         anatomy = session.anatomy if session is not None and env.is_main else None
-        tracker.finish("FINISHED", {**summary, **(anatomy_metrics(anatomy) if anatomy else {})})
+        if stopped:
+            tracker.set_tags({"preempted": stopped, "preempted_at_step": str(result.stopped_at)})
+        tracker.finish("KILLED" if stopped else "FINISHED", {**summary, **(anatomy_metrics(anatomy) if anatomy else {})})
         if env.is_main:
             if summary["skipped_steps"]:
                 log.info("train.nonfinite=skip dropped the optimizer update of %d step(s): %s", summary["skipped_steps"], summary["skipped_at"])
@@ -398,7 +419,12 @@ class Trainer:
                 # each re-recording is a step's worth of capture on the host; more than a few per graph cost more than graphs save
                 log.warning("speed.cudagraphs: %d graph(s) recorded again because a weight they read had moved (%d graphs held); "
                             "if the steps are slower than with speed.cudagraphs=false, drop it", summary["cudagraph_rerecords"], summary["cudagraphs"])
-            if summary["steps"] == 0:
+            if stopped:
+                at = result.stopped_at
+                saved = f"checkpoint step_{at:08d} in {self.checkpointer.folder}" if at > self.start_step else "nothing new to save"
+                log.warning("%s: stopped after %d of %d steps, %s; the same command continues from it (checkpoint.resume=auto)",
+                            stopped, at, cfg.train.steps, saved)
+            elif summary["steps"] == 0:
                 log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
             else:
                 log.info(

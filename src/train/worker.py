@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import shutdown
+from src.distributed.launch import restore_rank_signals
 from src.fusion.attention import restore_sdpa_backends
 from src.runtime import RunContext
 from src.speed import restore_all
@@ -57,5 +58,6 @@ def free(trainer: Trainer) -> None:
 
 def elastic_entry(cfg_container: dict, ctx_fields: dict) -> dict[str, Any]:
     """What each rank runs under the elastic launcher (spawned: it rebuilds the config from a dict)."""
+    restore_rank_signals()
     cfg = OmegaConf.create(cfg_container)
     return train(cfg, RunContext(**ctx_fields))

@@ -1,0 +1,104 @@
+"""A stop signal (SLURM's SIGTERM at preemption, `--signal=USR1@90` ahead of a time limit) to a real
+run: the ranks finish the step, save it, flush every logged step to MLflow and end the run KILLED
+(tag `preempted`), exit 128 + the signal; the same command then continues the same MLflow run from
+that checkpoint and ends with the weights of a run never stopped."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import REPO
+
+# fp32 on fixed ranks: "the same" means the same bits. 60 steps of ~25 ms leave time to signal mid-run.
+RUN = ["precision=fp32", "train.steps=60", "tracking.system_metrics=false", "hydra.run.dir=run"]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "src.run", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _logged(cwd: Path) -> int:
+    path = cwd / "run" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _signal_mid_run(proc: subprocess.Popen, cwd: Path, sig: int, group: bool) -> str:
+    deadline = time.monotonic() + 120
+    while _logged(cwd) < 3:  # a few steps in: the ranks are in the loop
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "no step in 120 s"
+        time.sleep(0.05)
+    (os.killpg if group else os.kill)(proc.pid, sig)
+    out, _ = proc.communicate(timeout=120)
+    return out
+
+
+def _summary(cwd: Path) -> dict:
+    return json.loads((cwd / "run" / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, dict]:
+    """The final summaries of undisturbed runs, by rank count."""
+    found = {}
+    for nproc in (1, 2):
+        cwd = tmp_path_factory.mktemp(f"straight{nproc}")
+        proc = _start([*RUN, f"dist.nproc={nproc}", "tracking=none"], cwd)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        found[nproc] = _summary(cwd)
+    return found
+
+
+@pytest.mark.parametrize(("nproc", "sig", "group"), [
+    (1, signal.SIGUSR1, False),   # one rank in the launching process
+    (2, signal.SIGUSR1, False),   # to the launcher alone: it hands the request to its ranks
+    (2, signal.SIGTERM, True),    # to the whole process group, the metric writer too: SLURM's preemption
+], ids=["1rank-usr1", "2ranks-usr1-launcher", "2ranks-term-group"])
+def test_a_stop_signal_saves_and_the_same_command_continues_bit_identically(tmp_path: Path, straight, nproc, sig, group):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*RUN, f"dist.nproc={nproc}", f"tracking.uri={store}"]
+    proc = _start(args, tmp_path)
+    out = _signal_mid_run(proc, tmp_path, sig, group)
+    assert proc.returncode == 128 + sig, out
+    name = signal.Signals(sig).name
+    first = _summary(tmp_path)
+    at = first["preempted_at_step"]
+    assert first["status"] == "preempted" and first["preempted_by"] == name and 3 <= at < 60, first
+    assert (tmp_path / "run" / "checkpoints" / f"step_{at:08d}" / "manifest.json").exists()
+    assert f"{name}: stopped after {at} of 60 steps, checkpoint step_{at:08d}" in out
+    assert "Traceback" not in out
+    client = MlflowClient(store)
+    run = client.get_run(first["mlflow_run_id"])
+    assert run.info.status == "KILLED" and run.data.tags["preempted"] == name
+    # every step run before the stop reached MLflow, the writer's pending ones included
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(at))
+
+    proc = _start(args, tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    second = _summary(tmp_path)
+    assert second["status"] == "finished" and second["start_step"] == at
+    assert second["final_loss"] == straight[nproc]["final_loss"]  # bit for bit
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]  # one MLflow run, its curve whole
+    run = client.get_run(second["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and "preempted" not in run.data.tags
+    assert run.data.tags["restart_1.cause"] == f"{name} at step {at}"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(60))
+
+
+def test_no_stop_signals_leaves_sigusr1_to_end_the_process(tmp_path: Path):
+    """checkpoint.on_signal=[]: no handler, no checkpoint; SIGUSR1 ends the run as it ends any program."""
+    proc = _start([*RUN, "dist.nproc=1", "tracking=none", "checkpoint.on_signal=[]"], tmp_path)
+    _signal_mid_run(proc, tmp_path, signal.SIGUSR1, False)
+    assert proc.returncode == -signal.SIGUSR1
+    assert not (tmp_path / "run" / "checkpoints").exists()
