@@ -36,6 +36,7 @@ from src.runtime import RunContext  # noqa: E402
 from src.tasks import run_task  # noqa: E402
 from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri  # noqa: E402
 from src.train.checks import TRAINING_TASKS  # noqa: E402
+from src.train.resume_check import check_checkpoints  # noqa: E402
 from src.validate import validate  # noqa: E402
 
 log = logging.getLogger("src.run")
@@ -73,6 +74,14 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     except Exception:  # a sweeper-specific syntax (ranges for Optuna, ...): its own sweeper checks it
         return []
     return [list(job) for job in itertools.product(*values.values())]
+
+
+def _planned_run_dir(overrides: list[str], config_dir: str | None = None) -> Path:
+    """hydra.run.dir as Hydra will make it, absolute (a `${now:}` in it may tick a second on: such a
+    folder is new either way, with no checkpoint in it)."""
+    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+    folder = Path(str(OmegaConf.select(compose_config(hydra_overrides, with_hydra=True, config_dir=config_dir), "hydra.run.dir")))
+    return folder if folder.is_absolute() else Path.cwd() / folder
 
 
 def _check_output_dir(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
@@ -133,6 +142,11 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
         jobs.append(cfg)
     check_launcher(launcher, overrides, jobs)
     _check_output_dir(overrides, multirun, config_dir)
+    # the checkpoint each job resumes from (its files, its model) and the folder it saves in; a
+    # sweep's jobs get their folders when they start, so only an explicit one is checked here
+    run_dir = None if multirun else _planned_run_dir(overrides, config_dir)
+    for cfg in jobs:
+        check_checkpoints(cfg, run_dir)
     if launcher != "submitit_slurm":  # the jobs' ranks run on this machine
         _warn_ranks_over_cores(jobs)
 
@@ -233,8 +247,11 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     try:
         validate(cfg)  # again on the node that runs it: its GPUs are the ones that count
         apply_auto_choice(cfg, ctx.cwd)
+        # again where the job runs (a requeued SLURM job resumes from the checkpoint its last attempt saved)
+        verified = check_checkpoints(cfg, Path(hc.runtime.output_dir))
     except ConfigError as err:
         _fail(str(err))
+    ctx.verified_checkpoint = str(verified) if verified is not None else None
     return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
 
 
