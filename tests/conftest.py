@@ -160,8 +160,8 @@ def postgres_uri():
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """One real SLURM cluster for the session, this machine its one node: munged, slurmctld and
-    slurmd from Debian's slurm-wlm and munge, private to the session (tests/slurm_cluster.py).
+    """One real SLURM cluster for the session, this machine its one node: munged, slurmctld, slurmd
+    and slurmdbd (on a MariaDB of its own), private to the session (tests/slurm_cluster.py).
     Yields a SlurmCluster; its `env` (SLURM_CONF) points sbatch and the other clients at it.
     Skipped only where the programs are missing: installed but broken, the tests fail."""
     from tests.slurm_cluster import missing_binaries, running_cluster
@@ -169,8 +169,8 @@ def slurm_cluster():
     missing = missing_binaries()
     if missing:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"SLURM is not installed ({', '.join(missing)} missing); .ci/run installs it (apt-get install slurm-wlm munge)")
-        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing; apt-get install slurm-wlm munge); the SLURM tests need it")
+            pytest.fail(f"SLURM is not installed ({', '.join(missing)} missing); .ci/run installs it (apt-get install slurm-wlm munge slurmdbd mariadb-server)")
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing; apt-get install slurm-wlm munge slurmdbd mariadb-server); the SLURM tests need it")
     with running_cluster() as cluster:
         yield cluster
 

@@ -1,12 +1,13 @@
-"""A real one-node SLURM cluster for the tests: Debian's munged, slurmctld and slurmd (slurm-wlm
-22.05) on this machine, every file of theirs (config, key, sockets, state, spool, logs) in one
-private folder, listening on free ports, so that it stands beside a system SLURM or another test
-session's. Clients (sbatch, srun, squeue, scontrol, scancel, sinfo) find it through SLURM_CONF.
+"""A real one-node SLURM cluster for the tests: Debian's munged, slurmctld, slurmd and slurmdbd
+(slurm-wlm 22.05) on this machine, slurmdbd's records in a private MariaDB, every file of theirs
+(config, key, sockets, state, spool, database, logs) in one private folder, listening on free
+ports, so that it stands beside a system SLURM or another test session's. Clients (sbatch, srun,
+squeue, scontrol, scancel, sinfo, sacct) find it through SLURM_CONF.
 
 The node is this machine as `slurmd -C` sees it (its CPUs, sockets, cores and RealMemory, under
-its short hostname), reached at 127.0.0.1. There is no slurmdbd: `sacct` answers "accounting
-storage is disabled", which submitit's job watcher passes over, so a job is seen to end by its
-result file alone (a job killed without one is never seen to end here).
+its short hostname), reached at 127.0.0.1. slurmdbd is there because submitit learns that a job
+ended from `sacct` (its result file aside): without accounting, a job that dies without a result
+(a SIGKILL, the time limit) would never be seen to end.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# what the fixture starts and what submitit calls (sbatch to submit, scontrol to requeue, scancel)
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
+# what the fixture starts, and what submitit calls (sbatch to submit, sacct to watch, scontrol to
+# requeue, scancel)
+BINARIES = ("munged", "mariadb-install-db", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sacctmgr", "sbatch", "srun", "squeue",
+            "scontrol", "scancel", "sinfo", "sacct")
 PARTITION = "debug"
 
 
@@ -82,13 +85,31 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
-def _write_conf(base: Path, hostname: str, node_line: str) -> Path:
+def _write_conf(base: Path, hostname: str, node_line: str, ports: dict[str, int]) -> Path:
+    """slurm.conf and slurmdbd.conf (which slurmdbd reads from SLURM_CONF's folder)."""
+    munge = f"AuthType=auth/munge\nAuthInfo=socket={base / 'run' / 'munge.socket'}"
+    dbd = base / "slurmdbd.conf"
+    dbd.write_text("\n".join([
+        munge,
+        "DbdHost=localhost",
+        f"DbdPort={ports['slurmdbd']}",
+        "SlurmUser=root",
+        f"PidFile={base / 'run' / 'slurmdbd.pid'}",
+        f"LogFile={base / 'log' / 'slurmdbd.log'}",
+        "StorageType=accounting_storage/mysql",
+        "StorageHost=127.0.0.1",
+        f"StoragePort={ports['mariadbd']}",
+        "StorageUser=root",
+        "StorageLoc=slurm_acct_db",
+        "",
+    ]))
+    dbd.chmod(0o600)  # slurmdbd refuses a config that others may read
     conf = base / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=perflab-test",
         "SlurmctldHost=localhost",
-        f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={ports['slurmctld']}",
+        f"SlurmdPort={ports['slurmd']}",
         "SlurmUser=root",
         "SlurmdUser=root",
         "AuthType=auth/munge",
@@ -116,8 +137,13 @@ def _write_conf(base: Path, hostname: str, node_line: str) -> Path:
         "SelectTypeParameters=CR_Core_Memory",
         # a job that names no memory gets 1 GB a CPU, not the whole node (which would run one job at a time)
         "DefMemPerCPU=1024",
+        # jobs' states and exit codes to slurmdbd, for sacct; no sampling of their use
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        "AccountingStorageHost=localhost",
+        f"AccountingStoragePort={ports['slurmdbd']}",
+        # the munge socket for talking to slurmdbd (AuthInfo's is not used there)
+        f"AccountingStoragePass={base / 'run' / 'munge.socket'}",
         "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
         "JobCompType=jobcomp/none",
         "PreemptType=preempt/none",
         # SIGTERM, then SIGKILL 10 s later (30 s by default): a test's scancel ends within seconds
@@ -133,15 +159,15 @@ def _write_conf(base: Path, hostname: str, node_line: str) -> Path:
 
 @contextmanager
 def running_cluster(wait_s: float = 60) -> Iterator[SlurmCluster]:
-    """munged with a fresh key, slurmctld and slurmd in the foreground (each in its own session, so
-    they and their children stop with them), up once sinfo shows the node idle; at the end every
-    job is cancelled and the daemons stopped. Raises RuntimeError, with the daemons' logs, if the
-    node is not idle within `wait_s`."""
+    """munged with a fresh key, a fresh MariaDB, slurmdbd, slurmctld and slurmd, each in the
+    foreground in its own session (so it and its children stop with it), up once sinfo shows the
+    node idle; at the end every job is cancelled and the daemons stopped. Raises RuntimeError, with
+    the daemons' logs, if a daemon exits or the node is not idle within `wait_s`."""
     # /tmp, not pytest's tmp_path: munged refuses a socket folder that not everyone may enter, and
     # pytest's base folder is root's alone (0700)
     base = Path(tempfile.mkdtemp(prefix="perflab-slurm-"))
     base.chmod(0o755)
-    for sub, mode in (("run", 0o755), ("key", 0o700), ("state", 0o700), ("spool", 0o755), ("log", 0o755)):
+    for sub, mode in (("run", 0o755), ("key", 0o700), ("state", 0o700), ("spool", 0o755), ("log", 0o755), ("db", 0o700)):
         (base / sub).mkdir(mode=mode)
         (base / sub).chmod(mode)
     key = base / "key" / "munge.key"
@@ -153,27 +179,48 @@ def running_cluster(wait_s: float = 60) -> Iterator[SlurmCluster]:
         raise RuntimeError(f"slurmd -C failed: {probe.stdout}{probe.stderr}")
     node_line = probe.stdout.splitlines()[0].strip()
     hostname = node_line.split()[0].split("=", 1)[1]
-    conf = _write_conf(base, hostname, node_line)
+    ports = {name: _free_port() for name in ("mariadbd", "slurmdbd", "slurmctld", "slurmd")}
+    conf = _write_conf(base, hostname, node_line, ports)
     cluster = SlurmCluster(base, conf, hostname)
+    done = subprocess.run([_sbin("mariadb-install-db"), "--no-defaults", f"--datadir={base / 'db'}", "--user=root", "--skip-test-db"],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"mariadb-install-db failed:\n{done.stdout}{done.stderr}")
+    # each daemon and what says it is ready for the next
+    daemons = [
+        ("munged", [_sbin("munged"), "--foreground", f"--socket={base / 'run' / 'munge.socket'}", f"--key-file={key}",
+                    f"--log-file={base / 'log' / 'munged.log'}", f"--pid-file={base / 'run' / 'munged.pid'}",
+                    f"--seed-file={base / 'key' / 'munged.seed'}"],
+         lambda: (base / "run" / "munge.socket").exists()),
+        # on loopback alone, and no accounts: slurmdbd connects as anyone; native AIO off, as
+        # gVisor and some container kernels refuse io_submit
+        ("mariadbd", [_sbin("mariadbd"), "--no-defaults", f"--datadir={base / 'db'}", "--user=root", "--bind-address=127.0.0.1",
+                      f"--port={ports['mariadbd']}", f"--socket={base / 'run' / 'mariadb.sock'}", "--skip-grant-tables",
+                      "--innodb-use-native-aio=0", f"--pid-file={base / 'run' / 'mariadbd.pid'}", f"--log-error={base / 'log' / 'mariadbd.log'}"],
+         lambda: _listening(ports["mariadbd"])),
+        ("slurmdbd", [_sbin("slurmdbd"), "-D"], lambda: cluster.run("sacctmgr", "-n", "list", "cluster").returncode == 0),
+        ("slurmctld", [_sbin("slurmctld"), "-D", "-i", "-f", str(conf)], lambda: cluster.run("scontrol", "ping").returncode == 0),  # -i: no old state
+        ("slurmd", [_sbin("slurmd"), "-D", "-f", str(conf)], lambda: cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.strip() == "idle"),
+    ]
     env = {**os.environ, **cluster.env}
-    daemons = {
-        "munged": [_sbin("munged"), "--foreground", f"--socket={base / 'run' / 'munge.socket'}", f"--key-file={key}",
-                   f"--log-file={base / 'log' / 'munged.log'}", f"--pid-file={base / 'run' / 'munged.pid'}",
-                   f"--seed-file={base / 'key' / 'munged.seed'}"],
-        "slurmctld": [_sbin("slurmctld"), "-D", "-i", "-f", str(conf)],  # -i: no old state to recover
-        "slurmd": [_sbin("slurmd"), "-D", "-f", str(conf)],
-    }
     try:
-        for name, cmd in daemons.items():
+        for name, cmd, ready in daemons:
             with open(base / "log" / f"{name}.out.log", "w") as out:
                 cluster.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            if name == "munged":
-                _wait(lambda: (base / "run" / "munge.socket").exists(), cluster, "munged's socket", 30)
-        _wait(lambda: cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.strip() == "idle", cluster, "the node idle in sinfo", wait_s)
+            _wait(ready, cluster, f"{name} ready", wait_s)
+            if name == "slurmdbd":  # slurmctld registers with slurmdbd under a cluster that must exist
+                done = cluster.run("sacctmgr", "-i", "add", "cluster", "perflab-test")
+                if done.returncode != 0:
+                    raise RuntimeError(f"sacctmgr add cluster failed: {done.stdout}{done.stderr}\n{cluster.logs()}")
         yield cluster
     finally:
         _stop(cluster)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _wait(ready, cluster: SlurmCluster, what: str, wait_s: float) -> None:
@@ -198,7 +245,7 @@ def _stop(cluster: SlurmCluster) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and cluster.run("squeue", "-h", "-o", "%i").stdout.strip():
             time.sleep(0.5)
-    for name in ("slurmd", "slurmctld", "munged"):  # the reverse of their start
+    for name in reversed(list(cluster.procs)):  # the reverse of their start
         proc = cluster.procs.get(name)
         if proc is None or proc.poll() is not None:
             continue

@@ -131,3 +131,27 @@ def test_a_two_rank_job_is_given_a_cpu_per_rank(tmp_path: Path, slurm_cluster: S
     assert job.get("JobState") == "COMPLETED" and job["NumCPUs"] == "2", job
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["settings"]["world_size"] == 2 and summary["steps"] == 2
+
+
+def test_a_job_killed_without_a_result_is_seen_through_sacct_and_recorded_failed(tmp_path: Path, slurm_cluster: SlurmCluster,
+                                                                                 tracking: ClusterTracking):
+    """The `kill` job SIGKILLs its own process at step 0, as the OOM killer would: no result file,
+    so the submitting command learns of its end from sacct (FAILED), records it FAILED with its
+    stderr's path, and the sweep's other job finishes."""
+    args = [*_launcher(slurm_cluster), "fault.kind=none,kill", "fault.step=0", *FAST, f"tracking.uri={tracking.url}",
+            "tracking.experiment=slurm-dead"]
+    proc = run_cli(args, cwd=tmp_path, timeout=300, env=slurm_cluster.env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:] + slurm_cluster.logs()  # the sweep ended, and says a job failed
+    (sweep_dir,) = tmp_path.glob("multirun/*/*")
+    job_ids = sorted(p.parent.name for p in sweep_dir.glob(".submitit/*/*_log.err"))  # ARRAY_TASK, the dead one's too
+    states = {job_id: slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job_id).stdout.strip() for job_id in job_ids}
+    (done_id, dead_id) = job_ids
+    assert states[done_id] == "COMPLETED|0:0" and states[dead_id].startswith("FAILED|"), states  # FAILED|9:0: srun's code for a task SIGKILLed
+    runs = tracking.runs("slurm-dead")
+    (parent,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
+    children = {r.data.params["fault.kind"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert children["none"].info.status == "FINISHED"
+    assert children["kill"].info.status == "FAILED" and "died without a result" in children["kill"].data.tags["error"]
+    assert parent.data.tags["jobs"] == "1 finished, 1 failed"
+    dead = json.loads((sweep_dir / "1" / "summary.json").read_text())
+    assert dead["status"] == "failed" and f"{dead_id}_0_log.err" in dead["error"]
