@@ -90,3 +90,16 @@ def test_a_server_down_from_the_start_is_made_by_the_sync(tmp_path: Path):
         assert (run_dir / ".mlflow_run_id").read_text() == run.info.run_id
     finally:
         stop_server(server)
+
+
+def test_two_runs_started_together_on_a_new_sqlite_store_both_land(tmp_path: Path):
+    """Two runs making one new SQLite store at once: MLflow's schema migration raced (one died with
+    "table ... already exists" or "duplicate column name"); the store is now made under a lock."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "src.run", *RUN, "train.steps=2", f"hydra.run.dir=run{i}"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("perflab").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]

@@ -51,6 +51,31 @@ def resolve_tracking_uri(uri: str, cwd: str | os.PathLike) -> str:
     return uri
 
 
+_READY_STORES: set[str] = set()
+
+
+def client_for(uri: str):
+    """An MlflowClient of `uri`. A SQLite store is made (its tables created) under a lock on its
+    folder: two runs started together on a new store raced MLflow's schema migration, and one died
+    with "table _alembic_tmp_trace_tags already exists" (MLflow 3.17, 2 of 2 tries)."""
+    import fcntl
+
+    from mlflow import MlflowClient
+
+    if not uri.startswith("sqlite:///") or uri in _READY_STORES:
+        return MlflowClient(tracking_uri=uri)
+    folder = Path(uri[len("sqlite:///"):]).parent
+    fd = os.open(folder if folder.is_dir() else ".", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while the client makes the tables; a second run waits, then finds them
+        client = MlflowClient(tracking_uri=uri)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    _READY_STORES.add(uri)
+    return client
+
+
 def check_reachable(uri: str, timeout_s: float) -> None:
     """A tracking server must answer /health within the timeout; MLflow's own client would retry
     for minutes before failing."""
@@ -274,13 +299,12 @@ class MlflowTracker(NullTracker):
             return None
 
     def start(self) -> None:
-        from mlflow import MlflowClient
         from mlflow.entities import Param
 
         check_reachable(self.uri, self.connect_timeout_s)
         if is_server(self.uri):  # _server_call retries, bounded by tracking.retry_s
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client = client_for(self.uri)
         if self.continue_run_id:  # an elastic restart: the same run goes on, its curves continue
             self.run_id = self.continue_run_id
             previous = self.client.get_run(self.run_id).data.tags
@@ -406,9 +430,8 @@ RUN_ARTIFACTS = ("summary.json", "config.yaml", "curves.png", "metrics.jsonl", "
 def record_failed_run(uri: str, experiment: str, run_name: str, error: str, tags: Mapping[str, str], run_dir: Path, status: str = "FAILED") -> None:
     """A job that failed before rank 0 opened its run (or whose rank 0 died) still shows as FAILED,
     with what its run directory holds: run.log above all, which says why it failed."""
-    from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     id_file = run_dir / RUN_ID_FILE
     if id_file.exists():
         run_id = id_file.read_text().strip()

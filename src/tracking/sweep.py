@@ -117,9 +117,9 @@ class MlflowSweepCallback(Callback):
         except TrackingUnavailable as err:
             log.warning("%s; the sweep goes on untracked, every job keeps its summary.json", err)
             return
-        from mlflow import MlflowClient
+        from src.tracking.mlflow_run import client_for
 
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = client_for(uri)
         name = experiment_name(config)
         exp_id = experiment_id(self.client, name)
         tags = run_tags(overrides, world_size(config), config.backend.name, cwd)
