@@ -5,14 +5,15 @@ precision computes in gathered `param_dtype` copies of it, `working` below), the
 AdamW's two moments (optim.state_dtype); fsdp2 shards all three over dist.nproc x dist.nnodes ranks,
 hsdp over that / sharding.replicate, and sharding=none keeps them whole on every rank. The
 activations are what backward needs at the loss, per ac.mode, for data.batch_size x data.seq_len
-tokens a rank. Left out: the Python, torch and CUDA runtime (a few hundred MB a process), float8's
-casts and what torch.compile fuses away (both only lower the figure).
+tokens a rank. Left out: the Python, torch and CUDA runtime (a few hundred MB a process), and what
+float8 and torch.compile change (they keep less: +exp=fsdp4_fp8 peaked at 16.79 GB on one H200,
+18.2 GB estimated).
 
 Gradients live from backward to the optimizer step (the loop's zero_grad(set_to_none=True)), and
-backward frees the activations as it makes them, so the peak holds the larger of the two, not
-both. Against H200 runs (docs/RESULTS.md) this gives 17.6 GB for +exp=fsdp4 on one GPU (measured
-17.74 GB) and 13.2 GB a rank on two (13.33 GB); tests/test_memory_estimate.py holds it to a CPU
-run's measured peak.
+backward frees the activations as it makes them, so the peak holds the larger of the two (the
+gradients with what the update allocates), not both. Against H200 runs (docs/RESULTS.md) this
+gives 17.7 GB for +exp=fsdp4 on one GPU (17.74 GB measured) and 13.3 GB a rank on two (13.33 GB);
+tests/test_memory_estimate.py holds it to CPU runs' measured peaks.
 """
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from omegaconf import DictConfig
 
 from src.dtypes import torch_dtype
 from src.fusion.registry import selected_ops
-
-GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,10 @@ class MemoryEstimate:
     parameters: float
     gradients: float
     optimizer: float
-    """AdamW's two moments, and the foreach update's one temporary the size of the gradients"""
+    """AdamW's two moments"""
+    update: float
+    """what the update allocates while it runs: torch's multi-tensor (foreach) AdamW one fp32
+    temporary the size of the shard (sqrt of exp_avg_sq); fused and Triton updates none"""
     working: float
     """param_dtype copies the step computes in: FSDP2's gathered units, autocast's cast weights,
     DDP's gradient buckets"""
@@ -53,12 +55,12 @@ class MemoryEstimate:
         (the optimizer step), on top of what lives through the step."""
         if self.offloaded:
             return self.working + self.activations
-        return self.parameters + self.optimizer + self.working + max(self.activations, self.gradients)
+        return self.parameters + self.optimizer + self.working + max(self.activations, self.gradients + self.update)
 
     def summary(self) -> str:
         """`12.3 GB a rank (parameters 1.0 GB, gradients 1.0 GB, ...)`"""
         parts = [("parameters", self.parameters), ("gradients", self.gradients), ("AdamW state", self.optimizer),
-                 ("working copies", self.working), ("activations", self.activations)]
+                 *([("AdamW's foreach buffer", self.update)] if self.update else []), ("working copies", self.working), ("activations", self.activations)]
         where = " in host memory" if self.offloaded else ""
         return (f"{human_bytes(self.peak)} a rank ({', '.join(f'{name} {human_bytes(b)}' for name, b in parts)}; "
                 f"{human_count(self.n_params)} parameters over {self.shards} rank(s){where})")
@@ -169,16 +171,14 @@ def estimate(cfg: DictConfig) -> MemoryEstimate:
     n = shape.n_params / shards
     p = _dtype_bytes(cfg.precision.param_dtype)
     state = _dtype_bytes(cfg.optim.state_dtype)
-    impl = str(cfg.optim.impl)
+    impl = str(cfg.optim.impl)  # auto: fused on CUDA parameters, foreach elsewhere (src/train/optimizer.py)
     foreach = impl == "foreach" or (impl == "auto" and not (cfg.backend.name == "cuda" and not cfg.sharding.cpu_offload))
-    # torch's multi-tensor AdamW makes one fp32 temporary the size of the shard (sqrt of exp_avg_sq)
-    optimizer = 2 * state * n + (4 * n if foreach else 0)
     if strategy in ("fsdp2", "hsdp"):
         # FSDP2 keeps the root unit (embedding and head, unless split_root) gathered from forward to
         # backward; the blocks too where sharding.reshard_after_forward=false or speed.keep_unsharded,
         # else one running and one prefetched. A unit's unsharded gradient and reduce-scatter input
         # come in backward, once its activations are freed: counting them too put +exp=fsdp4 on one
-        # H200 at 18.5 GB against the 17.74 measured, without them 17.7.
+        # H200 at 18.5 GB against the 17.74 measured, without them at 17.7.
         rest = shape.n_params - shape.n_layers * shape.block_params - shape.embed_params - shape.head_params  # the final norm
         if cfg.sharding.split_root:  # the embedding and the head units of their own; the head's stays gathered
             root = rest + shape.head_params + (0 if cfg.sharding.reshard_after_forward else shape.embed_params)
@@ -195,7 +195,8 @@ def estimate(cfg: DictConfig) -> MemoryEstimate:
         shards=shards,
         parameters=4 * n,
         gradients=4 * n,
-        optimizer=optimizer,
+        optimizer=2 * state * n,
+        update=4 * n if foreach else 0,
         working=working,
         activations=_activation_bytes(cfg, shape, p),
         offloaded=bool(cfg.sharding.cpu_offload),

@@ -128,13 +128,16 @@ def _check_memory(cfg: DictConfig, as_worker: bool, capacity: tuple[int, str] | 
     if capacity is None:
         if backend == "cuda":
             found = gpu_capacity(1 if cfg.dist.fake else cfg.dist.nproc)
-            capacity = found and (found[0], f"a {found[1]} has {human_bytes(found[0])}")
+            capacity = found and (found[0], f"the GPU ({found[1]}) has {human_bytes(found[0])}")
         else:
             available = host_available_bytes()
             capacity = available and (available, f"this host has {human_bytes(available)} available")
         if not capacity:
             return
-    est = estimate(cfg)
+    try:
+        est = estimate(cfg)
+    except Exception:  # a model its constructor refuses past its architecture's checks: the rank says so in its own words
+        return
     need = est.peak * ranks
     if need <= capacity[0]:
         return

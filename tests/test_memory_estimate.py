@@ -17,9 +17,9 @@ CPU_RUN = ["dist.nproc=1", "tracking=none", "train.steps=2", "train.progress=fal
 # The process's own peak without a model to speak of: torch, Hydra and the data, about 0.46 GB.
 BASELINE = ["model=tiny", "data.batch_size=1", "data.seq_len=16"]
 RUNS = {
-    # parameters, gradients and AdamW's state: 45M parameters, 1.1 GB estimated (1.04 GB measured, 2026-12-05)
+    # parameters, gradients and AdamW's state: 45M parameters, 1.06 GB estimated (1.04 GB measured, 2026-12-05)
     "parameters": ["model=small", "data.batch_size=2", "data.seq_len=128"],
-    # activations: 16 x 512 tokens through 4 blocks of width 256, 0.66 GB estimated (0.84 GB measured)
+    # activations: 16 x 512 tokens through 4 blocks of width 256, 0.65 GB estimated (0.84 GB measured)
     "activations": ["model=tiny", "model.dim=256", "model.n_layers=4", "data.batch_size=16", "data.seq_len=512"],
 }
 # The measured peak (ru_maxrss less the baseline's: glibc's allocator keeps freed blocks, and

@@ -181,8 +181,9 @@ def test_an_edge_target_the_installed_iree_compiler_does_not_know_is_refused(wor
 def test_a_model_that_cannot_fit_is_refused_before_any_rank(workdir: Path):
     line = _refused(workdir, ["model=tiny", "model.dim=65536", "model.n_layers=64"])
     assert re.fullmatch(
-        r"error: the run needs about 66\.4 TB: 2 ranks x 33\.2 TB a rank \(parameters 6\.6 TB, gradients 6\.6 TB, AdamW state 19\.8 TB, "
-        r"working copies 206\.2 GB, activations 146\.0 GB; 3\.30T parameters over 2 rank\(s\)\), and this host has [\d.]+ [GMT]B available; "
+        r"error: the run needs about 66\.4 TB: 2 ranks x 33\.2 TB a rank \(parameters 6\.6 TB, gradients 6\.6 TB, AdamW state 13\.2 TB, "
+        r"AdamW's foreach buffer 6\.6 TB, working copies 206\.2 GB, activations 146\.0 GB; 3\.30T parameters over 2 rank\(s\)\), "
+        r"and this host has [\d.]+ [GMT]B available; "
         r"use a narrower model \(model\.n_layers=1 does not fit at model\.dim=65536\), more hosts \(dist\.nnodes; this host's ranks "
         r"share its memory\), ac\.mode=full or a data\.batch_size below 8", line), line
 
@@ -238,5 +239,5 @@ def test_a_visible_gpus_memory_is_read_from_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", Props)
     gpus = {"cuda_device_count": 2, "mps_available": False, "cuda_capability": ((9, 0), "GPU0")}
     validate(compose_config(["model=llama3_1b", "backend=cuda", "dist.nproc=2", "data=random"]), **gpus)
-    with pytest.raises(ConfigError, match=r"and a GPU0 has 80\.0 GB; use model\.n_layers=\d+, more GPUs"):
+    with pytest.raises(ConfigError, match=r"and the GPU \(GPU0\) has 80\.0 GB; use model\.n_layers=\d+, more GPUs"):
         validate(compose_config(["model=llama3_8b", "backend=cuda", "dist.nproc=1", "data=random"]), **gpus)
