@@ -115,8 +115,8 @@ def _write_conf(base: Path, hostname: str, node_line: str, ports: dict[str, int]
         "AuthType=auth/munge",
         "CredType=cred/munge",
         # cred_expire is also how long a requeued job waits before it may start again: 120 s by
-        # default, 10 here so a requeue test takes seconds
-        f"AuthInfo=socket={base / 'run' / 'munge.socket'},cred_expire=10",
+        # default, 5 here (the least it takes) so a requeue test takes seconds
+        f"AuthInfo=socket={base / 'run' / 'munge.socket'},cred_expire=5",
         f"StateSaveLocation={base / 'state'}",
         f"SlurmdSpoolDir={base / 'spool'}",
         f"SlurmctldPidFile={base / 'run' / 'slurmctld.pid'}",
@@ -133,6 +133,9 @@ def _write_conf(base: Path, hostname: str, node_line: str, ports: dict[str, int]
         "TaskPlugin=task/affinity",
         "MpiDefault=none",
         "MailProg=/bin/true",  # slurmctld logs an error at start without one
+        # pending jobs tried every 2 s (60 s by default; a job is also tried when submitted): a
+        # requeued job starts once its cred_expire has passed, not up to a minute later
+        "SchedulerParameters=sched_interval=2",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core_Memory",
         # a job that names no memory gets 1 GB a CPU, not the whole node (which would run one job at a time)

@@ -4,6 +4,8 @@ task, and the jobs log to an `mlflow server` that the node reaches by this machi
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 import requests
 from mlflow import MlflowClient
 
-from tests.conftest import free_port, run_cli, stop_server
+from tests.conftest import REPO, free_port, run_cli, stop_server
 from tests.slurm_cluster import SlurmCluster
 from tests.test_cluster_postgres import FAST
 
@@ -155,3 +157,120 @@ def test_a_job_killed_without_a_result_is_seen_through_sacct_and_recorded_failed
     assert parent.data.tags["jobs"] == "1 finished, 1 failed"
     dead = json.loads((sweep_dir / "1" / "summary.json").read_text())
     assert dead["status"] == "failed" and f"{dead_id}_0_log.err" in dead["error"]
+
+
+# Preemption and the time limit (src/train/preempt.py): two jobs of one sweep, identical but for
+# their MLflow run names, a CPU each, so both run at once on the same thread count; one is stopped
+# mid-run and requeued, the other runs straight, and their final losses must be the same bits.
+# fp32 on CPU is what makes "the same" exact (tests/test_preemption.py).
+TWINS = ["tracking.run_name=straight,stopped", "precision=fp32", "dist.nproc=1", "data=random", "tracking.system_metrics=false"]
+
+
+def _start_sweep(args: list[str], cwd: Path, cluster: SlurmCluster) -> subprocess.Popen:
+    env = {**os.environ, **cluster.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-m", "src.run", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait(ready, what: str, proc: subprocess.Popen, cluster: SlurmCluster, timeout_s: float = 180):
+    """Poll `ready()` until it returns something true; fail if the sweep ends or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = ready()
+        if found:
+            return found
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = proc.stdout.read() if proc.poll() is not None else f"still running after {timeout_s:.0f} s"
+            pytest.fail(f"no {what}: {out[-3000:]}\n{cluster.logs()}")
+        time.sleep(0.2)
+
+
+def _stopped_job(cwd: Path) -> tuple[Path, str] | None:
+    """Once the `stopped` twin (sweep job 1) has logged 3 steps: its job folder and SLURM job id."""
+    for metrics in cwd.glob("multirun/*/*/1/metrics.jsonl"):
+        sweep_dir = metrics.parent.parent
+        tasks = [p.name for p in sweep_dir.glob(".submitit/*_1") if p.is_dir()]
+        if len(metrics.read_text().splitlines()) >= 3 and tasks:
+            return metrics.parent, tasks[0]
+    return None
+
+
+def _check_twins(proc: subprocess.Popen, job_dir: Path, job_id: str, sig: str, cluster: SlurmCluster, tracking: ClusterTracking,
+                 experiment: str, steps: int) -> int:
+    """After the sweep: the stopped twin was requeued once by submitit, resumed from the checkpoint of
+    the step it stopped at and ended with the straight twin's final loss, bit for bit, in one MLflow
+    run whose curve is whole. Returns that step."""
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:] + cluster.logs()
+    straight = json.loads((job_dir.parent / "0" / "summary.json").read_text())
+    resumed = json.loads((job_dir / "summary.json").read_text())
+    at = resumed["start_step"]
+    assert resumed["status"] == "finished" and 3 <= at < steps, resumed
+    assert Path(resumed["resumed_from"]).name == f"step_{at:08d}" and (job_dir / "checkpoints" / f"step_{at:08d}" / "manifest.json").exists()
+    assert resumed["final_loss"] == straight["final_loss"] and straight["start_step"] == 0  # bit for bit
+    # SLURM's side: one job, run twice (sacct keeps the first attempt as REQUEUED)
+    job = cluster.job(job_id)
+    assert job.get("JobState") == "COMPLETED" and job["Restarts"] == "1", job
+    attempts = cluster.run("sacct", "-n", "-X", "-P", "-D", "-o", "State", "-j", job_id).stdout.split()
+    assert attempts == ["REQUEUED", "COMPLETED"], attempts
+    (log,) = job_dir.parent.glob(f".submitit/{job_id}/{job_id}_0_log.out")
+    assert f"Requeued job {job_id}" in log.read_text()
+    # MLflow: the stopped run continued, its every step logged once
+    client = MlflowClient(tracking.url)
+    run = client.get_run(resumed["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == "stopped" and "preempted" not in run.data.tags
+    assert run.data.tags["restart_1.cause"] == f"{sig} at step {at}"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(steps))
+    (parent,) = [r for r in tracking.runs(experiment) if r.data.tags.get("sweep") == "true"]
+    assert parent.data.tags["jobs"] == "2 finished, 0 failed"
+    return at
+
+
+def test_scancel_usr1_mid_run_saves_and_the_requeued_job_ends_bit_identical(tmp_path: Path, slurm_cluster: SlurmCluster,
+                                                                            tracking: ClusterTracking):
+    """`scancel --signal=USR1` (what `sbatch --signal=USR1@90` sends ahead of a limit) to the stopped
+    twin: it saves the step it is at and hands over to submitit, which requeues it as preempted (60
+    minutes asked, a minute run: not its time limit, so no max_num_timeout needed); the job starts
+    again, resumes and finishes."""
+    steps = 300  # about 8 s of steps of 25 ms on one core: the signal lands mid-run
+    args = [*_launcher(slurm_cluster, timeout_min=60), *TWINS, f"train.steps={steps}", f"tracking.uri={tracking.url}",
+            "tracking.experiment=slurm-usr1"]
+    proc = _start_sweep(args, tmp_path, slurm_cluster)
+    try:
+        job_dir, job_id = _wait(lambda: _stopped_job(tmp_path), "3 steps logged by the stopped twin", proc, slurm_cluster)
+        done = slurm_cluster.run("scancel", "--signal=USR1", job_id)
+        assert done.returncode == 0, done.stderr
+        _check_twins(proc, job_dir, job_id, "SIGUSR1", slurm_cluster, tracking, "slurm-usr1", steps)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_job_at_its_time_limit_is_requeued_by_submitit_and_resumes_from_its_checkpoint(tmp_path: Path, slurm_cluster: SlurmCluster,
+                                                                                         tracking: ClusterTracking):
+    """The stopped twin's time limit cut to a minute mid-run: slurmctld sends submitit's SIGUSR2
+    `signal_delay_s` ahead of it (at its next time-limit check, every 30 s); the job saves, submitit
+    counts a timeout (max_num_timeout=1 allows one) and requeues it. The limit is put back to 10
+    minutes before the requeued job starts, which resumes and finishes."""
+    # about 40 s of steps of 25 ms on a quiet core, past the up to 30 s the warning takes to come
+    steps = 1600
+    args = [*_launcher(slurm_cluster, timeout_min=10), "hydra.launcher.signal_delay_s=55", "hydra.launcher.max_num_timeout=1", *TWINS,
+            f"train.steps={steps}", f"tracking.uri={tracking.url}", "tracking.experiment=slurm-timeout"]
+    proc = _start_sweep(args, tmp_path, slurm_cluster)
+    try:
+        job_dir, job_id = _wait(lambda: _stopped_job(tmp_path), "3 steps logged by the stopped twin", proc, slurm_cluster)
+        # a minute: less than signal_delay_s (55 s) is left once the job has run 5 s, so the warning is due at once
+        done = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=1")
+        assert done.returncode == 0, done.stderr
+        summary = job_dir / "summary.json"
+        status = _wait(lambda: summary.exists() and json.loads(summary.read_text())["status"], "stop at the time limit's warning",
+                       proc, slurm_cluster, timeout_s=120)
+        assert status == "preempted", f"the run {status} before slurmctld's warning came: a faster machine needs more than {steps} steps"
+        done = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
+        assert done.returncode == 0, done.stderr
+        _check_twins(proc, job_dir, job_id, "SIGUSR2", slurm_cluster, tracking, "slurm-timeout", steps)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (log,) = job_dir.parent.glob(f".submitit/{job_id}/{job_id}_0_log.out")
+    assert "this job is timed-out" in log.read_text()  # submitit's count of timeouts, not a preemption
