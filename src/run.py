@@ -140,7 +140,7 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
                 "or submit with -m hydra/launcher=submitit_slurm, which finds it, or use torchrun --nnodes (docs/CLUSTER.md)"
             )
         jobs.append(cfg)
-    check_launcher(launcher, overrides, jobs)
+    check_launcher(launcher, overrides, jobs, config_dir)
     _check_output_dir(overrides, multirun, config_dir)
     # the checkpoint each job resumes from (its files, its model) and the folder it saves in; a
     # sweep's jobs get their folders when they start, so only an explicit one is checked here

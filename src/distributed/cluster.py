@@ -92,9 +92,9 @@ def move_job_log(run_dir: str, job: SubmititJob | None) -> None:
 SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
 
 
-def check_launcher(launcher: str, overrides: list[str], jobs: list) -> None:
+def check_launcher(launcher: str, overrides: list[str], jobs: list, config_dir: str | None = None) -> None:
     """Settings a parallel or cluster launcher cannot run, refused before anything is submitted;
-    `jobs`: each job's composed config."""
+    `jobs`: each job's composed config; `config_dir`: Hydra's --config-dir, searched as Hydra does."""
     from src.compose import ConfigError, compose_config
     from src.config import job_gpus_per_node, job_nodes
 
@@ -119,7 +119,7 @@ def check_launcher(launcher: str, overrides: list[str], jobs: list) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     fixed = [o for o, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides)) if not parsed.is_sweep_override()]
-    hydra = compose_config(fixed, with_hydra=True).hydra.launcher
+    hydra = compose_config(fixed, with_hydra=True, config_dir=config_dir).hydra.launcher
     if hydra.tasks_per_node != 1:
         raise ConfigError(
             f"hydra.launcher.tasks_per_node={hydra.tasks_per_node}: perflab runs one task per node, an elastic agent that starts "

@@ -283,7 +283,7 @@ class Trainer:
             )
             if self.checkpointer is not None:
                 self.checkpointer.wait()
-            if ck.export_safetensors and ctx.run_dir:
+            if ck.export_safetensors and ctx.run_dir and not result.stopped_by:  # a stopped run exports when it finishes
                 model = self.model
                 export_safetensors(model.module if isinstance(model, DistributedDataParallel) else model, Path(ctx.run_dir) / "model.safetensors")
         finally:
