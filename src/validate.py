@@ -172,6 +172,22 @@ def _layers_that_fit(cfg: DictConfig, budget: float) -> int:
     return lo
 
 
+def _preset_sets(cfg: DictConfig, group: str) -> bool:
+    """Whether the +exp preset's defaults list picks `group` (`- override /backend: cuda`): a refusal
+    of that setting then names the preset, which the user typed, not the setting, which they did not."""
+    import yaml
+
+    folder = Path(__file__).resolve().parents[1] / "conf" / "exp"
+    name, seen = cfg.get("exp"), set()
+    while name and name not in seen and (folder / f"{name}.yaml").exists():  # a preset on top of another (fsdp4_fp8 <- fsdp4_tuned <- fsdp4)
+        seen.add(name)
+        defaults = (yaml.safe_load((folder / f"{name}.yaml").read_text()) or {}).get("defaults") or []
+        if any(isinstance(d, dict) and f"override /{group}" in d for d in defaults):
+            return True
+        name = next((d for d in defaults if isinstance(d, str) and d != "_self_"), None)
+    return False
+
+
 def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_available: bool | None = None, as_worker: bool = False,
              cuda_capability: tuple[tuple[int, int] | None, str] | None = None, memory: tuple[int, str] | None = None) -> None:
     """Raise ConfigError for the first impossible combination. Device facts are probed unless given
@@ -211,6 +227,9 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
     if cfg.profile.nvtx and backend != "cuda":
         raise ConfigError(f"profile.nvtx=true marks ranges for Nsight tools on an NVIDIA GPU; with backend={backend} use +exp=profile (torch.profiler)")
     if backend == "cuda" and cuda_device_count == 0:
+        if _preset_sets(cfg, "backend"):
+            raise ConfigError(f"+exp={cfg.exp} is a GPU preset (it sets backend=cuda) and no CUDA GPU is visible (torch.cuda.is_available() is False); "
+                              "run it on a machine with an NVIDIA GPU; on this one `python -m src.run` (the defaults) trains on the CPU")
         raise ConfigError("backend=cuda but no CUDA GPU is visible (torch.cuda.is_available() is False); use backend=cpu, or run on a machine with an NVIDIA GPU")
     if backend == "mps" and not mps_available:
         raise ConfigError("backend=mps but torch.backends.mps.is_available() is False (MPS needs Apple Silicon and macOS 12.3+); use backend=cpu")

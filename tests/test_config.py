@@ -85,6 +85,8 @@ BAD_OVERRIDES = [
     (["model.dim=abc"], "model.dim=abc: Value 'abc' of type 'str' could not be converted to Integer; model.dim takes an integer"),
     (["train.steps=1.5"], "train.steps=1.5:"),
     (["backend=cuda"], "backend=cuda but no CUDA GPU is visible"),
+    # the preset the user typed is named, not the backend it set (three presets deep for fsdp4_fp8)
+    (["+exp=fsdp4_fp8"], "+exp=fsdp4_fp8 is a GPU preset (it sets backend=cuda) and no CUDA GPU is visible"),
     (["backend=vulkan"], "backend=vulkan cannot train; use it with task=infer"),
     (["backend=mps", "sharding=none", "dist.nproc=1"], "backend=mps but torch.backends.mps.is_available() is False"),
     (["model.dim=100", "model.n_heads=16"], "model.dim=100 is not divisible by model.n_heads=16"),
