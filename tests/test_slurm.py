@@ -1,6 +1,7 @@
 """Sweeps through a real SLURM: `-m hydra/launcher=submitit_slurm` submits with the real sbatch to
 the session's slurmctld (tests/slurm_cluster.py, this machine its one node), srun starts each job's
-task, and the jobs log to an `mlflow server` that the node reaches by this machine's name."""
+task, and the jobs log to an `mlflow server` that the node reaches by this machine's name. A job
+that dies, one stopped by `scancel --signal`, and one at its time limit, requeued by submitit."""
 from __future__ import annotations
 
 import json
