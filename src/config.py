@@ -456,6 +456,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How a -m sweep is judged and resumed (src/tracking/sweep.py); no job's result depends on it, so
+    it is left out of each job's config_hash."""
+
+    objective: str = ""
+    """the summary.json figure that names a sweep's best job and that a searching sweeper
+    (hydra/sweeper=optuna) gets back from each trial; empty: the task's headline figure
+    (tokens_per_s_per_device for train). Lower-is-better figures (final_loss, *_ms, *_gb) want
+    hydra.sweeper.direction=minimize, the rest maximize"""
+    resume: bool = False
+    """run the same sweep again under its MLflow parent run: a job whose config_hash a FINISHED
+    child carries is skipped, the failed, killed and missing ones run"""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     sharding: ShardingConfig = MISSING
@@ -476,6 +491,7 @@ class RunConfig:
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     kernel_bench: KernelBenchConfig = field(default_factory=KernelBenchConfig)
     edge: EdgeConfig = field(default_factory=EdgeConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     exp: str | None = None
     """name of the +exp experiment, set by each conf/exp/*.yaml"""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -544,6 +560,10 @@ class SubmititSlurmConfig(SlurmQueueConf):
     (one when unset: dist.nproc ranks on one core)"""
     timeout_min: int = 240
     """SLURM's --time in minutes; the partition's limit may be lower"""
+    max_num_timeout: int = 3
+    """times a job that reaches its time limit is requeued: ahead of the limit (signal_delay_s) the run saves
+    its step (checkpoint.on_signal) and continues from it in the requeued job (submitit's own default, 0,
+    records it failed after the save)"""
 
 
 def register_configs() -> None:

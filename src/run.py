@@ -210,11 +210,18 @@ def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -
     if ctx.run_dir:
         run_dir = Path(ctx.run_dir)
         shown = run_dir.relative_to(ctx.cwd) if run_dir.is_relative_to(ctx.cwd) else run_dir
-        files = "summary.json, config.yaml, run.log" + (", metrics.jsonl, curves.png" if cfg.task.name in ("train", "profile") else "")
-        log.info("outputs: %s/ (%s)", shown, files)
+        log.info("outputs: %s/ (%s)", shown, _listing(run_dir))
     run_id = (summary or {}).get("mlflow_run_id") if isinstance(summary, dict) else None
     if cfg.tracking.enabled and run_id:
         log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), ui_hint(cfg.tracking.uri))
+
+
+def _listing(run_dir: Path, most: int = 12) -> str:
+    """What the run wrote, as the user will look for it: summary.json first, folders with a slash
+    (profile/, checkpoints/), Hydra's and the tracker's hidden files left out."""
+    entries = sorted((p for p in run_dir.iterdir() if not p.name.startswith(".")), key=lambda p: (p.name != "summary.json", p.is_dir(), p.name))
+    names = [p.name + ("/" if p.is_dir() else "") for p in entries]
+    return ", ".join(names[:most]) + (f", and {len(names) - most} more" if len(names) > most else "")
 
 
 def job_context(hc: DictConfig, tracking_uri: str, run_dir: str, overrides: list[str]) -> RunContext:

@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 # under `-n 2 --dist loadfile` (README) a file runs whole on one worker, and a long file taken up
 # last leaves the other worker idle at the end; longest first is the classic cure. The order of
 # tests inside a file, and of the files not named, is unchanged.
-LONGEST_FIRST = {"test_edge.py": 608, "test_checkpoint.py": 379, "test_train_e2e.py": 320, "test_mlflow_server.py": 188,
-                 "test_cluster_postgres.py": 158, "test_multinode.py": 117, "test_sweeps.py": 102}
+LONGEST_FIRST = {"test_edge.py": 608, "test_checkpoint.py": 420, "test_train_e2e.py": 320, "test_slurm.py": 260, "test_mlflow_server.py": 188,
+                 "test_cluster_postgres.py": 158, "test_preemption.py": 150, "test_tracking_sync.py": 130, "test_multinode.py": 117,
+                 "test_sweeps.py": 102}
 
 
 def pytest_collection_modifyitems(config, items):

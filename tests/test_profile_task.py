@@ -29,12 +29,12 @@ def test_profile_on_cpu_writes_traces_table_and_breakdown(cpu_profile):
         assert "aten::mm" in names and any(n.startswith("ProfilerStep#") for n in names)
     table = (profile / "key_averages.txt").read_text()
     assert "aten::mm" in table and "Self CPU" in table
-    breakdown = json.loads((profile / "breakdown.json").read_text())
-    assert breakdown["profiled_steps"] == 3
-    assert {"gemm", "attention", "communication", "optimizer"} <= set(breakdown["breakdown_share"])
-    assert abs(sum(breakdown["breakdown_share"].values()) - 1) < 1e-6
+    # one breakdown of the step, the anatomy's: no second one from another classification to disagree with it
+    assert not (profile / "breakdown.json").exists()
     summary = read_summary(workdir)
-    assert summary["task"] == "profile" and summary["profile"]["breakdown_s"]["gemm"] > 0
+    assert summary["task"] == "profile" and summary["profile"]["profiled_steps"] == 3
+    assert summary["profile"]["anatomy"]["categories_ms"]["gemm"] > 0 and summary["profile"]["top_ops"]
+    assert cpu_profile[1].count("% step") == 1
 
 
 def test_profile_on_cpu_writes_the_step_anatomy_and_logs_it(cpu_profile):
@@ -51,8 +51,12 @@ def test_profile_on_cpu_writes_the_step_anatomy_and_logs_it(cpu_profile):
     summary = read_summary(workdir)
     tokens = summary["settings"]["batch_size_per_device"] * summary["settings"]["seq_len"]
     assert anatomy["model_flops_per_step"] == summary["flops_per_token"] * tokens and anatomy["gemm_peak_tflops"] == 790.0
-    # the step as the profiler saw it against the loop's own timing of the same steps (profiling slows it)
-    assert 0.5 * summary["step_time_s"] * 1e3 < anatomy["step_ms"] < 5 * summary["step_time_s"] * 1e3
+    # the step as the profiler saw it against the loop's own timing of the same steps, measured in the
+    # same seconds (so a loaded machine slows both): steps 2 and 3 of the recorded 2-4 (wait 1, warmup 1);
+    # step 4's own time also holds the trace's export, which the profiler's step span does not
+    loop = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    same = sorted(s["step_time_s"] for s in loop if s["step"] in (2, 3))
+    assert 0.5 * same[0] * 1e3 < anatomy["step_ms"] < 2 * same[-1] * 1e3
     assert "step anatomy: 3 profiled steps" in console and "FSDP2 copy-in/out" in console and "device figures, absent" in console
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(s["host_rss_mb"] > 50 for s in steps)

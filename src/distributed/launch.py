@@ -159,7 +159,9 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
     importing that module leaves CUDA uninitialised (tests/test_gpu.py checks the trainer's)."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
     # CPU run several times slower than it need be.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The cores are this process's (a SLURM task is bound to the CPUs it asked for), not the host's.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,

@@ -3,47 +3,24 @@
 A wait / warmup / active schedule skips the first steps (allocator warm-up, compilation), records
 `active` steps once, and then writes, per rank: a Chrome/Perfetto trace (ui.perfetto.dev) and,
 on rank 0, the key_averages table sorted by device time (CPU time on a CPU run), a memory
-timeline, and the step's time broken down by category (GEMM, attention, norm, elementwise, loss,
-optimizer, communication), and the step's anatomy from the trace (src/profiling/anatomy.py:
-exposed communication, idle time, the GEMM floor). Everything lands in <run_dir>/profile/ and in MLflow.
+timeline, and the step's anatomy read back from the trace (src/profiling/anatomy.py: the step's
+time by category, exposed communication, idle time, the GEMM floor), the one breakdown of the step
+the run reports. Everything lands in <run_dir>/profile/ and in MLflow.
 """
 from __future__ import annotations
 
 import json
 import logging
 import warnings
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from src.profiling.anatomy import anatomy_from_trace, format_table
-from src.profiling.categories import CATEGORIES, classify_op
 
 log = logging.getLogger("src.profile")
-
-
-def time_breakdown(events, on_device: bool) -> dict[str, float]:
-    """Seconds per category. On a GPU: every kernel's device time (kernels on other streams, NCCL's
-    among them, overlap compute, so the sum exceeds the step's wall time). On a CPU: each op's self
-    CPU time (self time, so nested ops are not counted twice)."""
-    totals: dict[str, float] = defaultdict(float)
-    for evt in events:
-        if on_device:
-            # GPU-side user annotations (ProfilerStep#N, nccl:_all_gather_base) span kernels: skip them
-            if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
-                continue
-            us = evt.self_device_time_total
-        else:
-            if evt.device_type != DeviceType.CPU or evt.name.startswith(("ProfilerStep", "fwd/", "bwd/")):
-                continue
-            us = evt.self_cpu_time_total
-        if us > 0:
-            totals[classify_op(evt.name)[1]] += us * 1e-6
-    return {c: totals[c] for c in CATEGORIES if totals.get(c)}
 
 
 class TorchProfileSession:
@@ -96,22 +73,16 @@ class TorchProfileSession:
         sort = "self_device_time_total" if on_device else "self_cpu_time_total"
         table = averages.table(sort_by=sort, row_limit=self.row_limit)
         (self.out_dir / "key_averages.txt").write_text(table + "\n")
-        breakdown = time_breakdown(prof.events(), on_device)
-        total = sum(breakdown.values()) or 1.0
         self.results = {
             "profiled_steps": self.active,
             "time_source": "device kernels" if on_device else "cpu ops (self time)",
-            "time_per_step_s": total / self.active,
-            "breakdown_s": breakdown,
-            "breakdown_share": {k: v / total for k, v in breakdown.items()},
             "top_ops": [
                 {"name": e.key, "calls": e.count, "self_time_s": (e.self_device_time_total if on_device else e.self_cpu_time_total) * 1e-6}
                 for e in sorted(averages, key=lambda e: -(e.self_device_time_total if on_device else e.self_cpu_time_total))[: self.row_limit]
                 if not e.key.startswith("ProfilerStep")
             ],
         }
-        (self.out_dir / "breakdown.json").write_text(json.dumps(self.results, indent=2))
-        self.artifacts += [self.out_dir / "key_averages.txt", self.out_dir / "breakdown.json"]
+        self.artifacts.append(self.out_dir / "key_averages.txt")
         # read back from the trace just written: the same numbers `python -m src.profiling.anatomy TRACE` gives
         self.anatomy = anatomy_from_trace(json.loads(trace.read_text()), self.flops_per_step, self.gemm_peak_tflops)
         self.results["anatomy"] = self.anatomy
@@ -130,6 +101,6 @@ class TorchProfileSession:
             self.artifacts.append(memory)
         elif self.profile_memory:
             log.info("a CPU memory timeline needs the allocation stacks: add profile.with_stack=true (traces grow ~10x)")
-        log.info("profile: %d steps recorded; %s", self.active, ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.results["breakdown_share"].items()))
+        log.info("profile: %d steps recorded in %s (a trace per rank, key_averages.txt, anatomy.json)", self.active, self.out_dir)
         log.info("key averages (by %s):\n%s", sort, table)
         log.info("%s", format_table(self.anatomy))
