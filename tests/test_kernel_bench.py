@@ -35,14 +35,15 @@ def test_every_op_and_variant_is_timed_checked_and_logged(tmp_path):
         if r["op"] == "linear_cross_entropy":
             assert r["tbs"] is None and r["tflops"] > 0
         else:
-            assert r["tbs"] > 0 and r["pct_ceiling"] == pytest.approx(100 * r["tbs"] / summary["copy_ceiling_tbs"])
+            assert r["tbs"] > 0 and r["pct_ceiling"] is None  # no ceiling to hold a CPU's times to
         if r["provider"] == "eager":
             assert r["speedup"] == 1.0
         assert r["graph_ms"] is None and r["chain_ms"] is None and r["chain_tbs"] is None  # GPU timers: none on a CPU
-    assert summary["copy_ceiling_tbs"] > 0 and summary["device"] == "cpu"
+    assert summary["copy_ceiling_tbs"] is None and summary["device"] == "cpu"
 
     table = (run_dir / "kernel_bench.md").read_text()
     assert "| cross_entropy | 3x1000 | fwd_bwd | triton |" in table and "interpreter" in table
+    assert "no copy ceiling off a GPU" in table and "TB/s measured" not in table
     assert "| graph ms | chain ms | host us | TB/s | chain TB/s |" in table
     with open(run_dir / "kernel_bench.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
