@@ -148,3 +148,15 @@ def test_the_cli_on_a_diagnosis_json_keeps_the_device(tmp_path, capsys):
     assert diagnose_cli([str(source), "--out", str(tmp_path)]) == 0
     d = json.loads((tmp_path / "diagnosis.json").read_text())
     assert d["device"] == "NVIDIA H200" and d["has_backward"]
+
+
+def test_the_table_explains_its_marks_with_the_thresholds_it_used():
+    import json as _json
+
+    from src.profiling.diagnosis import top_ops_table
+
+    diagnosis = _json.loads((Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json").read_text())
+    diagnosis["thresholds"] = {**diagnosis.get("thresholds", {}), "hbm_bound_pct": 70.0}
+    table = top_ops_table(diagnosis, limit=3)
+    assert "compute-bound *" in table  # the fixture's GEMMs read SM 92% / HBM 20%: textbook
+    assert "`*`: a textbook verdict" in table and "memory-bound: HBM >= 70% and SM < 25%" in table

@@ -206,4 +206,8 @@ def top_ops_table(diagnosis: dict[str, Any], limit: int = 15) -> str:
             f"| {o['sm_pct']:.0f} | {o['hbm_pct']:.0f} | {verdict} | {o.get('margin_pct', math.nan):.1f} | {o['summary'].split('-> ', 1)[-1]} |"
         )
     note = [] if diagnosis.get("has_backward", True) else ["", "Shares are of the profiled kernels: this capture has no backward kernels."]
-    return "\n".join([head, *rows, *note])
+    t = {**vars(Thresholds()), **(diagnosis.get("thresholds") or {})}  # the readings this diagnosis used
+    legend = ["", f"`*`: a textbook verdict, both of docs/SEED.md's readings hold (memory-bound: HBM >= {t['hbm_bound_pct']:g}% and "
+              f"SM < {t['sm_idle_pct']:g}%; compute-bound: SM >= {t['sm_bound_pct']:g}% and HBM < {t['hbm_low_pct']:g}%); without it, "
+              "the unit nearest its peak is past its threshold. `margin`: points to the nearest threshold that would change the verdict."]
+    return "\n".join([head, *rows, *note, *legend])
