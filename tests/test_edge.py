@@ -20,7 +20,7 @@ from src.edge.bench import generate, reference_logits, relative_errors  # noqa: 
 from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts, split_k  # noqa: E402
 from src.edge.runtime import IreeRunner, Readback, vulkan_devices  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.conftest import REPO, run_cli  # noqa: E402
 
 needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 TINY = {"name": "tiny", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_mult": 4, "causal": True,
@@ -283,6 +283,7 @@ def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp
     assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = _cli(["tracking=none"], tmp_path, cache)  # bench: compiles (from the cache) and runs in one go
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"source, compiled from {REPO} at " in proc.stdout  # a cached module says whose compile it is
     summaries = sorted((json.loads(p.read_text()) for p in tmp_path.glob("outputs/*/*/summary.json")), key=lambda s: s["action"])
     benched, compiled, ran = summaries
     assert [s["action"] for s in summaries] == ["bench", "compile", "run"] and benched["cache"] == "hit"

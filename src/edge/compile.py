@@ -199,7 +199,11 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     t0 = time.perf_counter()
     if (cached / "module.vmfb").is_file():
         hit, compile_s = True, 0.0
-        log.info("compiled module from the cache: %s", cached)
+        made = json.loads((cached / "compile.json").read_text())
+        # the key holds the exporting source's hash: a module another checkout compiled is reused only
+        # where its source is this one's, and the log says whose it was
+        origin = f", compiled from {made['source_root']} at {made['compiled_at']}" if made.get("source_root") else ""
+        log.info("compiled module from the cache (key %s: the same model, shapes, flags, IREE, torch and source%s): %s", key, origin, cached)
     else:
         hit = False
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
@@ -232,7 +236,9 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
             steps = step_figures(staging / "module.vmfb")
             log.info("exported in %.1f s, compiled for %s %s %s in %.1f s", export_s, device, target, " ".join(extra_flags), compile_s)
             (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": compile_flags(device, target, features) + chosen,
-                                                              "cooperative_matrix": coop, **steps, "hoisting": hoisting}))
+                                                              "cooperative_matrix": coop, **steps, "hoisting": hoisting,
+                                                              "source_root": str(Path(__file__).resolve().parents[2]),
+                                                              "compiled_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
             try:
                 staging.rename(cached)  # atomic: a concurrent job that got there first wins
             except OSError:
