@@ -51,6 +51,12 @@ def plot_roofline(diagnosis: dict[str, Any], path: str | Path, title: str = "") 
     ax_roof.set_yscale("log")
     ax_roof.set_xlabel("arithmetic intensity (FLOP / DRAM byte)")
     ax_roof.set_ylabel("achieved FLOP/s")
+    top = sorted(diagnosis["ops"], key=lambda o: -o["time_s"])[:8]
+    for o in top:  # each costly op named at its longest kernel, as on the right
+        mine = [k for k in with_flops if (k.get("module"), k.get("op")) == (o["module"], o["op"])]
+        if mine:
+            k = max(mine, key=lambda k: k["duration_s"])
+            ax_roof.annotate(o["key"], (k["arithmetic_intensity"], k["achieved_flops"]), xytext=(5, 3), textcoords="offset points", fontsize=7, alpha=0.8)
     tensor = sum(1 for k in with_flops if k.get("tensor_flops"))
     ax_roof.set_title(f"roofline: {len(with_flops)} of {len(kernels)} kernels with FLOPs, {tensor} with tensor-pipe FLOPs", fontsize=10)
     ax_roof.legend(loc="lower right", fontsize=8)
@@ -62,9 +68,8 @@ def plot_roofline(diagnosis: dict[str, Any], path: str | Path, title: str = "") 
     ax_sol.axvline(t["hbm_bound_pct"], color="tab:red", ls="--", lw=1)
     ax_sol.axhline(t["sm_bound_pct"], color="tab:blue", ls="--", lw=1)
     ax_sol.plot([0, 100], [0, 100], color="k", lw=0.5, ls=":")
-    top = sorted(diagnosis["ops"], key=lambda o: -o["time_s"])[:8]
     for o in top:
-        ax_sol.annotate(o["key"], (o["hbm_pct"], o["sm_pct"]), fontsize=7, alpha=0.8)
+        ax_sol.annotate(o["key"], (o["hbm_pct"], o["sm_pct"]), xytext=(5, 3), textcoords="offset points", fontsize=7, alpha=0.8)
     for bound, color in COLORS.items():
         ax_sol.scatter([], [], c=color, label=bound)
     ax_sol.set_xlim(0, 100)
