@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ def latency_chart(summary: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(labels, values, color=["tab:blue", "tab:blue", "tab:orange", "tab:orange"])
     ax.set_ylabel("ms")
-    ax.set_title(f"{summary['backend']} ({summary['device_name']}), batch {summary['batch']}, {summary['dtype']}", fontsize=9)
+    # a Vulkan device's name runs long ("llvmpipe (LLVM 15.0.6, 256 bits)"): wrapped, never cut at the figure's edge
+    title = f"{summary['backend']} ({summary['device_name']}), batch {summary['batch']}, {summary['dtype']}"
+    ax.set_title(textwrap.fill(title, 60), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
