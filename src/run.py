@@ -45,8 +45,14 @@ EXIT_BAD_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
 
-def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """Each job's overrides: one job, or every combination of a basic -m sweep."""
+def _job_overrides(overrides: list[str], multirun: bool, config_dir: str | None = None) -> list[list[str]]:
+    """Each job's overrides: one job, or every combination of a basic -m sweep, or the corners of
+    a searching sweeper's space (hydra/sweeper=optuna: src/tracking/search.py)."""
+    from src.tracking.search import search_jobs
+
+    searched = search_jobs(overrides, multirun, config_dir)
+    if searched is not None:
+        return searched
     user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     if not multirun:
         return [user]
@@ -130,7 +136,7 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
     run. `config_dir`: Hydra's --config-dir, searched as Hydra itself will."""
     launcher = _launcher(overrides) if multirun else "basic"
     jobs = []
-    for job in _job_overrides(overrides, multirun):
+    for job in _job_overrides(overrides, multirun, config_dir):
         cfg = compose_config(job, config_dir=config_dir)
         # the GPUs are the cluster's, not this (login) machine's: gpus_per_node asks for dist.nproc
         validate(cfg, cuda_device_count=cfg.dist.nproc if launcher == "submitit_slurm" else None)
@@ -205,7 +211,8 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
 
 def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -> None:
     """The last lines of a run: where its files are and how to see it in MLflow."""
-    from src.tracking.mlflow_run import experiment_name, ui_hint
+    from src.tracking.mlflow_run import experiment_name
+    from src.tracking.ui_view import run_hint
 
     if ctx.run_dir:
         run_dir = Path(ctx.run_dir)
@@ -213,7 +220,9 @@ def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -
         log.info("outputs: %s/ (%s)", shown, _listing(run_dir))
     run_id = (summary or {}).get("mlflow_run_id") if isinstance(summary, dict) else None
     if cfg.tracking.enabled and run_id:
-        log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), ui_hint(cfg.tracking.uri))
+        # the runs table of the run's task, by its headline figure (src/tracking/ui_view.py)
+        hint = run_hint(ctx.tracking_uri or cfg.tracking.uri, run_id, cfg.task.name, cfg.tracking.uri)
+        log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), hint)
 
 
 def _listing(run_dir: Path, most: int = 12) -> str:
@@ -251,6 +260,14 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     ctx = job_context(hc, cfg.tracking.uri, hc.runtime.output_dir, list(hc.overrides.task))
     move_job_log(hc.runtime.output_dir, submitit_job())  # a submitit task on a node after the first: its own log
+    multirun = hc.mode == RunMode.MULTIRUN
+    if multirun:  # sweep.resume=true: a job that finished before hands back its summary, and does not run
+        from src.tracking.resume import finished_before
+        from src.tracking.search import job_return
+
+        done = finished_before(cfg, hc.sweep.dir, hc.runtime.output_dir, hc.job.num)
+        if done is not None:
+            return job_return(done, cfg, OmegaConf.select(hc, "sweeper._target_"))
     try:
         validate(cfg)  # again on the node that runs it: its GPUs are the ones that count
         apply_auto_choice(cfg, ctx.cwd)
@@ -259,7 +276,10 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     except ConfigError as err:
         _fail(str(err))
     ctx.verified_checkpoint = str(verified) if verified is not None else None
-    return run_job(cfg, ctx, multirun=hc.mode == RunMode.MULTIRUN)
+    if not multirun:
+        return run_job(cfg, ctx, multirun=False)
+    # a searching sweeper (Optuna) takes the objective's value back, the basic one the summary
+    return job_return(run_job(cfg, ctx, multirun=True), cfg, OmegaConf.select(hc, "sweeper._target_"))
 
 
 def run_as_worker(overrides: list[str], config_dir: str | None = None) -> None:

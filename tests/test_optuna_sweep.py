@@ -1,0 +1,107 @@
+"""hydra/sweeper=optuna: trials as MLflow children of one parent that names the best, the objective
+each trial returns, a failed trial recorded as failed while the study goes on, and a search space
+checked before any trial starts."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from src.compose import ConfigError
+from src.run import preflight
+from tests.conftest import run_cli
+
+FAST = ["dist.nproc=1", "train.steps=2", "tracking.system_metrics=false"]  # one in-process rank per trial
+# TPE's first 10 trials are random draws (n_startup_trials): seeded, the same three every time
+SEARCH = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0", "hydra.sweeper.direction=minimize",
+          "sweep.objective=final_loss", "optim.lr=interval(1e-4,1e-2)"]
+
+
+def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best(workdir: Path):
+    proc = run_cli(["-m", *SEARCH, *FAST], cwd=workdir, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (parent,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 3 and len(runs) == 4
+    assert all(c.info.status == "FINISHED" for c in children)
+    # each trial named by what it varies, the value Optuna drew, inside the interval
+    lrs = {c.info.run_id: float(c.info.run_name.removeprefix("optim.lr=")) for c in children}
+    assert all(c.info.run_name.startswith("optim.lr=") for c in children) and all(1e-4 <= v <= 1e-2 for v in lrs.values())
+    assert {float(c.data.params["optim.lr"]) for c in children} == set(lrs.values())
+    assert len({c.data.tags["config_hash"] for c in children}) == 3  # what sweep.resume finds them by
+    # the objective: what each trial returned to Optuna, its final_loss; the lowest is the best
+    losses = {c.info.run_id: c.data.metrics["summary.final_loss"] for c in children}
+    best_id = min(losses, key=losses.get)
+    assert parent.data.tags["best_run_id"] == best_id
+    assert parent.data.tags["best_job"].startswith(f"optim.lr={lrs[best_id]!r} (final_loss ")
+    assert parent.data.tags["objective"] == "final_loss (lower is better)"
+    assert parent.data.metrics["summary.final_loss"] == losses[best_id]
+    assert parent.info.status == "FINISHED" and parent.data.tags["jobs"] == "3 finished, 0 failed"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"sweep.csv", "sweep.png", "optimization_results.yaml"}
+    (results,) = workdir.glob("multirun/*/*/optimization_results.yaml")
+    study = yaml.safe_load(results.read_text())
+    assert math.isclose(study["best_value"], losses[best_id], rel_tol=1e-6) and study["best_params"]["optim.lr"] == lrs[best_id]
+    for n in range(3):
+        assert f"#{n} : optim.lr=" in proc.stdout + proc.stderr
+    assert "objective final_loss = " in proc.stdout + proc.stderr
+
+
+def test_a_failed_trial_is_a_failed_optuna_trial_and_the_study_goes_on(workdir: Path):
+    """Both trials at once in joblib's workers (the grid of two choices is the whole study); the one
+    that raises returns its error, which Optuna records as a failed trial, not a crash."""
+    proc = run_cli(["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.direction=minimize", "sweep.objective=final_loss",
+                    "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "fault.kind=choice(none,raise)", "fault.step=1", "tracking=none", *FAST],
+                   cwd=workdir, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # the sweep ran to its end, and says a job failed
+    assert "Failed experiment: Return value must be float-castable. Got 'job failed: InjectedFault: injected fault at step 1'" in out
+    assert "(fault.kind=raise) failed: InjectedFault" in out
+    (results,) = workdir.glob("multirun/*/*/optimization_results.yaml")
+    assert yaml.safe_load(results.read_text())["best_params"] == {"fault.kind": "none"}
+    assert "setup plugin" not in out  # alembic's notes, from Optuna's import, kept off the console
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # a typo in the search space's key, named as written
+    (["optim.lrr=interval(1e-4,1e-2)"], "optim.lrr=interval(1e-4,1e-2): unknown key 'optim.lrr'; valid keys in optim: lr, "),
+    (["precision=choice(fp32,fp9)"], "precision=fp9: no such option in group 'precision'; use one of: bf16, fp32, fp8"),
+    (["train.steps=interval(2,4)"], "train.steps=interval(2,4): Value '2.0' of type 'float' could not be converted to Integer"),
+    (["sweep.objective=final_los", "optim.lr=interval(1e-4,1e-2)"], "sweep.objective=final_los: not a figure task=train reports; use one of: "),
+    # Optuna's default direction (minimize) would look for the slowest run
+    (["hydra.sweeper.direction=minimize", "optim.lr=interval(1e-4,1e-2)"],
+     "hydra.sweeper.direction=minimize would search for the worst tokens_per_s_per_device, where higher is better; pass hydra.sweeper.direction=maximize"),
+    (["hydra.sweeper.params.optim.lr='interval(1e-4,1e-2)'"], "give a search space entry on the command line as the key itself, optim.lr=interval(1e-4,1e-2)"),
+    (["hydra.sweeper.storage=sqlite:///optuna.db", "optim.lr=interval(1e-4,1e-2)"], "hydra.sweeper.storage=sqlite:///optuna.db: Optuna 2."),
+])
+def test_a_search_it_cannot_run_is_refused_before_any_trial(overrides: list[str], message: str, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        preflight(["hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", *overrides], multirun=True)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_preflight_composes_the_corners_of_the_search_space(tmp_path: Path, monkeypatch):
+    from src.run import _job_overrides
+
+    monkeypatch.chdir(tmp_path)
+    overrides = ["hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "precision=choice(fp32,bf16)", "optim.lr=tag(log,interval(1e-5,1e-2))", "train.steps=3"]
+    assert _job_overrides(overrides, multirun=True) == [
+        ["train.steps=3", "precision=fp32", "optim.lr=1e-05"], ["train.steps=3", "precision=fp32", "optim.lr=0.01"],
+        ["train.steps=3", "precision=bf16", "optim.lr=1e-05"], ["train.steps=3", "precision=bf16", "optim.lr=0.01"],
+    ]
+    # Hydra's basic sweeper lists values; a range to search is refused with the sweeper that searches it
+    with pytest.raises(ConfigError, match=r"optim.lr=interval\(1e-4,1e-2\): Hydra's basic sweeper runs lists of values.*hydra/sweeper=optuna"):
+        preflight(["optim.lr=interval(1e-4,1e-2)"], multirun=True)
+
+
+def test_the_cli_refuses_a_search_space_typo_in_one_line_and_leaves_nothing(workdir: Path):
+    proc = run_cli(["-m", *SEARCH[:-1], "optim.lrr=interval(1e-4,1e-2)", *FAST], cwd=workdir, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: optim.lrr=interval(1e-4,1e-2): unknown key 'optim.lrr'") and len(proc.stderr.strip().splitlines()) == 1
+    assert list(workdir.iterdir()) == []  # no sweep folder, no MLflow store, no parent run
