@@ -149,3 +149,82 @@ def test_an_in_process_job_leaves_its_model_free_for_the_next(tmp_path: Path, mo
         summary = train(compose_config([*overrides, "tracking=none", "train.steps=2"]), RunContext(run_dir=None, cwd=str(tmp_path)))
         assert summary["steps"] == 2 and len(refs) == 3
         assert [r() for r in refs] == [None, None, None], overrides
+
+
+def test_a_jobs_config_hash_leaves_out_where_and_how_it_runs():
+    from src.compose import compose_config
+    from src.tracking.resume import config_hash
+
+    base = config_hash(compose_config(["precision=fp32"]))
+    # the store, the sweep's own settings and the rest of tracking.* change no figure of the job
+    assert config_hash(compose_config(["precision=fp32", "tracking.uri=http://127.0.0.1:5000", "sweep.resume=true", "sweep.objective=final_loss",
+                                       "tracking.system_metrics=false"])) == base
+    assert config_hash(compose_config(["precision=bf16"])) != base
+    assert config_hash(compose_config(["precision=fp32", "optim.lr=1e-3"])) != base
+
+
+def _children(client, parent_id: str) -> dict[str, object]:
+    """The parent's live (not deleted) children by the precision they ran."""
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], f"tags.mlflow.parentRunId = '{parent_id}'")
+    return {r.info.run_name.removeprefix("precision="): r for r in runs}  # a run killed at its start may have no params yet
+
+
+def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path):
+    """The sweep's own process killed (kill -9, a lost login node) while its second job trains: the
+    first job FINISHED, the second's run left RUNNING, the parent too. The same command with
+    sweep.resume=true reopens that parent, skips the first job by its config_hash and runs the
+    second; then a child deleted from the store is a job never run, and the next resume runs it alone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    args = ["-m", "precision=fp32,bf16", *FAST]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "src.run", *args], cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if list(workdir.glob("multirun/*/*/1/.mlflow_run_id")):  # job 1 has its MLflow run and is training
+            proc.kill()
+            break
+        time.sleep(0.02)
+    assert proc.wait(timeout=60) == -9, proc.stderr.read()
+    client, runs = _runs(workdir)
+    (parent,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
+    first = _children(client, parent.info.run_id)
+    assert first["fp32"].info.status == "FINISHED" and first["fp32"].data.tags["config_hash"]
+    assert first["bf16"].info.status == "RUNNING" and parent.info.status == "RUNNING"
+
+    proc = run_cli([*args, "sweep.resume=true"], cwd=workdir, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    fp32 = first["fp32"].info.run_id
+    assert f"job 0 (precision=fp32): skipped, it finished before as MLflow run {fp32[:8]} (config_hash {first['fp32'].data.tags['config_hash']})" in out
+    assert "job 1 (precision=bf16): skipped" not in out and "sweep.resume: 1 job(s) skipped, finished before: job 0 (precision=fp32)" in out
+    client, runs = _runs(workdir)
+    (again,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
+    assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED" and again.data.tags["resumes"] == "1"
+    assert again.data.tags["jobs"] == "2 finished, 0 failed (1 skipped: finished before)"
+    second = _children(client, parent.info.run_id)
+    assert len(runs) == 3 and {k: r.info.status for k, r in second.items()} == {"fp32": "FINISHED", "bf16": "FINISHED"}
+    assert second["fp32"].info.run_id == fp32 and second["bf16"].info.run_id != first["bf16"].info.run_id
+    # the run the rerun replaced: out of the sweep (deleted, restorable), pointing at its successor
+    zombie = client.get_run(first["bf16"].info.run_id)
+    assert zombie.info.lifecycle_stage == "deleted" and zombie.data.tags["superseded_by"] == second["bf16"].info.run_id
+    assert zombie.info.status == "KILLED"
+    (latest,) = [d for d in sorted(workdir.glob("multirun/*/*")) if (d / "sweep.csv").exists()][-1:]
+    assert json.loads((latest / "0" / "summary.json").read_text())["skipped"] == f"finished before as MLflow run {fp32}"
+    assert [r["status"] for r in csv.DictReader(open(latest / "sweep.csv"))] == ["finished", "finished"]
+
+    client.delete_run(fp32)  # a job missing from the store
+    proc = run_cli([*args, "sweep.resume=true"], cwd=workdir, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "job 1 (precision=bf16): skipped" in out and "job 0 (precision=fp32): skipped" not in out
+    third = _children(client, parent.info.run_id)
+    assert {k: r.info.status for k, r in third.items()} == {"fp32": "FINISHED", "bf16": "FINISHED"}
+    assert third["bf16"].info.run_id == second["bf16"].info.run_id and third["fp32"].info.run_id != fp32
+    assert client.get_run(parent.info.run_id).data.tags["resumes"] == "2"
