@@ -566,6 +566,19 @@ class SubmititSlurmConfig(SlurmQueueConf):
     records it failed after the save)"""
 
 
+try:  # hydra-optuna-sweeper (a dependency); an environment without it only loses hydra/sweeper=optuna
+    from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
+except ImportError:  # pragma: no cover
+    OptunaSweeperConf = None
+else:
+    @dataclass
+    class OptunaSweeperConfig(OptunaSweeperConf):
+        """hydra/sweeper=optuna: the plugin's sweeper, whose study with no finished trial ends as a sweep
+        whose jobs all failed instead of a traceback (hydra_plugins/perflab_optuna_sweeper)."""
+
+        _target_: str = "hydra_plugins.perflab_optuna_sweeper.sweeper.OptunaSweeper"
+
+
 def register_configs() -> None:
     from hydra.core.plugins import Plugins
     from omegaconf import OmegaConf
@@ -577,6 +590,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(group="hydra/launcher", name="submitit_local", node=SubmititLocalConfig, provider="perflab")
     cs.store(group="hydra/launcher", name="submitit_slurm", node=SubmititSlurmConfig, provider="perflab")
+    if OptunaSweeperConf is not None:
+        cs.store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConfig, provider="perflab")
     if not OmegaConf.has_resolver("perflab_gpus_per_node"):
         OmegaConf.register_new_resolver("perflab_gpus_per_node", job_gpus_per_node)
     if not OmegaConf.has_resolver("perflab_nodes"):

@@ -1,0 +1,1 @@
+"""perflab's Optuna sweeper for Hydra (see sweeper.py)."""
