@@ -52,14 +52,15 @@ def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best
 
 
 def test_a_failed_trial_is_a_failed_optuna_trial_and_the_study_goes_on(workdir: Path):
-    """Both trials at once in joblib's workers (the grid of two choices is the whole study); the one
-    that raises returns its error, which Optuna records as a failed trial, not a crash."""
-    proc = run_cli(["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.direction=minimize", "sweep.objective=final_loss",
+    """Both trials at once in joblib's workers (a seeded random draw of the two choices: raise, then
+    none); the one that raises returns its error, which Optuna records as a failed trial, not a crash."""
+    proc = run_cli(["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=2",
+                    "hydra.sweeper.direction=minimize", "sweep.objective=final_loss",
                     "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "fault.kind=choice(none,raise)", "fault.step=1", "tracking=none", *FAST],
                    cwd=workdir, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out  # the sweep ran to its end, and says a job failed
-    assert "Failed experiment: Return value must be float-castable. Got 'job failed: InjectedFault: injected fault at step 1'" in out
+    assert "Failed experiment: Return value must be float-castable. Got 'job failed: InjectedFault: injected fault at step 1'" in out, out
     assert "(fault.kind=raise) failed: InjectedFault" in out
     (results,) = workdir.glob("multirun/*/*/optimization_results.yaml")
     assert yaml.safe_load(results.read_text())["best_params"] == {"fault.kind": "none"}
@@ -105,3 +106,62 @@ def test_the_cli_refuses_a_search_space_typo_in_one_line_and_leaves_nothing(work
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: optim.lrr=interval(1e-4,1e-2): unknown key 'optim.lrr'") and len(proc.stderr.strip().splitlines()) == 1
     assert list(workdir.iterdir()) == []  # no sweep folder, no MLflow store, no parent run
+
+
+def test_a_study_whose_trials_all_failed_ends_as_a_sweep_of_failed_jobs(tmp_path: Path, caplog):
+    """Optuna has no best trial to give then; the plugin's sweeper raised, and Hydra skipped the
+    sweep callback's end (the parent left RUNNING, no table). Ours returns, and says why."""
+    import logging
+
+    import optuna
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.perflab_optuna_sweeper.sweeper import OptunaSweeper
+
+    class FailingLauncher:
+        def launch(self, job_overrides, initial_job_idx):
+            return [JobReturn(overrides=list(o), status=JobStatus.COMPLETED, _return_value="job failed: InjectedFault: boom") for o in job_overrides]
+
+    sweeper = OptunaSweeper(sampler=optuna.samplers.RandomSampler(seed=0), direction="minimize", storage=None, study_name=None, n_trials=2,
+                            n_jobs=1, max_failure_rate=0.0, search_space=None, custom_search_space=None, params=None)
+    impl = sweeper.sweeper
+    impl.config, impl.launcher, impl.hydra_context = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}), FailingLauncher(), object()
+    with caplog.at_level(logging.ERROR, logger="src.sweep"):
+        assert sweeper.sweep(["optim.lr=interval(1e-4,1e-2)"]) is None
+    assert "Optuna: no trial finished, so the study has no best trial" in caplog.text
+    assert not (tmp_path / "optimization_results.yaml").exists()
+
+
+def test_a_grid_whose_last_trial_failed_ends_without_a_traceback(tmp_path: Path, caplog):
+    """GridSampler stops the study at its last point; told as a failed trial, that raised out of the
+    plugin's sweep (Study.stop outside study.optimize), once the trials had all run."""
+    import functools
+    import logging
+
+    import optuna
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.perflab_optuna_sweeper.sweeper import OptunaSweeper
+
+    class Launcher:  # the first trial finishes, the last one fails
+        def launch(self, job_overrides, initial_job_idx):
+            values = [5.5, "job failed: InjectedFault: boom"]
+            return [JobReturn(overrides=list(o), status=JobStatus.COMPLETED, _return_value=v) for o, v in zip(job_overrides, values)]
+
+    sweeper = OptunaSweeper(sampler=functools.partial(optuna.samplers.GridSampler), direction="minimize", storage=None, study_name=None,
+                            n_trials=2, n_jobs=2, max_failure_rate=0.0, search_space=None, custom_search_space=None, params=None)
+    impl = sweeper.sweeper
+    impl.config, impl.launcher, impl.hydra_context = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}), Launcher(), object()
+    with caplog.at_level(logging.WARNING, logger="src.sweep"):
+        assert sweeper.sweep(["fault.kind=choice(none,raise)"]) is None
+    assert "Optuna: the grid's last trial failed" in caplog.text
+
+
+def test_hydra_sweeper_optuna_is_ours():
+    from src.compose import compose_config
+
+    cfg = compose_config(["hydra/sweeper=optuna"], with_hydra=True)
+    assert cfg.hydra.sweeper._target_ == "hydra_plugins.perflab_optuna_sweeper.sweeper.OptunaSweeper"
+    assert cfg.hydra.sweeper.sampler._target_ == "optuna.samplers.TPESampler"  # the plugin's defaults, kept

@@ -1,11 +1,15 @@
 """Hydra's Optuna sweeper as this project runs it (hydra/sweeper=optuna; its settings: src/config.py's
 OptunaSweeperConfig, the objective and the checks: src/tracking/search.py).
 
-The plugin's sweeper with one change: a study in which no trial finished ends as a sweep whose jobs
-all failed. The plugin asks the study for its best trial after the last one, and Optuna raises
-"No trials are completed yet"; Hydra then skipped the sweep callback's end, which left the MLflow
-parent RUNNING, wrote no sweep.csv, and printed a traceback below the trials' own errors. This module
-lives in hydra_plugins because Hydra instantiates sweepers from that package only.
+The plugin's sweeper, with two of its raises after the trials have run turned into log lines, since
+a sweeper that raises makes Hydra skip the sweep callback's end, which leaves the MLflow parent
+RUNNING and writes no sweep.csv, under a traceback below the trials' own errors:
+- a study in which no trial finished: the plugin asks it for its best trial and Optuna raises
+  "No trials are completed yet"; it ends as a sweep whose jobs all failed;
+- a grid (hydra/sweeper/sampler=grid) whose last trial failed: GridSampler stops the study when its
+  last point is told, and Study.stop raises outside study.optimize, where the plugin tells trials;
+  it catches that for a finished trial, not for a failed one. Every trial has run by then.
+This module lives in hydra_plugins because Hydra instantiates sweepers from that package only.
 """
 from __future__ import annotations
 
@@ -25,4 +29,9 @@ class OptunaSweeper(plugin.OptunaSweeper):
                 raise
             log.error("Optuna: no trial finished, so the study has no best trial (and no optimization_results.yaml); "
                       "each trial's error is above")
-            return None
+        except RuntimeError as err:
+            if "Study.stop" not in str(err):
+                raise
+            log.warning("Optuna: the grid's last trial failed, and the plugin could not tell the study it was done; every trial "
+                        "ran and is recorded (the best: the parent run's best_job), but there is no optimization_results.yaml")
+        return None
