@@ -1,16 +1,20 @@
 """`python -m src.compare`: runs side by side in the terminal, best marked.
 
-    python -m src.compare --experiment fsdp4 --metric tokens_per_s_per_device
+    python -m src.compare --experiment perflab --metric tokens_per_s_per_device
     python -m src.compare --sweep latest              # the newest sweep's parent run and its children
+    python -m src.compare --sweep latest --ui         # ... and the MLflow UI's URL of them, opened
     python -m src.compare --dirs multirun/2026-11-30/10-00-00   # from run directories, no tracking store needed
 
 Reads MLflow (the runs' params and their `summary.*` metrics); with --dirs, or when the store
-cannot be reached, reads the summary.json files that every run leaves in its directory.
+cannot be reached, reads the summary.json files that every run leaves in its directory. --ui
+prints the URL of the same runs in MLflow's UI, sorted as here with the figures as columns
+(src/tracking/ui_view.py), and opens it in a browser where there is a display and the UI answers.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,22 +36,29 @@ SHORT = {"tokens_per_s_per_device": "tok/s/dev", "peak_mem_gb": "peak GB", "fina
          "ttft_p50_ms": "TTFT p50", "rel_err": "rel err", "share_memory_bound": "mem-bound"}
 
 
-def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> list[dict[str, Any]]:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+def _experiments(client, uri: str, experiment: str | None) -> list[str]:
     if experiment:
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             raise LookupError(f"no MLflow experiment named '{experiment}' at {uri}")
-        experiments = [exp.experiment_id]
-    else:
-        experiments = [e.experiment_id for e in client.search_experiments()]
+        return [exp.experiment_id]
+    return [e.experiment_id for e in client.search_experiments()]
+
+
+def _latest_sweep(client, experiments: list[str]) -> str:
+    parents = client.search_runs(experiments, "tags.sweep = 'true'", order_by=["attributes.start_time DESC"], max_results=1)
+    if not parents:
+        raise LookupError("no sweep parent run found")
+    return parents[0].info.run_id
+
+
+def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> list[dict[str, Any]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiments = _experiments(client, uri, experiment)
     if sweep == "latest":
-        parents = client.search_runs(experiments, "tags.sweep = 'true'", order_by=["attributes.start_time DESC"], max_results=1)
-        if not parents:
-            raise LookupError("no sweep parent run found")
-        sweep = parents[0].info.run_id
+        sweep = _latest_sweep(client, experiments)
     filter_string = f"tags.mlflow.parentRunId = '{sweep}'" if sweep else ""
     runs = client.search_runs(experiments, filter_string, max_results=1000)
     rows = []
@@ -126,6 +137,54 @@ def render(rows: list[dict[str, Any]], metric: str | None, console: Console) -> 
     console.print(table)
 
 
+def ui_url(uri: str, experiment: str | None, sweep: str | None, metric: str | None) -> str:
+    """The MLflow UI's URL of the runs compared: a sweep's children (--sweep), else the runs of the
+    newest run's task in its experiment (--experiment, else any), sorted by `metric` (the task's
+    headline when None); the view it opens is saved in the experiment (src/tracking/ui_view.py)."""
+    from mlflow import MlflowClient
+
+    from src.tracking.ui_view import sweep_view, task_view
+
+    client = MlflowClient(tracking_uri=uri)
+    experiments = _experiments(client, uri, experiment)
+    if sweep:
+        parent = _latest_sweep(client, experiments) if sweep == "latest" else sweep
+        exp_id = client.get_run(parent).info.experiment_id
+        children = client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent}'", max_results=1)
+        task = children[0].data.params.get("task.name", "train") if children else "train"
+        url = sweep_view(client, uri, parent, task, metric)
+        if url is None:
+            raise LookupError(f"sweep {parent[:8]} has no job in MLflow at {uri}")
+        return url
+    runs = client.search_runs(experiments, "params.`task.name` != ''", order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        raise LookupError(f"no run found at {uri}")
+    return task_view(client, uri, runs[0].info.run_id, runs[0].data.params["task.name"], metric)
+
+
+def _has_display() -> bool:
+    """A browser can be shown: macOS, Windows, or an X11 or Wayland session (over SSH without
+    forwarding, Python's webbrowser would start a text browser in the terminal instead)."""
+    return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def show_ui(uri: str, url: str, console: Console) -> None:
+    """Print the URL (and how to start the UI for a SQLite store); open it where it can be seen."""
+    import webbrowser
+
+    from src.tracking.mlflow_run import TrackingUnavailable, check_reachable
+    from src.tracking.ui_view import open_hint, ui_base
+
+    console.print(f"MLflow: {open_hint(uri, url)}", soft_wrap=True)
+    if not _has_display():
+        return
+    try:
+        check_reachable(ui_base(uri), 2.0)  # a SQLite store's `mlflow ui` may not be running
+    except TrackingUnavailable:
+        return
+    webbrowser.open(url)
+
+
 def _no_store(uri: str) -> str | None:
     """Reading an sqlite URI creates the file: with no store yet, say so instead of leaving an empty mlflow.db."""
     prefix = "sqlite:///"
@@ -143,8 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", default=None, help="sort by this figure, the best run marked (default: the task's headline, e.g. tokens_per_s_per_device)")
     ap.add_argument("--dirs", nargs="*", type=Path, help="read summary.json files under these directories instead of MLflow")
     ap.add_argument("--width", type=int, default=None, help="terminal width for the table")
+    ap.add_argument("--ui", action="store_true", help="also print the MLflow UI's URL of these runs as a table sorted the same way, "
+                    "and open it in a browser where there is a display")
     args = ap.parse_args(argv)
     console = Console(width=args.width)
+    from_mlflow = False
+    if args.ui and args.dirs:
+        sys.stderr.write("error: --ui shows runs in MLflow; --dirs reads run directories instead\n")
+        return 2
     try:
         if args.dirs:
             rows = rows_from_dirs(args.dirs)
@@ -158,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 check_reachable(args.uri, 5.0)
                 rows = rows_from_mlflow(args.uri, args.experiment, args.sweep)
+                from_mlflow = True
             except TrackingUnavailable as err:
                 console.print(f"{err}; reading run directories (outputs/, multirun/) instead")
                 rows = rows_from_dirs([p for p in (Path("outputs"), Path("multirun")) if p.exists()])
@@ -169,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: no runs found {where}; pass --uri URI for another MLflow store, or --dirs DIR for run directories\n")
         return 2
     render(rows, args.metric, console)
+    if args.ui and from_mlflow:
+        try:
+            show_ui(args.uri, ui_url(args.uri, args.experiment, args.sweep, args.metric), console)
+        except LookupError as err:
+            sys.stderr.write(f"error: {err}\n")
+            return 2
     return 0
 
 

@@ -301,7 +301,8 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI; a relative sqlite path is taken from the directory the run starts in"""
     experiment: str | None = None
-    """MLflow experiment; empty means the +exp name, or 'default'"""
+    """MLflow experiment; empty means one per task: 'perflab' for task=train, 'perflab-TASK' for
+    the others (+exp presets do not split: a run's preset is its `exp` param)"""
     run_name: str | None = None
     """empty means one built from the command-line overrides"""
     system_metrics: bool = True

@@ -62,6 +62,9 @@ def client_for(uri: str):
 
     from mlflow import MlflowClient
 
+    # MLflow's own "View run / View experiment at" lines link the experiment without the view, which
+    # opens MLflow 3's GenAI overview; a run's and a sweep's last line give src/tracking/ui_view.py's URL
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if not uri.startswith("sqlite:///") or uri in _READY_STORES:
         return MlflowClient(tracking_uri=uri)
     folder = Path(uri[len("sqlite:///"):]).parent
@@ -167,18 +170,55 @@ def default_run_name(cfg: Any, overrides: list[str], sweep_keys: list[str] | Non
 
 
 DEFAULT_EXPERIMENT = "perflab"
+# MLflow 3's experiment type: "custom_model_development" is its "Machine learning" (runs, metrics),
+# where an experiment without the tag may open as a GenAI one (traces); src/tracking/ui_view.py says
+# what MLflow 3.17's UI reads instead.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def experiment_name(cfg: Any) -> str:
-    """tracking.experiment, else the +exp name, else 'perflab': never MLflow's catch-all 'Default',
-    nor a 'default' beside it that reads as the same thing."""
-    return cfg.tracking.experiment or cfg.exp or DEFAULT_EXPERIMENT
+    """One experiment per task, the study its runs compare: tracking.experiment when set, else
+    'perflab' for task=train and 'perflab-TASK' for the others (perflab-profile, perflab-infer,
+    perflab-diagnose, perflab-kernel_bench). A task's runs share their figures, so the runs table
+    of one experiment has one set of columns and one headline; a profiled step's tokens/s (under the
+    profiler) is no plain step's. Presets (+exp) do not split: fsdp4, fsdp4_tuned and fsdp4_fp8 are
+    variants compared side by side; a run's preset is its `exp` param. Never MLflow's catch-all
+    'Default'."""
+    if cfg.tracking.experiment:
+        return cfg.tracking.experiment
+    task = cfg.task.name
+    return DEFAULT_EXPERIMENT if task == "train" else f"{DEFAULT_EXPERIMENT}-{task}"
 
 
 def experiment_id(client, name: str) -> str:
-    """The id of experiment `name`, created on first use."""
+    """The id of experiment `name`, created on first use; tagged as a model-training experiment."""
+    retire_empty_default(client)
     exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name)
+    if exp is None:
+        return client.create_experiment(name, tags=dict([EXPERIMENT_KIND]))
+    if EXPERIMENT_KIND[0] not in exp.tags:  # made before the tag was set
+        client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def retire_empty_default(client) -> None:
+    """MLflow's SQL store makes experiment 0, 'Default', whenever it opens a database that lacks it
+    (a `mlflow server` at its start, or this project's client on a sqlite: URI); no run here goes to
+    it. In a SQLite file (this project's own store) an empty Default is deleted, to MLflow's trash
+    (`mlflow experiments restore --experiment-id 0` brings it back), and the store finds it deleted
+    and does not make it again. A server's Default is its own: tools that log without naming an
+    experiment log there, so it is left alone."""
+    if not str(client.tracking_uri).startswith("sqlite:"):
+        return
+    from mlflow.entities import ViewType
+
+    try:
+        default = client.get_experiment("0")
+        if default.lifecycle_stage == "active" and default.name == "Default" and not client.search_runs(
+                ["0"], run_view_type=ViewType.ALL, max_results=1):
+            client.delete_experiment("0")
+    except Exception as err:  # another run deleted it first, or a store without one: nothing to retire
+        log.debug("Default experiment left as it is: %s", err)
 
 
 def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str | os.PathLike, fake: bool = False) -> dict[str, str]:

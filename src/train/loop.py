@@ -378,6 +378,13 @@ def _skipped(result: LoopResult) -> dict:
     return {"skipped_steps": len(result.skipped), "skipped_at": list(result.skipped)}
 
 
+def _extremes(name: str, values) -> dict[str, float | None]:
+    """A curve's min and max beside its last value and median (columns of the MLflow runs table);
+    a non-finite value (a skipped step's loss) is left out."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return {f"{name}_min": min(finite, default=None), f"{name}_max": max(finite, default=None)}
+
+
 def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]:
     """Headline figures: medians over the steps after the untimed first ones (allocator warm-up,
     compilation; all steps when the run is shorter)."""
@@ -385,7 +392,8 @@ def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]
         return {"steps": 0, "final_loss": None, "initial_loss": None, "final_grad_norm": None, "tokens_per_s": None,
                 "tokens_per_s_per_device": None, "mfu": None, "step_time_s": None, "peak_mem_gb": None,
                 "peak_mem_reserved_gb": None, "overhead_frac": 0.0, "wall_s": result.wall_s, "host_rss_mb": None,
-                "host_rss_growth_mb": None, "host_step_time_s": None, **_skipped(result)}
+                "host_rss_growth_mb": None, "host_step_time_s": None, **_extremes("loss", ()),
+                **_extremes("tokens_per_s_per_device", ()), **_skipped(result)}
     steady = result.steps[untimed_steps:] or result.steps[-1:]  # by position: a resumed run warms up again
     tps_dev = statistics.median(s.tokens_per_s_per_device for s in steady)
     mfus = [s.mfu for s in steady if s.mfu is not None]
@@ -393,6 +401,9 @@ def summarize(result: LoopResult, untimed_steps: int) -> dict[str, float | None]
         "steps": len(result.steps),
         "final_loss": result.steps[-1].loss,
         "initial_loss": result.steps[0].loss,
+        # the loss over every step; tokens/s over the timed steps, those its median is taken over
+        **_extremes("loss", (s.loss for s in result.steps)),
+        **_extremes("tokens_per_s_per_device", (s.tokens_per_s_per_device for s in steady)),
         "final_grad_norm": result.steps[-1].grad_norm,
         "tokens_per_s": statistics.median(s.tokens_per_s for s in steady),
         "tokens_per_s_per_device": tps_dev,
