@@ -35,8 +35,11 @@ def _peak_bytes(workdir: Path, overrides: list[str]) -> float:
 
 
 def test_the_estimate_holds_to_cpu_runs_measured_peaks(tmp_path: Path):
-    (tmp_path / "baseline").mkdir()
-    baseline = _peak_bytes(tmp_path / "baseline", BASELINE)
+    # the smaller of two: the first process of a fresh checkout also compiles every module's bytecode
+    # and warms caches, and its peak stood 0.65 GB higher once, in CI on a clean clone
+    for run in ("baseline", "baseline2"):
+        (tmp_path / run).mkdir()
+    baseline = min(_peak_bytes(tmp_path / run, BASELINE) for run in ("baseline", "baseline2"))
     for name, overrides in RUNS.items():
         (tmp_path / name).mkdir()
         measured = _peak_bytes(tmp_path / name, overrides) - baseline
