@@ -1,6 +1,11 @@
 """torchtitan 0.2.2's own trainer beside `+exp=llama3_1b` on LLaMA 3.2 1B's shape, one call, one GPU (issue 54).
 
-    source .whl/activate.sh && python -m src.bench.torchtitan_llama --steps 30 --budget-s 560 --out bench_out/titan
+    source .whl/activate.sh && python -m src.bench.torchtitan_llama --steps 30 --budget-s 560 --out bench_out/titan \\
+        --titan-settings eager,compile,compile_fp8 \\
+        --ours bf16="+exp=llama3_1b model.tie_embeddings=false" --ours fp8="+exp=llama3_1b_fp8 model.tie_embeddings=false"
+
+Runs go in order, torchtitan's first; past --budget-s none starts. The defaults (four torchtitan settings,
+four of ours) are about two 10-minute calls; the five above, one.
 
 The GPU machine has no network: torchtitan 0.2.2 and what the image lacks of its dependencies (torchdata,
 datasets, dill, multiprocess, tyro, docstring-parser, typeguard; tomllib is in Python 3.12's standard
