@@ -34,6 +34,12 @@ class EdgeAction(StrEnum):
     run = "run"
 
 
+class EdgeQuant(StrEnum):
+    none = "none"
+    int8 = "int8"
+    int4 = "int4"
+
+
 @dataclass
 class ProfileConfig:
     """task=profile: torch.profiler over the training loop; and NVTX annotation for ncu / nsys."""
@@ -171,3 +177,9 @@ class EdgeConfig:
     """backend=vulkan: where a decode step's token goes: caller (decode_token_into, the runner's own
     mapped host-visible buffers: no result allocation, no copy to read it) or result (decode_token's
     result buffer, read through a copy); modules without decode_token_into take result"""
+    quant: EdgeQuant = EdgeQuant.none
+    """weight-only quantization of the blocks' Linear weights (src/edge/quant.py): none, int8 (per
+    output channel) or int4 (groups of quant_group along the input, two a byte); stored so in the
+    parameter archive and dequantized in the module before each matmul; embedding and head stay in dtype"""
+    quant_group: int = 32
+    """int4: weights sharing a scale (32 divides every width of tiny and small; 128 does not divide tiny's 64)"""

@@ -30,6 +30,17 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
         raise ConfigError(f"edge.max_seq={e.max_seq} holds fewer positions than prompt_len + decode_steps = {e.prompt_len + e.decode_steps}; raise it or leave it 0")
     if e.dtype not in ("fp32", "fp16", "bf16"):
         raise ConfigError(f"edge.dtype={e.dtype}: fp32, fp16 or bf16")
+    quant = str(getattr(e, "quant", "none"))
+    if quant == "int4":
+        import torch
+
+        from src.edge.quant import group_error
+        from src.models import build_model
+
+        with torch.device("meta"):  # the Linears' shapes only, no memory
+            why = group_error(build_model(cfg.model), quant, e.quant_group)
+        if why:
+            raise ConfigError(why)
     if e.weights and not os.path.isfile(e.weights):
         raise ConfigError(f"edge.weights={e.weights}: no such file; export one with `python -m src.export CHECKPOINT --out model.safetensors`")
     target = default_target(backend, e.target)
@@ -63,6 +74,9 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
                 raise ConfigError(f"edge.target={target}: not a Vulkan target IREE knows; use one of {known_targets()}")
             if e.dtype not in spec.dtypes:
                 raise ConfigError(f"edge.dtype={e.dtype}: Vulkan target {target} computes in {' or '.join(spec.dtypes)}; use edge.dtype={spec.dtypes[-1]} or fp32")
+            if quant != "none" and not spec.storage8:
+                raise ConfigError(f"edge.quant={quant}: Vulkan target {target} has no 8-bit storage buffers to read the {quant} weights from "
+                                  f"(IREE fails to compile them for it); use edge.quant=none, or a target with 8-bit storage (llvmpipe, valhall, rdna2, ampere)")
         if e.action != "compile":
             from src.edge.runtime import vulkan_devices
 

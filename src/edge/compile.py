@@ -4,7 +4,7 @@ One MLIR module holds the entry points (FUNCTIONS: prefill, decode, decode_token
 kv_cache); the parameters are externalised, so the compiled module (.vmfb) holds code only and the
 weights go out as an IREE parameter archive (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
 values: it is cached under `edge.cache_dir` by a key over the model config, the shapes, dtype,
-target device and flags, the IREE and torch versions and the exporting source; a new checkpoint needs a new archive
+the weights' quantization (edge.quant: int8 or int4 globals and their scales), target device and flags, the IREE and torch versions and the exporting source; a new checkpoint needs a new archive
 only (written in well under a second), not a new compile.
 
 Artifacts (a run directory, or `edge.artifacts` with action=compile):
@@ -101,27 +101,30 @@ def compile_flags(device: str, target: str, features: str = "", msl_dir: Path | 
 
 
 def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: str, device: str, flags: list[str],
-               functions: tuple[str, ...] = FUNCTIONS) -> str:
+               functions: tuple[str, ...] = FUNCTIONS, quant: dict | None = None) -> str:
+    """`quant`: how the weights are stored (src/edge/quant.py quant_spec): the module's globals are
+    int8 weights and scales instead of the dtype's, and its dispatches dequantize them."""
     import iree.compiler
     import iree.turbine
 
     versions = {"iree": getattr(iree.compiler, "__version__", "") or _dist_version("iree-base-compiler"),
                 "turbine": _dist_version("iree-turbine"), "torch": torch.__version__, "code": _code_hash()}
     blob = json.dumps({"schema": SCHEMA, "model": model, "batch": batch, "prompt_len": prompt_len, "max_seq": max_seq,
-                       "dtype": dtype, "device": device, "functions": functions, "flags": [f for f in flags if "dump-executable" not in f], **versions}, sort_keys=True)
+                       "dtype": dtype, "quant": quant or {"format": "none"}, "device": device, "functions": functions, "flags": [f for f in flags if "dump-executable" not in f], **versions}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def _code_hash() -> str:
     """The source that decides what gets exported: a change to the model or the exporter is a new module."""
     import src.edge.model as edge_model
+    import src.edge.quant as edge_quant
     import src.models.layers as layers
     import src.models.llama3.model as llama3
     import src.models.llama3.rope as rope
     import src.models.mini_llm.model as mini_llm
 
     digest = hashlib.sha256()
-    for module in (edge_model, layers, mini_llm, llama3, rope):
+    for module in (edge_model, edge_quant, layers, mini_llm, llama3, rope):
         digest.update(Path(module.__file__).read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]
@@ -187,6 +190,7 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     from iree.compiler.tools.binaries import CompilerToolError
 
     from src.edge.params import write_params
+    from src.edge.quant import quant_spec
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # no growing hoists by default on Vulkan, unless the caller set the threshold (given twice, an
@@ -194,7 +198,8 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     auto_hoist = device == "vulkan" and not any(f.startswith(HOIST_THRESHOLD) for f in extra_flags)
     chosen = list(extra_flags) + ([NO_GROWING_HOISTS] if auto_hoist else [])
     flags = compile_flags(device, target, features) + chosen
-    key = module_key(model_cfg, lm.batch, prompt_len, lm.max_seq, dtype, device, flags, functions)
+    quant = quant_spec(lm)
+    key = module_key(model_cfg, lm.batch, prompt_len, lm.max_seq, dtype, device, flags, functions, quant)
     cached = cache_dir / key
     t0 = time.perf_counter()
     if (cached / "module.vmfb").is_file():
@@ -251,7 +256,8 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     manifest = {
         "schema": SCHEMA, "key": key, "cache": "hit" if hit else "miss", "device": device, "target": target, "flags": compiled.get("flags", flags),
         "hoisting": compiled.get("hoisting"),
-        "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags),
+        "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags, quant),
+        "quant": quant,
         # each decode entry point's queue ops, and the bytes of each of its queue allocas (results
         # first, then transients)
         **{key: compiled.get(key) for name in STEP_FUNCTIONS for key in (f"{name}_queue_ops", f"{name}_alloca_bytes")},
@@ -270,10 +276,13 @@ def compile_error_line(err: BaseException) -> str:
     return next((line.strip() for line in str(err).splitlines() if "error:" in line), "iree-compile failed")
 
 
-def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[str, ...] | list[str] = ()) -> str:
-    """A short name for how a module was compiled: target, coop or nocoop, then any extra flags."""
+def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[str, ...] | list[str] = (), quant: dict | None = None) -> str:
+    """A short name for how a module was compiled: target, coop or nocoop, then any extra flags,
+    then the weights' quantization (int8, int4g32) where there is one."""
     extras = [FLAG_NAMES.get(f) or f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
-    return "-".join([target, "coop" if cooperative_matrix else "nocoop", *extras])
+    fmt = (quant or {}).get("format", "none")
+    weights = [] if fmt == "none" else [fmt + (f"g{quant['group_size']}" if "group_size" in quant else "")]
+    return "-".join([target, "coop" if cooperative_matrix else "nocoop", *extras, *weights])
 
 
 # the decode entry points whose queue ops and allocation sizes the manifest records (`NAME_queue_ops`,

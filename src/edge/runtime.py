@@ -338,9 +338,11 @@ class TorchRunner:
     """EdgeLM in torch on cpu, cuda or mps: the baselines, and the MPS backend itself. The same
     loop as on IREE: the cache in the module, the greedy token fed back on the device."""
 
-    def __init__(self, lm: EdgeLM, device: str, dtype: str, batch: int):
+    def __init__(self, lm: EdgeLM, device: str, dtype: str, batch: int, compiled: bool = False):
         self.device = torch.device(device)
         self.lm = lm.to(device=self.device, dtype=torch_dtype(dtype)).resize_cache(batch).eval()
+        if compiled:  # torch.compile's baseline: prefill and decode each one graph (pos is a tensor: no recompile per step)
+            self.lm.prefill, self.lm.decode = torch.compile(self.lm.prefill), torch.compile(self.lm.decode)
         self.positions = torch.arange(lm.max_seq, dtype=torch.int32, device=self.device).view(-1, 1)
 
     @torch.no_grad()

@@ -16,6 +16,11 @@ class VulkanTarget:
     vendor: str
     cooperative_matrix: bool
     dtypes: tuple[str, ...] = ("fp32", "fp16")
+    storage8: bool = True
+    """8-bit storage buffers (IREE's `storage = ...|b8`): what int8 and int4 weights (edge.quant) are
+    read from. IREE 3.13's adreno target has b64|b32|b16 only, and a module with int8 weights fails to
+    compile for it (`functions in 'spirv.module' can only contain spirv.* ops`); llvmpipe, valhall,
+    rdna2 and ampere compile it."""
 
 
 VULKAN_TARGETS: dict[str, VulkanTarget] = {
@@ -30,7 +35,7 @@ VULKAN_TARGETS: dict[str, VulkanTarget] = {
     "rdna4": VulkanTarget("amd", True),
     "valhall": VulkanTarget("arm", False),
     "valhall4": VulkanTarget("arm", False),
-    "adreno": VulkanTarget("qualcomm", False),
+    "adreno": VulkanTarget("qualcomm", False, storage8=False),
 }
 _LLVM_STYLE = re.compile(r"^(sm_\d{2,3}a?|gfx\d{3,4}[a-z]?)$")
 

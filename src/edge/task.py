@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from src.distributed.launch import RankFailed
 from src.dtypes import torch_dtype
 from src.edge.bench import measure, tolerance_error
-from src.edge.compile import Artifacts, build, cache_root, load_artifacts
+from src.edge.compile import NO_GROWING_HOISTS, Artifacts, build, cache_root, load_artifacts
 from src.edge.model import EdgeLM
+from src.edge.quant import fuse_dequantization, quantized_copy, weight_bytes
 from src.runtime import RunContext
 
 log = logging.getLogger("src.run")
@@ -62,6 +63,33 @@ def reference_model(model_cfg: dict, weights: dict, max_seq: int, batch: int = 1
     return EdgeLM(model.eval(), max_seq, batch).eval()
 
 
+def quant_setting(fmt: str, group_size: int, fused: bool = True) -> dict:
+    """edge.quant as a manifest records it (src/edge/quant.py quant_spec): {"format"}, with "fused"
+    for int8 and int4 and "group_size" for int4."""
+    if fmt == "none":
+        return {"format": fmt}
+    return {"format": fmt, "fused": fused, "group_size": group_size} if fmt == "int4" else {"format": fmt, "fused": fused}
+
+
+def dequantization(manifest: dict) -> str | None:
+    """Where a quantized module dequantizes its weights (src/edge/quant.py): in each call (inside
+    the one-row matvecs, or in a dispatch of its own before the matmul), or once at load, where
+    IREE's default hoisting (the fp16 fallback, src/edge/compile.py) made the dequantized weights
+    constants of the initializer: a smaller archive, the dtype's weights resident."""
+    quant = manifest.get("quant") or {}
+    if quant.get("format", "none") == "none":
+        return None
+    if not (manifest.get("hoisting") == "no growing hoists" or NO_GROWING_HOISTS in manifest.get("flags", [])):
+        return "at load"
+    return "per call, fused into the matvecs" if quant.get("fused") and quant["format"] == "int8" else "per call, a dispatch of its own"
+
+
+def deployed(reference: EdgeLM, settings: dict) -> EdgeLM:
+    """The model as the module holds it: quantized as settings["quant"] says (from fp32), then in
+    settings["dtype"]; a copy, the reference stays fp32 and unquantized."""
+    return copy.deepcopy(quantized_copy(reference, settings.get("quant") or {"format": "none"})).to(torch_dtype(settings["dtype"]))
+
+
 def _weights(cfg: DictConfig) -> dict:
     return {"safetensors": str(Path(cfg.edge.weights).resolve())} if cfg.edge.weights else {"seed": cfg.edge.seed}
 
@@ -78,11 +106,17 @@ def latency_chart(summary: dict[str, Any], path: Path) -> None:
     ax.bar(labels, values, color=["tab:blue", "tab:blue", "tab:orange", "tab:orange"])
     ax.set_ylabel("ms")
     # a Vulkan device's name runs long ("llvmpipe (LLVM 15.0.6, 256 bits)"): wrapped, never cut at the figure's edge
-    title = f"{summary['backend']} ({summary['device_name']}), batch {summary['batch']}, {summary['dtype']}"
+    title = f"{summary['backend']} ({summary['device_name']}), batch {summary['batch']}, {_format(summary)}"
     ax.set_title(textwrap.fill(title, 60), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _format(summary: dict[str, Any]) -> str:
+    """The dtype, and the weights' quantization where there is one: "fp16 int8"."""
+    quant = summary.get("quant") or "none"
+    return summary["dtype"] if quant == "none" else f"{summary['dtype']} {quant}"
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -91,11 +125,11 @@ def table(summary: dict[str, Any]) -> str:
         return "n/a" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
 
     head = ("| backend | device | variant | batch | dtype | compile s | first ms | TTFT p50/p90 ms | decode p50/p90 ms | prefill tok/s | "
-            "decode tok/s | rel err | status |")
-    row = (f"| {summary['backend']} | {summary['device_name']} | {summary.get('variant') or '-'} | {summary['batch']} | {summary['dtype']} | "
+            "decode tok/s | rel err | same tokens | status |")
+    row = (f"| {summary['backend']} | {summary['device_name']} | {summary.get('variant') or '-'} | {summary['batch']} | {_format(summary)} | "
            f"{f('compile_s')} | {f('first_run_ms')} | {f('ttft_p50_ms')} / {f('ttft_p90_ms')} | {f('decode_p50_ms', 3)} / {f('decode_p90_ms', 3)} | "
-           f"{f('prefill_tokens_per_s', 0)} | {f('decode_tokens_per_s', 0)} | {summary['rel_err']:.2e} | {summary['status']} |")
-    return "\n".join([head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|", row])
+           f"{f('prefill_tokens_per_s', 0)} | {f('decode_tokens_per_s', 0)} | {summary['rel_err']:.2e} | {f('same_tokens_steps')}/{summary['decode_steps'] + 1} | {summary['status']} |")
+    return "\n".join([head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|", row])
 
 
 def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -107,31 +141,38 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     target = default_target(backend, e.target)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     settings = {"batch": e.batch, "prompt_len": e.prompt_len, "decode_steps": e.decode_steps, "dtype": e.dtype,
-                "max_seq": e.max_seq or e.prompt_len + e.decode_steps, "weights": _weights(cfg), "model": model_cfg}
+                "max_seq": e.max_seq or e.prompt_len + e.decode_steps, "weights": _weights(cfg), "model": model_cfg,
+                "quant": quant_setting(str(getattr(e, "quant", "none")), int(getattr(e, "quant_group", 0) or 0),
+                                       fuse_dequantization(IREE_DEVICE.get(backend, backend), target))}
     artifacts: Artifacts | None = None
     if e.action == "run":
         artifacts = load_artifacts(Path(e.artifacts))
         m = artifacts.manifest
-        settings.update(batch=m["batch"], prompt_len=m["prompt_len"], max_seq=m["max_seq"], dtype=m["dtype"], weights=m["weights"], model=m["model"])
+        settings.update(batch=m["batch"], prompt_len=m["prompt_len"], max_seq=m["max_seq"], dtype=m["dtype"], weights=m["weights"], model=m["model"],
+                        quant=m.get("quant") or {"format": "none"})
         target = m["target"]
     reference = reference_model(settings["model"], settings["weights"], settings["max_seq"], settings["batch"])
     summary: dict[str, Any] = {"task": "infer", "status": "finished", "action": e.action, "backend": backend, "target": target or None,
                                "device_name": "cpu", "cooperative_matrix": None, "compile_s": None, "module_bytes": None, "params_bytes": None,
                                **{k: settings[k] for k in ("batch", "prompt_len", "decode_steps", "dtype", "max_seq")}, "model": settings["model"]["name"],
+                               "quant": settings["quant"]["format"], "quant_group": settings["quant"].get("group_size"),
                                "settings": {"model": settings["model"]["name"], "backend": backend}}
+    held = deployed(reference, settings)  # the weights as the module holds them (and torch, off IREE)
+    summary.update(weight_bytes(held))
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):
         out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
-        artifacts = build(copy.deepcopy(reference).to(torch_dtype(settings["dtype"])), settings["model"], settings["prompt_len"],
+        artifacts = build(held, settings["model"], settings["prompt_len"],
                           settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir), settings["weights"])
     if artifacts is not None:
         m = artifacts.manifest
         if not artifacts.irpa.is_file():  # compiled elsewhere without parameters: the seeded or exported weights, written here
             from src.edge.params import write_params
 
-            write_params(copy.deepcopy(reference).to(torch_dtype(settings["dtype"])), artifacts.irpa)
+            write_params(held, artifacts.irpa)
         summary.update(compile_s=m["compile_s"], module_bytes=m["module_bytes"], params_bytes=artifacts.irpa.stat().st_size,
                        artifacts=str(artifacts.dir), cache=m["cache"], msl_files=len(m.get("msl_files", [])), variant=m.get("variant"),
-                       module_cooperative_matrix=m.get("cooperative_matrix"), flags=" ".join(m["flags"]))
+                       module_cooperative_matrix=m.get("cooperative_matrix"), flags=" ".join(m["flags"]), hoisting=m.get("hoisting"),
+                       dequantization=dequantization(m))
     try:
         if e.action == "compile":
             log.info("compiled for %s %s (%s): %s (module %d bytes, parameters %d bytes)", IREE_DEVICE[backend], target, summary["variant"],
@@ -181,13 +222,16 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
         cache_bytes = 2 * reference.k_cache.numel() * torch_dtype(dtype).itemsize  # keys and values
         summary.update(runner.transfer_times(cache_bytes))
-    else:
-        runner = TorchRunner(copy.deepcopy(reference), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype, settings["batch"])
+    else:  # quantized the same way: the weights dequantized in torch's forward, before each matmul
+        runner = TorchRunner(deployed(reference, settings), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype, settings["batch"],
+                             compiled=bool(getattr(e, "torch_compile", False)))
         summary["device_name"] = torch.cuda.get_device_name(0) if backend == "cuda" else backend
     rng = np.random.default_rng(e.seed)
     tokens = rng.integers(0, settings["model"]["vocab_size"], (settings["batch"], settings["prompt_len"]), dtype=np.int64).astype(np.int32)
     try:
-        summary.update(measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats))
+        quant = settings.get("quant") or {"format": "none"}
+        quantized = quantized_copy(reference, quant) if quant["format"] != "none" else None
+        summary.update(measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats, quantized))
     except RuntimeError as err:  # the driver took the module but failed a dispatch
         if backend != "vulkan":
             raise
