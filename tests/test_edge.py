@@ -412,15 +412,15 @@ def test_the_gpu_campaign_compiles_and_runs_side_by_side_on_lavapipe(tmp_path, c
                    cwd=tmp_path, module="src.bench.edge_vs_torch")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = (out / "table.md").read_text().splitlines()
-    assert lines[0] == ("| backend | device | model | dtype | batch | variant | TTFT p50 ms | decode p50 ms | call ms | read ms | prefill tok/s "
-                        "| decode tok/s | max rel err | status |")
+    assert lines[0] == ("| backend | device | model | dtype | quant | batch | prompt | variant | TTFT p50 ms | decode p50 ms | call ms | read ms "
+                        "| prefill tok/s | decode tok/s | floor share | max rel err | same tokens | status |")
     results = json.loads((out / "results.json").read_text())
     assert sorted((r["backend"], r["dtype"], r["batch"]) for r in results) == [("cpu", "fp16", 2), ("cpu", "fp32", 1), ("vulkan", "fp16", 2), ("vulkan", "fp32", 1)]
     assert all(r["status"] == "finished" and r["decode_p50_ms"] > 0 and r["greedy_mismatches"] == 0 for r in results), results
     # the step split in two, and the runtime flags the Vulkan rows ran under, in their variant's name
     assert all(r["decode_call_ms"] > 0 and r["token_read_ms"] > 0 for r in results)
     assert sorted(r["variant"] for r in results if r["backend"] == "vulkan") == ["llvmpipe-nocoop+vulkan_tracing=false"] * 2
-    assert "Vulkan / torch decode p50" in (out / "table.md").read_text()
+    assert "Vulkan / torch eager decode p50" in (out / "table.md").read_text()
 
 
 def test_an_iree_tool_that_lost_the_device_runs_again_on_lavapipe_only(tmp_path):
