@@ -84,6 +84,16 @@ def test_on_a_gpu_without_a_diagnosis_auto_times_every_fusable_op_and_says_so(tm
     assert {case for case, *_ in calls} >= {"rms_norm", "swiglu", "head_loss", "block"}  # what LLaMA has, timed
     assert set(cfg.kernels.fused) == {"rms_norm", "swiglu", "linear_cross_entropy"}
     assert any("no diagnosis of model=llama3_tiny" in r.getMessage() and "timing alone decides" in r.getMessage() for r in caplog.records)
+    # the run then records that choice (kernels_auto.json, the log) with no diagnosis file to read
+    from src.fusion.registry import FusedModel
+    from src.tracking.mlflow_run import NullTracker
+    from src.train.records import log_auto_choice
+
+    caplog.set_level(logging.INFO, logger="src.train")
+    log_auto_choice(cfg, FusedModel(swapped={"rms_norm": 2, "swiglu": 1}), tmp_path, NullTracker())
+    record = json.loads((tmp_path / "kernels_auto.json").read_text())
+    assert record["diagnosis"] == "" and set(record["fused"]) == set(cfg.kernels.fused) and set(record["ops"]) == set(cfg.kernels.measured)
+    assert any("from timing on this GPU" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="kernels.diagnosis=nowhere.json: no diagnosis.json there"):
         apply_auto_choice(compose_config(["kernels=auto", "kernels.diagnosis=nowhere.json", "backend=cuda", "dist.nproc=1"]), tmp_path)
 

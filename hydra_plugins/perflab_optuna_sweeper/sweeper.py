@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import logging
 
-from hydra_plugins.hydra_optuna_sweeper import optuna_sweeper as plugin
-
 log = logging.getLogger("src.sweep")
 
+try:
+    from hydra_plugins.hydra_optuna_sweeper import optuna_sweeper as plugin
+except ImportError:  # Hydra imports every hydra_plugins module on each run: without the plugin, stay quiet until asked for
+    plugin = None
 
-class OptunaSweeper(plugin.OptunaSweeper):
+
+class _Missing:
+    def __init__(self, *args, **kwargs) -> None:
+        raise ImportError("hydra/sweeper=optuna needs Hydra's Optuna sweeper: pip install 'hydra-optuna-sweeper>=1.2,<1.4'")
+
+
+class OptunaSweeper(plugin.OptunaSweeper if plugin is not None else _Missing):
     def sweep(self, arguments: list[str]) -> None:
         try:
             return super().sweep(arguments)

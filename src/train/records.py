@@ -26,11 +26,18 @@ log = logging.getLogger("src.train")
 
 
 def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, tracker) -> None:
-    """kernels=auto: say what the diagnosis chose and why, on the console and in MLflow."""
-    from src.fusion.choice import choose, write_choice
+    """kernels=auto: say what the diagnosis (or, with none, the timing on this GPU) chose and why, on the
+    console and in MLflow."""
+    from src.fusion.choice import MEASURED_ONLY, AutoChoice, choose, write_choice
 
-    choice = choose(Path(cfg.kernels.diagnosis))
-    log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
+    if cfg.kernels.diagnosis:
+        choice = choose(Path(cfg.kernels.diagnosis))
+        log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
+    else:  # no diagnosis of this model: preflight timed every fusable op here, and cfg.kernels holds its picks
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        choice = AutoChoice("", device, {op: [MEASURED_ONLY] for op in cfg.kernels.measured})
+        log.info("kernels=auto from timing on this GPU (%s), no diagnosis: fused %s, compiled %s", device or "unknown GPU",
+                 ", ".join(cfg.kernels.fused) or "none", ", ".join(cfg.kernels.compiled) or "none")
     for op, reasons in choice.ops.items():
         if op == "adamw":  # not a module: auto's pick is the optimizer's kernels
             note = f"  (optim.impl={cfg.optim.impl})"
@@ -41,7 +48,7 @@ def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, 
         log.info("  measured %s: %s%s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
                  f"; {cfg.kernels.reasons[op]}" if op in cfg.kernels.reasons else "")
     tracker.set_tags({
-        "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis,
+        "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis or "none",
         "kernels.auto.fused": ",".join(cfg.kernels.fused) or "none", "kernels.auto.compiled": ",".join(cfg.kernels.compiled) or "none",
         "kernels.auto.compile_blocks": str(bool(cfg.kernels.compile)).lower(),
         "kernels.auto.decided_by": "measurement" if cfg.kernels.measured else "diagnosis", "kernels.auto.optimizer": str(cfg.optim.impl),
