@@ -30,10 +30,12 @@ from src.runtime import world_label
 from src.tracking.figures import best_row, figures_of, headline, is_number, lower_is_better
 
 PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size")
-# Short headers: five figures and a run name fit 100 columns (tokens_per_s_per_device alone is 23).
+# Short headers: five figures and a run name fit 100 columns (tokens_per_s_per_device alone is 23),
+# infer's eight 120.
 SHORT = {"tokens_per_s_per_device": "tok/s/dev", "peak_mem_gb": "peak GB", "final_loss": "loss", "step_time_s": "step s",
          "mfu": "MFU %", "decode_tokens_per_s": "dec tok/s", "prefill_tokens_per_s": "pre tok/s", "decode_p50_ms": "dec p50 ms",
-         "ttft_p50_ms": "TTFT p50", "rel_err": "rel err", "share_memory_bound": "mem-bound"}
+         "ttft_p50_ms": "TTFT p50", "rel_err": "rel err", "share_memory_bound": "mem-bound", "token_agreement": "same tok",
+         "params_bytes": "params B", "module_bytes": "module B"}
 
 
 def _experiments(client, uri: str, experiment: str | None) -> list[str]:
