@@ -14,7 +14,7 @@ integers with their scales, dequantized inside the module right before each matm
   models, matched by name); a turbine custom op could emit it, but turbine 3.9's custom-op
   expansion fails with this IREE's MLIR bindings (`IntegerType.isinstance`).
 
-What IREE 3.13 makes of it for Vulkan (docs/lab/2026-12-05-edge.md, from the dispatch sources):
+What IREE 3.13 makes of it for Vulkan (from the dispatch sources `iree-compile --iree-hal-dump-executable-sources-to=DIR` writes):
 - int8 written as `F.linear(x, q * scale)`: IREE fuses the dequantization into the matmul's dispatch
   (it binds the int8 weight and the scales and converts in registers:
   `decode$async_dispatch_4_batch_matmul_1x1x192x64_f32` holds sitofp, mulf, then the contraction),
