@@ -189,11 +189,23 @@ class IreeRunner:
     Mesa 22.3's lavapipe (Debian 12) with iree-base-runtime 3.13 loses the device now and then while
     a context runs the module's initializer (`DATA_LOSS` / `VK_ERROR_DEVICE_LOST` at
     `hal.fence.await`): measured 1 in 16 first contexts of a fresh process, and 9 to 39 in 40 when
-    one process makes context after context on the device. No runtime flag changed it (robust
-    buffer access, tracing, the compute queue), nor const-eval or hoisting off; once a context is
-    made, 100 prefill + decode loops give identical tokens. So on lavapipe a lost device is made
-    anew and the context tried again (LAVAPIPE_TRIES in all, each retry logged); on any other
-    driver the first error ends the run. The campaign runs each module in a process of its own."""
+    one process makes context after context on the device; for tiny's fp16 module, 3 in 30 fresh
+    processes and 42 in 640 contexts, 0 to 10 in each process's 80 (docs/lab/2026-12-05-edge-quant.md).
+    Mesa declares the loss in vkSignalSemaphore, called from a thread of IREE's own while the caller
+    waits (4 of 4 losses stopped there under gdb with MESA_VK_ABORT_ON_DEVICE_LOSS=1): lavapipe has
+    no timeline semaphores of its own, and Mesa's emulation of them (vk_sync_timeline.c) answers a
+    host signal whose value the timeline already reached with "Timeline values must only ever
+    strictly increase." The Khronos validation layer flags a host signal above a pending signal
+    of the same semaphore (VUID-VkSemaphoreSignalInfo-value-03259) before 6 of 15 losses in 800
+    contexts and before 21 of the 785 that finished: a race in IREE's use of the semaphore, which
+    the layer catches only at times. No runtime flag changed it (robust buffer access, tracing, the
+    compute queue), nor const-eval or hoisting off. The caller sees the loss at its next wait: the
+    initializer's fence, or the first upload after the context (`vkWaitSemaphores`; 3 of those 42),
+    so the retried block ends with that upload; past it, no loss surfaced in a prefill and 4 decode
+    steps of any of the 1383 contexts that got there, each giving the first context's tokens, and
+    100 prefill + decode loops give identical tokens. So on lavapipe a lost device is made anew and
+    the context tried again (LAVAPIPE_TRIES in all, each retry logged); on any other driver the
+    first error ends the run. The campaign runs each module in a process of its own."""
 
     def __init__(self, artifacts: Artifacts, driver: str, readback: tuple[str, ...] = READBACK_MODES, flags: tuple[str, ...] = (),
                  host_wait: str = "auto", token_out: str = "caller"):
@@ -210,11 +222,14 @@ class IreeRunner:
             self.device = self.config.device
             try:
                 modules = self._load(artifacts)
+                # the first wait after the initializer's queue work, where 3 of 42 losses surfaced: retried too
+                positions = [rt.asdevicearray(self.device, np.array([p], dtype=np.int32)) for p in range(artifacts.manifest["max_seq"])]
                 break
             except (RuntimeError, ValueError) as err:
                 if not (lavapipe and lost_device(str(err))) or attempt + 1 == LAVAPIPE_TRIES:
                     raise ModuleLoadFailed(one_line(err)) from None
-                log.warning("lavapipe lost the device making the context (try %d of %d); again on a new device", attempt + 1, LAVAPIPE_TRIES)
+                log.warning("lavapipe lost the device making the context (try %d of %d: %s); again on a new device", attempt + 1, LAVAPIPE_TRIES,
+                            one_line(err, 160))
         main = self.module = modules[-1]
         self._prefill, self._decode, self._kv = (rt.FunctionInvoker(self.context, self.device, main.lookup_function(name))
                                                  for name in ("prefill", "decode", "kv_cache"))
@@ -231,7 +246,7 @@ class IreeRunner:
         self.token_buffers = TokenBuffers(rt, self.device, artifacts.manifest["batch"]) if into is not None else None
         if into is not None:
             self._decode_token_into = rt.FunctionInvoker(self.context, self.device, into)
-        self.positions = [rt.asdevicearray(self.device, np.array([p], dtype=np.int32)) for p in range(artifacts.manifest["max_seq"])]
+        self.positions = positions
         # poll: decode through decode$async, its fence signalled on a semaphore the host spins on
         self.poll = host_wait == "poll" or (host_wait == "auto" and not lavapipe)
         self.readback = Readback(rt, self.device, readback, self.poll)
