@@ -100,7 +100,7 @@ GRIDS = {"issue13": [Variant(*v) for v in VARIANTS], "issue57": ISSUE57}
 # Left out after the 2026-11-30 run (docs/lab/PERFORMANCE.md 6b): --iree-opt-level=O3 does not compile
 # in IREE 3.13, --iree-vulkan-dispatch-abi=bda gives wrong numbers on NVIDIA's driver.
 # IREE runtime flag sets each Vulkan module runs under (`run --runtime-flags`): the per-call event
-# timestamps (vulkan_tracing) are a host cost per submit, 0.3-2.6 ms of a decode step either way on an
+# timestamps (vulkan_tracing) are a host cost per submit: 0.15-2.65 ms of a decode step, either way, on an
 # H200 (2026-12-05); the dedicated compute queue's set was level with the second in every row and is gone.
 RUNTIME_FLAGS = ["", "--vulkan_tracing=false"]
 COMPILE_FAILURES = "compile_failures.json"
