@@ -300,7 +300,7 @@ def run_grid(artifacts: Path, out: Path, torch_backend: str, timeout_s: float, b
     jobs: list[tuple[Path, str, tuple[str, ...]]] = []
     seen = set()
     for module in modules:
-        m = json.loads((module / "manifest.json").read_text())
+        m = manifests[module]
         key = (m["model"]["name"], m["dtype"], m["batch"], m["prompt_len"])
         # torch once per shape, unquantized: a quant-none module's (its rows come first)
         if torch_backend != "none" and key not in seen and (m.get("quant") or {}).get("format", "none") == "none":
@@ -313,7 +313,7 @@ def run_grid(artifacts: Path, out: Path, torch_backend: str, timeout_s: float, b
     results, start = [], time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
         for module, backend, flags in jobs:
-            m = json.loads((module / "manifest.json").read_text())
+            m = manifests[module]
             base = {"backend": backend, "model": m["model"]["name"], "dtype": m["dtype"], "batch": m["batch"], "prompt_len": m["prompt_len"],
                     "quant": (m.get("quant") or {}).get("format", "none") if backend == "vulkan" else "none",
                     "variant": flagged(m["variant"], flags) if backend == "vulkan" else backend.removeprefix("cuda-") if "-" in backend else "eager",

@@ -193,7 +193,7 @@ def weight_bytes(lm: nn.Module) -> dict[str, int]:
     """Bytes of the block Linears' weights as stored (integers and scales for QuantLinear), and of
     the rest of the parameters (embedding, head, norms, biases): what the format shrinks, apart."""
     quantized = rest = 0
-    linears = {id(m) for m in lm.modules() if isinstance(m, (QuantLinear, nn.Linear))}
+    in_blocks = {id(m) for block in getattr(lm, "model", lm).layers for m in block.modules() if isinstance(m, (QuantLinear, nn.Linear))}
     counted: set[int] = set()
     for module in lm.modules():
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
@@ -201,13 +201,8 @@ def weight_bytes(lm: nn.Module) -> dict[str, int]:
                 continue
             counted.add(id(tensor))
             nbytes = tensor.numel() * tensor.element_size()
-            in_block_weight = id(module) in linears and name in ("weight", "weight_q", "weight_scale") and _in_blocks(lm, module)
-            if in_block_weight:
+            if id(module) in in_blocks and name in ("weight", "weight_q", "weight_scale"):
                 quantized += nbytes
             else:
                 rest += nbytes
     return {"block_weight_bytes": quantized, "other_param_bytes": rest}
-
-
-def _in_blocks(lm: nn.Module, module: nn.Module) -> bool:
-    return any(module is m for block in getattr(lm, "model", lm).layers for m in block.modules())
