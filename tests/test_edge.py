@@ -184,7 +184,12 @@ def _generate_and_read_cache(function: str, tmp_path: Path, cache: Path) -> tupl
     assert m["decode_alloca_bytes"] == [2112, 26240] and m["decode_token_alloca_bytes"] == [8, 26240], m
     # into the caller's buffer: no result allocation at all, the transients alone
     assert m["decode_token_into_alloca_bytes"] == [26240] and m["decode_token_into_queue_ops"] == {**m["decode_queue_ops"], "alloca": 1}, m
+    # the time to first token's call likewise: the prefill's transients alone, no results
+    assert m["prefill_token_into_alloca_bytes"] == m["prefill_alloca_bytes"][1:], m
+    assert m["prefill_token_into_queue_ops"] == {**m["prefill_queue_ops"], "alloca": m["prefill_queue_ops"]["alloca"] - 1}, m
     runner = IreeRunner(art, "vulkan", token_out="caller" if function == "decode_token_into" else "result")
+    # the prompt through the runner's mapped buffer where the token goes into its own
+    assert (runner.prompt is not None) == (function == "decode_token_into")
     assert runner.has_decode_token and "decode_token(0rr_r)" in repr(runner.module.lookup_function("decode_token"))
     assert (runner.token_buffers is not None) == (function == "decode_token_into")
     tokens = np.random.default_rng(1).integers(0, 256, (BATCH, PROMPT)).astype(np.int32)

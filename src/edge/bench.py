@@ -59,7 +59,10 @@ class Generation:
 def generate(runner: Any, tokens: np.ndarray, steps: int, check: bool = False) -> Generation:
     """Greedy generation; with `check`, the logits of every call read back as well (untimed)."""
     t0 = time.perf_counter()
-    token, logits = runner.prefill(tokens)
+    if check:
+        token, logits = runner.prefill(tokens)
+    else:  # the timed path: no logits result
+        token = runner.prefill_token(tokens)
     gen = Generation([runner.tokens(token)], 1e3 * (time.perf_counter() - t0))
     if check:
         gen.logits.append(runner.logits(logits))

@@ -1,7 +1,7 @@
 """Export the edge model with iree.turbine.aot and compile it with IREE, weights kept apart.
 
-One MLIR module holds the entry points (FUNCTIONS: prefill, decode, decode_token, decode_token_into,
-kv_cache); the parameters are externalised, so the compiled module (.vmfb) holds code only and the
+One MLIR module holds the entry points (FUNCTIONS: prefill, prefill_token_into, decode, decode_token,
+decode_token_into, kv_cache); the parameters are externalised, so the compiled module (.vmfb) holds code only and the
 weights go out as an IREE parameter archive (.irpa) that the runtime maps at load time. A module then depends on the model's shapes, not its
 values: it is cached under `edge.cache_dir` by a key over the model config, the shapes, dtype,
 the weights' quantization (edge.quant: int8 or int4 globals and their scales), target device and flags, the IREE and torch versions and the exporting source; a new checkpoint needs a new archive
@@ -35,8 +35,9 @@ from src.edge.model import EdgeLM
 log = logging.getLogger("src.edge")
 
 MANIFEST = "manifest.json"
-# the module's entry points; artifacts compiled before decode_token list prefill, decode and kv_cache
-FUNCTIONS = ("prefill", "decode", "decode_token", "decode_token_into", "kv_cache")
+# the module's entry points; artifacts compiled before decode_token list prefill, decode and kv_cache,
+# before prefill_token_into the five others
+FUNCTIONS = ("prefill", "prefill_token_into", "decode", "decode_token", "decode_token_into", "kv_cache")
 SCHEMA = "perflab.edge/2"  # 2: the KV cache inside the module, greedy token out
 
 
@@ -101,21 +102,24 @@ def compile_flags(device: str, target: str, features: str = "", msl_dir: Path | 
 
 
 def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: str, device: str, flags: list[str],
-               functions: tuple[str, ...] = FUNCTIONS, quant: dict | None = None) -> str:
+               functions: tuple[str, ...] = FUNCTIONS, quant: dict | None = None, matvec_rows: int = 0) -> str:
     """`quant`: how the weights are stored (src/edge/quant.py quant_spec): the module's globals are
-    int8 weights and scales instead of the dtype's, and its dispatches dequantize them."""
+    int8 weights and scales instead of the dtype's, and its dispatches dequantize them.
+    `matvec_rows`: products of up to that many rows exported weights first (src/edge/matvec.py)."""
     import iree.compiler
     import iree.turbine
 
     versions = {"iree": getattr(iree.compiler, "__version__", "") or _dist_version("iree-base-compiler"),
                 "turbine": _dist_version("iree-turbine"), "torch": torch.__version__, "code": _code_hash()}
     blob = json.dumps({"schema": SCHEMA, "model": model, "batch": batch, "prompt_len": prompt_len, "max_seq": max_seq,
-                       "dtype": dtype, "quant": quant or {"format": "none"}, "device": device, "functions": functions, "flags": [f for f in flags if "dump-executable" not in f], **versions}, sort_keys=True)
+                       "dtype": dtype, "quant": quant or {"format": "none"}, "device": device, "functions": functions, "flags": [f for f in flags if "dump-executable" not in f], **versions,
+                       **({"matvec_rows": matvec_rows} if matvec_rows else {})}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def _code_hash() -> str:
     """The source that decides what gets exported: a change to the model or the exporter is a new module."""
+    import src.edge.matvec as edge_matvec
     import src.edge.model as edge_model
     import src.edge.quant as edge_quant
     import src.models.layers as layers
@@ -124,7 +128,7 @@ def _code_hash() -> str:
     import src.models.mini_llm.model as mini_llm
 
     digest = hashlib.sha256()
-    for module in (edge_model, edge_quant, layers, mini_llm, llama3, rope):
+    for module in (edge_model, edge_quant, edge_matvec, layers, mini_llm, llama3, rope):
         digest.update(Path(module.__file__).read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]
@@ -151,6 +155,9 @@ def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str,
     step = (torch.zeros(batch, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     programs = {
         "prefill": ((torch.zeros(batch, prompt_len, dtype=torch.int32),), lambda module, tokens: module.prefill(tokens)),
+        # the time to first token's call: the token into a caller's buffer, no logits result
+        "prefill_token_into": ((torch.zeros(batch, prompt_len, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32)),
+                               lambda module, tokens, out: module.prefill_token_into(tokens, out)),
         "decode": (step, lambda module, token, pos: module.decode(token, pos)),
         # decode without the logits result: they stay inside the call, so the timed loop's step
         # allocates and returns one [B] int32 buffer instead of that and a [B, vocab] one
@@ -189,6 +196,7 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     import iree.compiler as ic
     from iree.compiler.tools.binaries import CompilerToolError
 
+    from src.edge.matvec import matvec_rows
     from src.edge.params import write_params
     from src.edge.quant import quant_spec
 
@@ -198,8 +206,8 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     auto_hoist = device == "vulkan" and not any(f.startswith(HOIST_THRESHOLD) for f in extra_flags)
     chosen = list(extra_flags) + ([NO_GROWING_HOISTS] if auto_hoist else [])
     flags = compile_flags(device, target, features) + chosen
-    quant = quant_spec(lm)
-    key = module_key(model_cfg, lm.batch, prompt_len, lm.max_seq, dtype, device, flags, functions, quant)
+    quant, rows = quant_spec(lm), matvec_rows(lm)
+    key = module_key(model_cfg, lm.batch, prompt_len, lm.max_seq, dtype, device, flags, functions, quant, rows)
     cached = cache_dir / key
     t0 = time.perf_counter()
     if (cached / "module.vmfb").is_file():
@@ -256,8 +264,8 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     manifest = {
         "schema": SCHEMA, "key": key, "cache": "hit" if hit else "miss", "device": device, "target": target, "flags": compiled.get("flags", flags),
         "hoisting": compiled.get("hoisting"),
-        "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags, quant),
-        "quant": quant,
+        "variant": variant or default_variant(target, compiled.get("cooperative_matrix", False), extra_flags, quant, rows),
+        "quant": quant, "matvec_rows": rows,
         # each decode entry point's queue ops, and the bytes of each of its queue allocas (results
         # first, then transients)
         **{key: compiled.get(key) for name in STEP_FUNCTIONS for key in (f"{name}_queue_ops", f"{name}_alloca_bytes")},
@@ -276,18 +284,21 @@ def compile_error_line(err: BaseException) -> str:
     return next((line.strip() for line in str(err).splitlines() if "error:" in line), "iree-compile failed")
 
 
-def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[str, ...] | list[str] = (), quant: dict | None = None) -> str:
+def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[str, ...] | list[str] = (), quant: dict | None = None,
+                    matvec_rows: int = 0) -> str:
     """A short name for how a module was compiled: target, coop or nocoop, then any extra flags,
-    then the weights' quantization (int8, int4g32) where there is one."""
+    then `matvecN` where products of up to N rows are matvecs, then the weights' quantization
+    (int8, int4g32) where there is one."""
     extras = [FLAG_NAMES.get(f) or f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
     fmt = (quant or {}).get("format", "none")
     weights = [] if fmt == "none" else [fmt + (f"g{quant['group_size']}" if "group_size" in quant else "")]
-    return "-".join([target, "coop" if cooperative_matrix else "nocoop", *extras, *weights])
+    rows = [f"matvec{matvec_rows}"] if matvec_rows > 1 else []
+    return "-".join([target, "coop" if cooperative_matrix else "nocoop", *extras, *rows, *weights])
 
 
-# the decode entry points whose queue ops and allocation sizes the manifest records (`NAME_queue_ops`,
+# the entry points whose queue ops and allocation sizes the manifest records (`NAME_queue_ops`,
 # `NAME_alloca_bytes`, of NAME$async)
-STEP_FUNCTIONS = ("decode", "decode_token", "decode_token_into")
+STEP_FUNCTIONS = ("prefill", "prefill_token_into", "decode", "decode_token", "decode_token_into")
 
 
 def step_figures(vmfb: Path) -> dict[str, Any]:

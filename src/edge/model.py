@@ -23,6 +23,7 @@ one) comes before the head. With what ahead-of-time compilers need:
   allocates no [B, vocab] result (125 KiB at vocab 32000, batch 1, fp32) that nobody reads.
 
 prefill(tokens[B, T] int32) -> (next token [B] int32, logits of the last position [B, V])
+prefill_token_into(tokens[B, T] int32, out[B] int32) -> tokens, the next token written into out
 decode(token[B] int32, pos[1] int32) -> (next token [B] int32, logits [B, V])
 decode_token(token[B] int32, pos[1] int32) -> next token [B] int32 (decode's cache update, no logits out)
 decode_token_into(token[B] int32, pos[1] int32, out[B] int32) -> pos, the token written into out
@@ -141,6 +142,13 @@ class EdgeLM(nn.Module):
         self.k_cache.index_copy_(3, index, torch.stack(ks))  # (L, B, kv, 1, hs) into position pos
         self.v_cache.index_copy_(3, index, torch.stack(vs))
         return self._sample(x)
+
+    def prefill_token_into(self, tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """prefill's cache writes and next token, the token written into `out` (the caller's buffer, as
+        decode_token_into): no [B, vocab] logits result is allocated and no token result either.
+        Returns `tokens` (a program must return something)."""
+        out.copy_(self.prefill(tokens)[0])
+        return tokens
 
     def decode_token(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.decode(token, pos)[0]

@@ -54,6 +54,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.edge.matvec import few_rows, weights_first
+
 FORMATS = ("none", "int8", "int4")
 # 32: tiny's dim (64) is the smallest in-features of a Linear here and 128 does not divide it; 32 is
 # what llama.cpp's Q4_0 takes; scales cost 0.5 bit a weight in fp16 (1 in fp32) against 0.125 at
@@ -110,10 +112,15 @@ class QuantLinear(nn.Module):
         w = q.to(dtype) * self.weight_scale.to(dtype)
         return w.reshape(self.out_features, self.in_features)
 
+    matvec_rows: int = 0
+    """products of 2 to this many rows computed weights first (src/edge/matvec.py use_matvec)"""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.fuse and x.numel() // x.shape[-1] == 1:  # one row: a matrix-vector product, the dequantization fused into it
             return F.linear(x, self.dequantized(x.dtype), bias)
+        if few_rows(x, self.matvec_rows):  # a matvec of several rows: fused as one row's, where `fuse`
+            return weights_first(x, self.dequantized(x.dtype, apart=not self.fuse), bias)
         rows = x.reshape(1, -1, self.in_features)  # (1, rows, in): a batch matmul, whose weight operand keeps the reshape
         y = torch.matmul(rows, self.dequantized(x.dtype, apart=True).t())
         return (y if bias is None else y + bias).reshape(*x.shape[:-1], self.out_features)

@@ -130,6 +130,28 @@ class TokenBuffers:
         return None
 
 
+class PromptBuffer:
+    """The prompt's [B, T] int32 in host-visible, device-visible coherent memory of the runner's own,
+    mapped once: a prefill reads the tokens where the host wrote them, with no upload before its
+    call (FunctionInvoker turns a numpy prompt into a device buffer: an allocation, a transfer and
+    a wait each prefill)."""
+
+    def __init__(self, rt: Any, device: Any, batch: int, prompt_len: int):
+        buffer = device.allocator.allocate_buffer(
+            memory_type=int(rt.MemoryType.HOST_LOCAL) | int(rt.MemoryType.HOST_COHERENT) | int(rt.MemoryType.DEVICE_VISIBLE),
+            allowed_usage=int(rt.BufferUsage.TRANSFER) | int(rt.BufferUsage.DISPATCH_STORAGE) | int(rt.BufferUsage.MAPPING),
+            allocation_size=4 * batch * prompt_len)
+        self.array = rt.DeviceArray(device, rt.HalBufferView(buffer, (batch, prompt_len), rt.HalElementType.SINT_32))
+        self._map = buffer.map()  # held: `host` is a view of this mapping
+        self.host = self._map.asarray((batch, prompt_len), np.dtype(np.int32))
+
+    def write(self, tokens: np.ndarray) -> Any:
+        if tokens.shape != self.host.shape:
+            raise ValueError(f"a prompt of shape {tokens.shape}; this module was compiled for {self.host.shape}")
+        self.host[...] = tokens
+        return self.array
+
+
 SPIN_LIMIT_S = 30.0
 
 
@@ -246,7 +268,14 @@ class IreeRunner:
         self.token_buffers = TokenBuffers(rt, self.device, artifacts.manifest["batch"]) if into is not None else None
         if into is not None:
             self._decode_token_into = rt.FunctionInvoker(self.context, self.device, into)
+        decode_into = into is not None
         self.positions = positions
+        # the time to first token through prefill_token_into (modules compiled since it): the prompt
+        # written into a mapped buffer of the runner's own, the token into one of token_buffers
+        into = main.lookup_function("prefill_token_into") if self.token_buffers is not None else None
+        self.prompt = PromptBuffer(rt, self.device, artifacts.manifest["batch"], artifacts.manifest["prompt_len"]) if into is not None else None
+        if into is not None:
+            self._prefill_token_into = rt.FunctionInvoker(self.context, self.device, into)
         # poll: decode through decode$async, its fence signalled on a semaphore the host spins on
         self.poll = host_wait == "poll" or (host_wait == "auto" and not lavapipe)
         self.readback = Readback(rt, self.device, readback, self.poll)
@@ -254,7 +283,8 @@ class IreeRunner:
         if self.poll:
             self._decode_async = main.lookup_function("decode$async")
             self._decode_token_async = main.lookup_function("decode_token$async") if self.has_decode_token else None
-            self._decode_token_into_async = main.lookup_function("decode_token_into$async") if into is not None else None
+            self._decode_token_into_async = main.lookup_function("decode_token_into$async") if decode_into else None
+            self._prefill_token_into_async = main.lookup_function("prefill_token_into$async") if self.prompt is not None else None
             self._timeline, self._tick = self.device.create_semaphore(0), 0
 
     def _load(self, artifacts: Artifacts) -> list[Any]:
@@ -274,6 +304,20 @@ class IreeRunner:
 
     def prefill(self, tokens: np.ndarray) -> tuple[Any, Any]:
         return self._prefill(tokens.astype(np.int32))
+
+    def prefill_token(self, tokens: np.ndarray) -> Any:
+        """prefill's cache writes and next token, no logits result: the time to first token's call.
+        Where the module has prefill_token_into, the prompt goes in through the runner's mapped
+        buffer (no upload, no wait for one) and the token into one of token_buffers."""
+        if self.prompt is None:
+            return self.prefill(tokens)[0]
+        out = self.token_buffers.arrays[0]
+        prompt = self.prompt.write(tokens)
+        if self.poll:
+            self._invoke_polled_args(self._prefill_token_into_async, (prompt, out), 1)
+        else:
+            self._prefill_token_into(prompt, out)
+        return out
 
     def decode(self, token: Any, pos: int) -> tuple[Any, Any]:
         if not self.poll:
@@ -297,10 +341,13 @@ class IreeRunner:
 
     def _invoke_polled(self, function: Any, token: Any, pos: int, results: int, *more: Any) -> tuple[Any, ...]:
         """`function`$async(token, pos, *more, wait, signal), its signal fence spun on."""
+        return self._invoke_polled_args(function, (token, self.positions[pos], *more), results)
+
+    def _invoke_polled_args(self, function: Any, inputs: tuple[Any, ...], results: int) -> tuple[Any, ...]:
+        """`function`$async(*inputs, wait, signal), its signal fence spun on."""
         rt = self.rt
         self._tick += 1
-        args, rets = rt.VmVariantList(4 + len(more)), rt.VmVariantList(results)
-        inputs = (token, self.positions[pos], *more)
+        args, rets = rt.VmVariantList(2 + len(inputs)), rt.VmVariantList(results)
         for ref in (*(a._buffer_view for a in inputs), rt.HalFence(0), rt.HalFence.create_at(self._timeline, self._tick)):
             args.push_ref(ref)
         self.context.invoke(function, args, rets)
@@ -363,6 +410,9 @@ class TorchRunner:
     @torch.no_grad()
     def prefill(self, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         return self.lm.prefill(torch.from_numpy(tokens).to(self.device))
+
+    def prefill_token(self, tokens: np.ndarray) -> torch.Tensor:
+        return self.prefill(tokens)[0]
 
     @torch.no_grad()
     def decode(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from src.distributed.launch import RankFailed
 from src.dtypes import torch_dtype
 from src.edge.bench import measure, tolerance_error
 from src.edge.compile import NO_GROWING_HOISTS, Artifacts, build, cache_root, load_artifacts
+from src.edge.matvec import use_matvec
 from src.edge.model import EdgeLM
 from src.edge.quant import fuse_dequantization, quantized_copy, weight_bytes
 from src.runtime import RunContext
@@ -142,8 +143,7 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     settings = {"batch": e.batch, "prompt_len": e.prompt_len, "decode_steps": e.decode_steps, "dtype": e.dtype,
                 "max_seq": e.max_seq or e.prompt_len + e.decode_steps, "weights": _weights(cfg), "model": model_cfg,
-                "quant": quant_setting(str(getattr(e, "quant", "none")), int(getattr(e, "quant_group", 0) or 0),
-                                       fuse_dequantization(IREE_DEVICE.get(backend, backend), target))}
+                "quant": quant_setting(str(e.quant), e.quant_group, fuse_dequantization(IREE_DEVICE.get(backend, backend), target))}
     artifacts: Artifacts | None = None
     if e.action == "run":
         artifacts = load_artifacts(Path(e.artifacts))
@@ -161,7 +161,7 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     summary.update(weight_bytes(held))
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):
         out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
-        artifacts = build(held, settings["model"], settings["prompt_len"],
+        artifacts = build(use_matvec(held, e.matvec_rows), settings["model"], settings["prompt_len"],
                           settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir), settings["weights"])
     if artifacts is not None:
         m = artifacts.manifest
@@ -172,6 +172,7 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         summary.update(compile_s=m["compile_s"], module_bytes=m["module_bytes"], params_bytes=artifacts.irpa.stat().st_size,
                        artifacts=str(artifacts.dir), cache=m["cache"], msl_files=len(m.get("msl_files", [])), variant=m.get("variant"),
                        module_cooperative_matrix=m.get("cooperative_matrix"), flags=" ".join(m["flags"]), hoisting=m.get("hoisting"),
+                       matvec_rows=m.get("matvec_rows", 0),
                        dequantization=dequantization(m))
     try:
         if e.action == "compile":
@@ -216,8 +217,7 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
         summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
         summary.update(check_device(artifacts.manifest, summary["device_name"]))
         try:
-            runner = IreeRunner(artifacts, "vulkan", flags=tuple(getattr(e, "runtime_flags", ()) or ()), host_wait=str(getattr(e, "host_wait", "auto")),
-                                  token_out=str(getattr(e, "token_out", "caller")))
+            runner = IreeRunner(artifacts, "vulkan", flags=tuple(e.runtime_flags), host_wait=str(e.host_wait), token_out=str(e.token_out))
         except ModuleLoadFailed as err:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
         cache_bytes = 2 * reference.k_cache.numel() * torch_dtype(dtype).itemsize  # keys and values
