@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import multiprocessing
+import re
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -275,6 +276,12 @@ def test_the_round_trip_probe_calls_decode_async_and_agrees_with_the_sync_call(t
     assert rows and all(r["us_per_call"] > 0 and r["per_call"] >= 1 for r in rows), rows
     assert any("matmul" in r["dispatch"] for r in rows) and rows == sorted(rows, key=lambda r: -r["us_per_call"])
     assert "GPU time per decode call" in proc.stdout
+    # and its prefill's: the prompt's products (PROMPT rows) among them
+    proc = run_cli(["--module", str(art.dir), "--calls", "2", "--function", "prefill", "--json", str(tmp_path / "prefill.json")], cwd=tmp_path,
+                   module="src.bench.edge_dispatches")
+    assert proc.returncode == 0 and "GPU time per prefill call" in proc.stdout, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "prefill.json").read_text())[art.dir.name]
+    assert any(re.search(rf"matmul_1x{PROMPT}x", r["dispatch"]) for r in rows), rows
 
 
 @needs_vulkan

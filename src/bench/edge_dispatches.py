@@ -1,9 +1,9 @@
-"""Where a Vulkan decode step's GPU time goes: every dispatch of `decode`, timed by the device.
+"""Where a Vulkan decode step's (or prefill's) GPU time goes: every dispatch, timed by the device.
 
     python -m src.bench.edge_dispatches --module ARTIFACTS/small-fp16-b1-pascal-nocoop \\
-        --calls 20 --json OUT/dispatches.json
+        --calls 20 --json OUT/dispatches.json [--function prefill]
 
-Runs the module's `decode` (parameters written from the seeded initialisation where the module
+Runs the module's `decode` (or `prefill`, its prompt one token repeated; parameters written from the seeded initialisation where the module
 has none) `--calls` times under `iree-benchmark-module` with IREE's HAL profiling on
 (`--device_profiling_mode=dispatch-events`: a device timestamp before and after each dispatch),
 then reads the capture with `iree-profile statistics`. Prints each executable's GPU time per
@@ -46,7 +46,7 @@ def _tool(name: str) -> str:
     return str(Path(libs.__file__).parent / name)
 
 
-def profile(module: Path, calls: int, flags: list[str], work: Path) -> list[dict]:
+def profile(module: Path, calls: int, flags: list[str], work: Path, function: str = "decode") -> list[dict]:
     from src.dtypes import torch_dtype
     from src.edge.compile import load_artifacts
     from src.edge.params import write_params
@@ -60,11 +60,12 @@ def profile(module: Path, calls: int, flags: list[str], work: Path) -> list[dict
         reference = reference_model(m["model"], m["weights"] or {"seed": 0}, m["max_seq"], m["batch"])
         params = work / "params.irpa"
         write_params(copy.deepcopy(reference).to(torch_dtype(m["dtype"])), params)
-    capture = work / "decode.ireeprof"
+    capture = work / f"{function}.ireeprof"
     batch = m["batch"]
-    tokens = ",".join(["5"] * batch)
+    # a splat: every token 5 (the prompt, or each sequence's token); decode at the prompt's end
+    inputs = [f"--input={batch}x{m['prompt_len']}xi32=5"] if function == "prefill" else [f"--input={batch}xi32=5", f"--input=1xi32={m['prompt_len']}"]
     cmd = [_tool("iree-benchmark-module"), f"--module={module / 'module.vmfb'}", f"--parameters=model={params}", "--device=vulkan",
-           "--function=decode", f"--input={batch}xi32={tokens}", f"--input=1xi32={m['prompt_len']}", f"--benchmark_min_time={calls}x",
+           f"--function={function}", *inputs, f"--benchmark_min_time={calls}x",
            "--device_profiling_mode=dispatch-events", f"--device_profiling_output={capture}", *flags]
     proc = run_tool(cmd, on_lavapipe(), timeout=300)
     if proc.returncode or not capture.is_file():
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--module", type=Path, action="append", required=True, help="a module directory of `edge_vs_torch compile` (repeat)")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--function", default="decode", choices=("decode", "prefill"), help="the entry point timed")
     ap.add_argument("--flag", action="append", default=[], help="IREE runtime flag (repeat)")
     ap.add_argument("--top", type=int, default=15, help="rows shown per module (the JSON holds all)")
     ap.add_argument("--json", type=Path)
@@ -85,14 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     for module in args.module:
         with tempfile.TemporaryDirectory() as work:
             try:
-                rows = profile(module, args.calls, args.flag, Path(work))
+                rows = profile(module, args.calls, args.flag, Path(work), args.function)
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 print(f"{module.name}: {err}", flush=True)
                 failed = True
                 continue
         results[module.name] = rows
         total = sum(r["us_per_call"] for r in rows)
-        print(f"\n{module.name}: {sum(r['per_call'] for r in rows):.0f} dispatches, {total / 1e3:.3f} ms of GPU time per decode call\n")
+        print(f"\n{module.name}: {sum(r['per_call'] for r in rows):.0f} dispatches, {total / 1e3:.3f} ms of GPU time per {args.function} call\n")
         print("| dispatch | per call | GPU us per call | share |\n|---|---:|---:|---:|")
         for r in rows[: args.top]:
             print(f"| {r['dispatch'][-70:]} | {r['per_call']:.0f} | {r['us_per_call']:.1f} | {100 * r['us_per_call'] / max(total, 1e-9):.1f}% |")

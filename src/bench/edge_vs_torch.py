@@ -23,8 +23,11 @@ process under a timeout, so a module that hangs or crashes the driver is one row
 the rest go on; it prints one markdown table and writes table.md and results.json to --out.
 
 `compile --grid issue57` is issue 57's grid instead: weight-only int8 and int4 (edge.quant,
-src/edge/quant.py) beside fp16 on `model=small` at batch 1 and 4 with a 128-token prompt (time to
-first token at 128), and `model=mini_llm` (735M parameters) at batch 1. Its modules are code only
+src/edge/quant.py) beside fp16 on `model=small` at batch 1 and 4, batch 4 through the matvec
+kernels (edge.matvec_rows=4, src/edge/matvec.py) and once through IREE's general matmul for the
+comparison; a 128-token prompt (time to first token at 128) with IREE's tiles and with the
+prefill's products tiled 16 x 64 and 32 x 64 (src/edge/tiles.py); and `model=mini_llm` (735M
+parameters) at batch 1. Its modules are code only
 as every module here: the parameters (1.47 GB for mini_llm in fp16) are the seeded initialisation,
 generated and quantized on the GPU machine and written there as an .irpa before each run. Its
 torch rows are fp16 eager (the unquantized model: what a quantized module has to beat), and with
@@ -81,6 +84,10 @@ class Variant(NamedTuple):
     prompt: int = PROMPT
     steps: int = STEPS
     models: tuple[str, ...] | None = None
+    matvec_rows: int = 0
+    """edge.matvec_rows for its batches above 1 (src/edge/matvec.py)"""
+    tiles: tuple[int, int] | None = None
+    """the prefill's matmul tiles, M x N (src/edge/tiles.py); None: IREE's own"""
 
 
 QUANT_GROUP = 32  # src/edge/quant.py DEFAULT_GROUP: 0.25 relative error on small against 0.33 at 128
@@ -92,8 +99,12 @@ QUANT_GROUP = 32  # src/edge/quant.py DEFAULT_GROUP: 0.25 relative error on smal
 # modules are for the time to first token, fp16 and int8 at batch 1.
 # mini_llm at batch 1: its fp32 reference (the error figures) runs three generations per row.
 ISSUE57 = [
-    *(Variant("fp16", "pascal", (), (1, 4), quant, PROMPT, STEPS, ("small",)) for quant in ("none", "int8", "int4")),
+    # batch 4 through the matvec kernels (edge.matvec_rows=4), and once without for the comparison
+    *(Variant("fp16", "pascal", (), (1, 4), quant, PROMPT, STEPS, ("small",), matvec_rows=4) for quant in ("none", "int8", "int4")),
+    Variant("fp16", "pascal", (), (4,), "none", PROMPT, STEPS, ("small",)),
+    # the time to first token at 128: IREE's tiles, and the prefill's products on 4-16x the workgroups
     *(Variant("fp16", "pascal", (), (1,), quant, 128, STEPS, ("small",)) for quant in ("none", "int8")),
+    *(Variant("fp16", "pascal", (), (1,), "none", 128, STEPS, ("small",), tiles=tiles) for tiles in ((16, 64), (32, 64))),
     *(Variant("fp16", "pascal", (), (1,), quant, PROMPT, STEPS, ("mini_llm",)) for quant in ("none", "int8", "int4")),
 ]
 GRIDS = {"issue13": [Variant(*v) for v in VARIANTS], "issue57": ISSUE57}
@@ -121,8 +132,10 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
     from iree.compiler.tools.binaries import CompilerToolError
 
     from src.edge.compile import build, compile_error_line, default_variant
+    from src.edge.matvec import use_matvec
     from src.edge.quant import fuse_dequantization
     from src.edge.task import deployed, quant_setting, reference_model
+    from src.edge.tiles import prefill_tiles_flag
 
     made, failures = [], []
     for model in models:
@@ -134,12 +147,16 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
             quant = quant_setting(v.quant, QUANT_GROUP, fuse_dequantization("vulkan", target))
             for batch in v.batches:
                 lm = deployed(reference_model(cfg, {"seed": 0}, v.prompt + v.steps, batch), {"dtype": v.dtype, "quant": quant})
+                use_matvec(lm, v.matvec_rows if batch > 1 else 0)
+                flags = tuple(v.flags)
+                if v.tiles is not None:  # the projections' batch of 1 and attention's sequences x heads
+                    flags += (prefill_tiles_flag(cache_dir / "tiles", batch * v.prompt, v.tiles, v.dtype, (1, batch * cfg["n_heads"])),)
                 t0 = time.perf_counter()
                 try:
-                    art = build(lm, cfg, v.prompt, v.dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, tuple(v.flags), params=False)
+                    art = build(lm, cfg, v.prompt, v.dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, flags, params=False)
                 except CompilerToolError as err:  # a row of its own in the run's table, not the end of the grid
                     error = compile_error_line(err)
-                    variant = default_variant(target, False, v.flags, quant).replace("-nocoop", "")
+                    variant = default_variant(target, False, flags, quant, v.matvec_rows if batch > 1 else 0).replace("-nocoop", "")
                     failures.append({"backend": "vulkan", "model": model, "dtype": v.dtype, "quant": v.quant, "batch": batch, "prompt_len": v.prompt,
                                      "variant": variant, "status": "failed", "error": f"does not compile: {error[:300]}"})
                     print(f"{model}-{v.dtype}-b{batch}-{variant}: does not compile: {error[:200]}", flush=True)

@@ -289,7 +289,9 @@ def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[st
     """A short name for how a module was compiled: target, coop or nocoop, then any extra flags,
     then `matvecN` where products of up to N rows are matvecs, then the weights' quantization
     (int8, int4g32) where there is one."""
-    extras = [FLAG_NAMES.get(f) or f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
+    from src.edge.tiles import flag_name
+
+    extras = [FLAG_NAMES.get(f) or flag_name(f) or f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
     fmt = (quant or {}).get("format", "none")
     weights = [] if fmt == "none" else [fmt + (f"g{quant['group_size']}" if "group_size" in quant else "")]
     rows = [f"matvec{matvec_rows}"] if matvec_rows > 1 else []

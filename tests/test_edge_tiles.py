@@ -1,0 +1,106 @@
+"""The prefill's matmul tiles through an IREE transform library (src/edge/tiles.py): the library
+applies to every product of the prompt's rows (and to no other) in the module IREE compiles for
+`pascal`, the tiled module gives torch's tokens on lavapipe, the flag's path and name."""
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("iree.turbine")
+
+from src.edge.bench import TOLERANCE, generate, reference_logits, relative_errors  # noqa: E402
+from src.edge.runtime import vulkan_devices  # noqa: E402
+from src.edge.task import deployed, reference_model  # noqa: E402
+from src.edge.tiles import LIBRARY_FLAG, flag_name, library, prefill_tiles_flag  # noqa: E402
+
+needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
+PROMPT, STEPS = 32, 8
+
+
+def _tiny() -> dict:
+    from omegaconf import OmegaConf
+
+    from src.compose import compose_config
+
+    return OmegaConf.to_container(compose_config(["model=tiny"]).model, resolve=True)
+
+
+def test_the_flag_is_named_by_its_content_and_names_the_variant(tmp_path):
+    flag = prefill_tiles_flag(tmp_path, 128, (16, 64), "fp16", (1, 8))
+    assert flag.startswith(LIBRARY_FLAG) and flag == prefill_tiles_flag(tmp_path, 128, (16, 64), "fp16", (8, 1))
+    assert flag != prefill_tiles_flag(tmp_path, 128, (32, 64), "fp16", (1, 8)) and len(list(tmp_path.iterdir())) == 2
+    assert flag_name(flag) == "tiles16x64" and flag_name("--iree-opt-level=O2") is None
+    from src.edge.compile import default_variant
+
+    assert default_variant("pascal", False, (flag,)) == "pascal-nocoop-tiles16x64"
+    text = Path(flag.removeprefix(LIBRARY_FLAG)).read_text()
+    # one matcher for products with no batch dim, one per batch given; 16 x 64 outputs on 16 x 4 threads
+    assert len(re.findall(r"dims_equal %m, \[128\]", text)) == 3 and "tile_sizes = [[1, 16, 64, 32]]" in text and "workgroup_size = [16, 4, 1]" in text
+    assert "lhs_type = f16, rhs_type = f16, output_type = f32" in text
+
+
+@pytest.mark.parametrize("tile,why", [((10, 64), "both sides a multiple of 4"), ((128, 256), "2048 threads a workgroup, more than 1024")])
+def test_tiles_a_workgroup_cannot_take_are_refused(tile, why):
+    with pytest.raises(ValueError, match=why):
+        library(128, tile, "fp16", (1,))
+
+
+def _prefill_pipelines(tmp_path: Path, tiles: tuple[int, int] | None) -> dict[str, str]:
+    """Each prefill product's executable -> its first-level tile sizes, tiny fp16 for `pascal`."""
+    from src.edge.compile import build
+
+    model = _tiny()
+    lm = deployed(reference_model(model, {"seed": 0}, PROMPT + STEPS, 1), {"dtype": "fp16"})
+    dump = tmp_path / f"configs{tiles}"
+    flags = (f"--iree-hal-dump-executable-configurations-to={dump}",)
+    if tiles:
+        flags += (prefill_tiles_flag(tmp_path / "lib", PROMPT, tiles, "fp16", (1, model["n_heads"])),)
+    build(lm, model, PROMPT, "fp16", "vulkan", "pascal", "", tmp_path / f"art{tiles}", tmp_path / "cache", {"seed": 0}, flags, params=False)
+    found = {}
+    for f in dump.glob("*.mlir"):
+        text = f.read_text()
+        name = re.search(r"hal\.executable\.export public @(\S+)", text).group(1)
+        if name.startswith("prefill$async") and "matmul" in name:
+            found[name] = re.findall(r"tile_sizes = \[\[([^\]]*)\]", text)[-1]
+    return found
+
+
+def test_the_library_tiles_the_prompts_products_and_no_other(tmp_path):
+    own = _prefill_pipelines(tmp_path, None)
+    tiled = _prefill_pipelines(tmp_path, (16, 64))
+    rows = [name for name in tiled if re.search(rf"matmul_(1x|4x)?{PROMPT}x", name)]  # the projections' and attention's products of 32 rows
+    assert rows and all(tiled[name] == "1, 16, 64, 32" for name in rows), tiled
+    assert any(own[name] != tiled[name] for name in rows), own
+    # the head reads the last position only: one row, IREE's matvec as before
+    head = [name for name in tiled if name not in rows]
+    assert head and all(tiled[name] == own[name] for name in head), (own, tiled)
+
+
+def _generates_tiled(dtype: str, tmp_path: Path) -> dict:
+    from src.edge.compile import build
+    from src.edge.runtime import IreeRunner
+
+    model = _tiny()
+    ref = reference_model(model, {"seed": 0}, PROMPT + STEPS, 1)
+    flag = prefill_tiles_flag(tmp_path / "lib", PROMPT, (16, 64), dtype, (1, model["n_heads"]))
+    art = build(deployed(ref, {"dtype": dtype}), model, PROMPT, dtype, "vulkan", "llvmpipe", "", tmp_path / "art", tmp_path / "cache", {"seed": 0}, (flag,))
+    runner = IreeRunner(art, "vulkan")
+    tokens = np.random.default_rng(1).integers(0, 256, (1, PROMPT)).astype(np.int32)
+    gen = generate(runner, tokens, STEPS, check=True)
+    want = reference_logits(copy.deepcopy(ref), tokens, gen.tokens[:-1])
+    return {"rel_err": max(relative_errors(gen.logits, want)), "variant": art.manifest["variant"],
+            "tokens": [t.tolist() for t in gen.tokens], "argmax": [w.argmax(-1).tolist() for w in want]}
+
+
+@needs_vulkan
+def test_a_tiled_prefill_gives_torch_tokens_on_lavapipe(tmp_path):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got = pool.submit(_generates_tiled, "fp32", tmp_path).result()
+    assert got["variant"] == "llvmpipe-nocoop-tiles16x64" and got["rel_err"] <= TOLERANCE["fp32"], got
+    assert got["tokens"] == got["argmax"], got
