@@ -49,7 +49,7 @@ RECIPE = ["optim.schedule=cosine", "optim.warmup_steps=40", "optim.betas=[0.9,0.
 def run(name: str, overrides: list[str], args: argparse.Namespace) -> list[float]:
     """One training run of the bench's recipe with `overrides` (after --extra); its per-step losses."""
     run_dir = args.out / name
-    cmd = [sys.executable, "-m", "src.run", f"model={args.model}", "backend=cuda", "data=text", f"dist.nproc={args.nproc}",
+    cmd = [sys.executable, "-m", "src.run", f"model={args.model}", "backend=cuda", f"data={args.data}", f"dist.nproc={args.nproc}",
            f"train.steps={args.steps}", "tracking=none", "train.progress=false", "train.log_every=1",  # every step's loss
            f"train.seed={args.seed}", f"hydra.run.dir={run_dir}", *RECIPE, *args.extra, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None, runner=run) -> dict[str, dict]:
     ap.add_argument("--tol", type=float, default=0.05, help="largest |gap| allowed between the curves on any compared step, in nats "
                                                               "(raised to the controls' largest gap where that is larger)")
     ap.add_argument("--model", default="mini_llm")
+    ap.add_argument("--data", default="text", help="the data group: text (the byte-level corpus), or tokens with --extra "
+                    "data.tokens_path=DIR (python -m src.data.prepare: a BPE-tokenized corpus)")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench_out/fp8_loss"))
