@@ -4,6 +4,7 @@ answers are small fixed numbers, so CPU tests still walk several rows per progra
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -37,22 +38,37 @@ def _properties(index: int):
     return torch.cuda.get_device_properties(index)
 
 
+# The attribute torch.compiler.assume_constant_result sets, all it does (torch 2.11, 2.13, 2.14.1,
+# 2.15.0: tests/test_kernel_device.py compares the two on the torch installed).
+MARKED_CONSTANT = "_dynamo_marked_constant"
+
+
+def constant_for_compile(fn):
+    """torch.compiler.assume_constant_result(fn) without the import of torch._dynamo that the
+    decorator does first: 1.5 s of every process that imports the kernels, the launcher that never
+    compiles among them (a CLI run on a 2-core machine). Where Dynamo is loaded already, its own."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    setattr(fn, MARKED_CONSTANT, True)
+    return fn
+
+
 # The answers below are marked constant for torch.compile: Dynamo calls each one when it traces a
 # fused norm inside a compiled block and keeps the answer, rather than tracing through the cache
 # above (an lru_cache-wrapped function it warns about at each compile).
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def sm_count(index: int) -> int:
     """SMs of CUDA device `index`; 2 off CUDA."""
     return _properties(index).multi_processor_count if index >= 0 else 2
 
 
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def compute_major(index: int) -> int:
     """The major compute capability of CUDA device `index` (9 on an H100/H200)."""
     return _properties(index).major
 
 
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def smem_per_block(index: int) -> int:
     """The most shared memory one block may ask for (the opt-in limit: 227 KB on an H100/H200)."""
     if index < 0:

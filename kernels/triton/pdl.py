@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.device import compute_major, device_index, interpreted
+from kernels.triton.device import compute_major, constant_for_compile, device_index, interpreted
 
 ENABLED = False
 
@@ -44,7 +44,7 @@ def available(t: torch.Tensor) -> bool:
     return t.is_cuda and not torch.compiler.is_compiling() and _available_on(device_index(t))
 
 
-@torch.compiler.assume_constant_result  # a constant to Dynamo, as device.py's answers are
+@constant_for_compile  # a constant to Dynamo, as device.py's answers are
 def _available_on(index: int) -> bool:
     return not interpreted() and compute_major(index) >= 9
 
