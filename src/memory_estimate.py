@@ -102,10 +102,9 @@ class _Shape:
 
 
 def _shape(model_cfg: DictConfig) -> _Shape:
-    from src.models import build_model
+    from src.models import meta_model
 
-    with torch.device("meta"):
-        model = build_model(model_cfg)
+    model = meta_model(model_cfg)
     block = model.layers[0]
     attn, ffn = block.attn, block.ffn
     d = model.embed.embedding_dim

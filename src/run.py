@@ -82,24 +82,26 @@ def _job_overrides(overrides: list[str], multirun: bool, config_dir: str | None 
     return [list(job) for job in itertools.product(*values.values())]
 
 
-def _planned_run_dir(overrides: list[str], config_dir: str | None = None) -> Path:
+def _hydra_settings(overrides: list[str], config_dir: str | None = None) -> DictConfig:
+    """The config with Hydra's own node, composed from the command's `hydra...` overrides alone."""
+    return compose_config([o for o in overrides if o.lstrip("+~").startswith("hydra")], with_hydra=True, config_dir=config_dir)
+
+
+def _planned_run_dir(hydra_cfg: DictConfig) -> Path:
     """hydra.run.dir as Hydra will make it, absolute (a `${now:}` in it may tick a second on: such a
-    folder is new either way, with no checkpoint in it)."""
-    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
-    folder = Path(str(OmegaConf.select(compose_config(hydra_overrides, with_hydra=True, config_dir=config_dir), "hydra.run.dir")))
+    folder is new either way, with no checkpoint in it); `hydra_cfg`: _hydra_settings'."""
+    folder = Path(str(OmegaConf.select(hydra_cfg, "hydra.run.dir")))
     return folder if folder.is_absolute() else Path.cwd() / folder
 
 
-def _check_output_dir(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
+def _check_output_dir(overrides: list[str], multirun: bool, hydra_cfg: DictConfig) -> None:
     """The run (or sweep) directory Hydra is about to create must be a folder of its own, and
     creatable: otherwise Hydra fails with two chained tracebacks (`hydra.run.dir=/proc/x`), or an
     empty `hydra.run.dir=` writes config.yaml, summary.json, run.log and .hydra/ into this folder."""
     import tempfile
 
-    hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    cfg = compose_config(hydra_overrides, with_hydra=True, config_dir=config_dir)
-    value = str(OmegaConf.select(cfg, key) or "")
+    value = str(OmegaConf.select(hydra_cfg, key) or "")
     folder = Path(value)
     given = _override_for_key(key, overrides)
     existing = folder if folder.is_absolute() else Path.cwd() / folder
@@ -147,10 +149,11 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
             )
         jobs.append(cfg)
     check_launcher(launcher, overrides, jobs, config_dir)
-    _check_output_dir(overrides, multirun, config_dir)
+    hydra_cfg = _hydra_settings(overrides, config_dir)  # composed once for both (0.4 s each on a 2-core machine)
+    _check_output_dir(overrides, multirun, hydra_cfg)
     # the checkpoint each job resumes from (its files, its model) and the folder it saves in; a
     # sweep's jobs get their folders when they start, so only an explicit one is checked here
-    run_dir = None if multirun else _planned_run_dir(overrides, config_dir)
+    run_dir = None if multirun else _planned_run_dir(hydra_cfg)
     for cfg in jobs:
         check_checkpoints(cfg, run_dir)
     if launcher != "submitit_slurm":  # the jobs' ranks run on this machine

@@ -1,10 +1,9 @@
 """Products of a few rows as matrix-vector kernels (edge.matvec_rows, src/edge/matvec.py): the same
-numbers as F.linear in torch, every decode weight product a SubgroupReduce matvec in the module IREE
-compiles for an NVIDIA-class target, torch's tokens on lavapipe at batch 4, the refusals."""
+numbers as F.linear in torch, torch's tokens on lavapipe at batch 4, the refusals (what IREE makes of
+them for an NVIDIA-class target: tests/test_edge_configs.py)."""
 from __future__ import annotations
 
 import multiprocessing
-import re
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -73,38 +72,6 @@ def test_quantized_linears_take_the_weights_first_form_with_the_same_numbers(fmt
     lm = quantize(reference_model(_tiny(), {"seed": 0}, PROMPT + STEPS, BATCH), fmt, 32)
     use_matvec(lm, 4)
     assert matvec_rows(lm) == 4 and quant_spec(lm)["format"] == fmt
-
-
-def _configurations(batch: int, rows: int, tmp_path: Path, cache: Path) -> dict[str, str]:
-    """The decode step's weight products (executable name -> IREE's pipeline for it) in tiny's fp16
-    module compiled for `pascal` (NVIDIA without cooperative matrices, as the H200 runs it)."""
-    from src.edge.compile import build
-
-    model = _tiny()
-    lm = use_matvec(deployed(reference_model(model, {"seed": 0}, PROMPT + STEPS, batch), {"dtype": "fp16"}), rows)
-    dump = tmp_path / f"configs{rows}"
-    art = build(lm, model, PROMPT, "fp16", "vulkan", "pascal", "", tmp_path / f"art{rows}", cache, {"seed": 0},
-                (f"--iree-hal-dump-executable-configurations-to={dump}",), params=False)
-    assert art.manifest["matvec_rows"] == rows and ("matvec" in art.manifest["variant"]) == (rows > 1)
-    pipelines = {}
-    for f in dump.glob("*.mlir"):
-        text = f.read_text()
-        name = re.search(r"hal\.executable\.export public @(\S+)", text).group(1)
-        # decode's products with the weights are `matmul`s, (rows x in) by (in x out) either way
-        # round; attention's are batch_matmuls over (sequences x heads)
-        if name.startswith("decode$async") and "_matmul_" in name and "batch_matmul" not in name:
-            pipelines[name] = re.search(r"spirv_pipeline<(\w+)>", text).group(1)
-    return pipelines
-
-
-def test_decode_weight_products_at_batch_4_compile_as_matvecs_for_pascal(tmp_path):
-    plain = _configurations(4, 0, tmp_path, tmp_path / "cache")
-    matvec = _configurations(4, 4, tmp_path, tmp_path / "cache")
-    # the general matmul pipeline without it; the matvec one, for every product, with it
-    assert plain and "MatmulPromoteVectorize" in plain.values(), plain
-    assert matvec and set(matvec.values()) == {"SubgroupReduce"}, matvec
-    # the transposed products: out x rows, one workgroup per (output, row)
-    assert any(re.search(r"matmul_\d+x4x\d+_f16", name) for name in matvec), matvec
 
 
 def in_own_process(fn, *args):

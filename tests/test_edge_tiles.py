@@ -1,6 +1,6 @@
-"""The prefill's matmul tiles through an IREE transform library (src/edge/tiles.py): the library
-applies to every product of the prompt's rows (and to no other) in the module IREE compiles for
-`pascal`, the tiled module gives torch's tokens on lavapipe, the flag's path and name."""
+"""The prefill's matmul tiles through an IREE transform library (src/edge/tiles.py): the tiled module
+gives torch's tokens on lavapipe, the flag's path and name, the tiles refused (what IREE makes of the
+library for `pascal`: tests/test_edge_configs.py)."""
 from __future__ import annotations
 
 import copy
@@ -49,37 +49,6 @@ def test_the_flag_is_named_by_its_content_and_names_the_variant(tmp_path):
 def test_tiles_a_workgroup_cannot_take_are_refused(tile, why):
     with pytest.raises(ValueError, match=why):
         library(128, tile, "fp16", (1,))
-
-
-def _prefill_pipelines(tmp_path: Path, tiles: tuple[int, int] | None) -> dict[str, str]:
-    """Each prefill product's executable -> its first-level tile sizes, tiny fp16 for `pascal`."""
-    from src.edge.compile import build
-
-    model = _tiny()
-    lm = deployed(reference_model(model, {"seed": 0}, PROMPT + STEPS, 1), {"dtype": "fp16"})
-    dump = tmp_path / f"configs{tiles}"
-    flags = (f"--iree-hal-dump-executable-configurations-to={dump}",)
-    if tiles:
-        flags += (prefill_tiles_flag(tmp_path / "lib", PROMPT, tiles, "fp16", (1, model["n_heads"])),)
-    build(lm, model, PROMPT, "fp16", "vulkan", "pascal", "", tmp_path / f"art{tiles}", tmp_path / "cache", {"seed": 0}, flags, params=False)
-    found = {}
-    for f in dump.glob("*.mlir"):
-        text = f.read_text()
-        name = re.search(r"hal\.executable\.export public @(\S+)", text).group(1)
-        if name.startswith("prefill$async") and "matmul" in name:
-            found[name] = re.findall(r"tile_sizes = \[\[([^\]]*)\]", text)[-1]
-    return found
-
-
-def test_the_library_tiles_the_prompts_products_and_no_other(tmp_path):
-    own = _prefill_pipelines(tmp_path, None)
-    tiled = _prefill_pipelines(tmp_path, (16, 64))
-    rows = [name for name in tiled if re.search(rf"matmul_(1x|4x)?{PROMPT}x", name)]  # the projections' and attention's products of 32 rows
-    assert rows and all(tiled[name] == "1, 16, 64, 32" for name in rows), tiled
-    assert any(own[name] != tiled[name] for name in rows), own
-    # the head reads the last position only: one row, IREE's matvec as before
-    head = [name for name in tiled if name not in rows]
-    assert head and all(tiled[name] == own[name] for name in head), (own, tiled)
 
 
 def _generates_tiled(dtype: str, tmp_path: Path) -> dict:

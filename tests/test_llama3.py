@@ -295,7 +295,7 @@ def test_float8_blocks_with_grouped_query_attention_train_near_bf16(impl, recipe
         materialize_and_init(model, torch.device("cpu"), seed=0)
         model = model.to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
-        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(0))  # one sequence: the interpreter runs a program per row cast
         losses[name] = []
         for _ in range(5):
             opt.zero_grad()

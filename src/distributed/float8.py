@@ -33,13 +33,11 @@ def float8_dims(model_cfg, data_cfg) -> dict[str, int]:
     """Every size that reaches a float8 GEMM in a block: both sides of each of its nn.Linear layers
     (the width, the attention projections' widths, the MLP's hidden width) and the token count, the
     inner dimension of the grad-weight GEMM (grad_out^T @ input)."""
-    import torch
     from omegaconf import OmegaConf
 
-    from src.models import build_model
+    from src.models import meta_model
 
-    with torch.device("meta"):
-        block = build_model(OmegaConf.merge(model_cfg, {"n_layers": 1})).layers[0]
+    block = meta_model(OmegaConf.merge(model_cfg, {"n_layers": 1})).layers[0]
     dims = {"model.dim": model_cfg.dim}
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear):

@@ -125,7 +125,8 @@ def _fresh_forkserver(entry: Callable[..., Any]) -> bool:
     if server is None or not hasattr(server, "_stop"):
         return False
     server._stop()
-    server.set_forkserver_preload([entry.__module__])
+    # torch._dynamo too: FSDP2's fully_shard imports it in each rank otherwise (1.4 s of CPU a rank)
+    server.set_forkserver_preload([entry.__module__, "torch._dynamo"])
     # Started here, ignoring the signals a process group gets at a SLURM preemption or time limit: a
     # forkserver they ended left torch's agent reading its ranks as exited (code 255) while they were
     # still saving. An ignored signal stays ignored across exec; the ranks take their defaults back

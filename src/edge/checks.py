@@ -39,13 +39,11 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
         raise ConfigError(f"edge.matvec_rows={e.matvec_rows} shapes the IREE module (backend=vulkan or mps); backend={backend} runs torch: leave it 0")
     quant = str(e.quant)
     if quant == "int4":
-        import torch
 
         from src.edge.quant import group_error
-        from src.models import build_model
+        from src.models import meta_model
 
-        with torch.device("meta"):  # the Linears' shapes only, no memory
-            why = group_error(build_model(cfg.model), quant, e.quant_group)
+        why = group_error(meta_model(cfg.model), quant, e.quant_group)  # the Linears' shapes only, no memory
         if why:
             raise ConfigError(why)
     if e.weights and not os.path.isfile(e.weights):

@@ -291,7 +291,8 @@ def default_variant(target: str, cooperative_matrix: bool, extra_flags: tuple[st
     (int8, int4g32) where there is one."""
     from src.edge.tiles import flag_name
 
-    extras = [FLAG_NAMES.get(f) or flag_name(f) or f.removeprefix("--iree-").replace("=", "") for f in extra_flags]
+    extras = [FLAG_NAMES.get(f) or flag_name(f) or f.removeprefix("--iree-").replace("=", "") for f in extra_flags
+              if "dump-executable" not in f]  # what was dumped is not how it was compiled (nor in module_key)
     fmt = (quant or {}).get("format", "none")
     weights = [] if fmt == "none" else [fmt + (f"g{quant['group_size']}" if "group_size" in quant else "")]
     rows = [f"matvec{matvec_rows}"] if matvec_rows > 1 else []

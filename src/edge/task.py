@@ -52,10 +52,9 @@ def reference_model(model_cfg: dict, weights: dict, max_seq: int, batch: int = 1
     """The model in fp32 on the CPU: seeded initialisation (src/distributed/parallelize.py, as
     training starts from), or a safetensors export of a trained one."""
     from src.distributed.parallelize import materialize_and_init
-    from src.models import build_model
+    from src.models import meta_model
 
-    with torch.device("meta"):
-        model = build_model(model_cfg)
+    model = meta_model(model_cfg)
     materialize_and_init(model, torch.device("cpu"), weights.get("seed", 0))
     if weights.get("safetensors"):
         from safetensors.torch import load_file

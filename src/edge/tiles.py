@@ -6,9 +6,10 @@ IREE 3.13's SPIR-V heuristics tile a prefill's products for a GPU that runs one 
 q/k/v, 4 each for the output and down projections (the down one 64 serial steps of K deep), and
 8 for each of attention's two products (128 x 128 tiles over 8 heads): a fraction of an H200's 132
 SMs, in a step whose products run one after another. `prefill_tiles_flag` makes a library that
-matches every f16 or f32 contraction with `rows` rows (the prompt's tokens times the batch) and
-gives it `tile` outputs a workgroup with a 4 x 4 thread tile; at 16 x 64, those become 192, 64,
-256, 64 workgroups, and attention's 128 and 64.
+matches every f16 or f32 contraction with `rows` rows (the prompt's tokens times the batch: the
+projections'; attention's too at batch 1, whose rows are one sequence's) and gives it `tile`
+outputs a workgroup with a 4 x 4 thread tile; at 16 x 64, those become 192, 64, 256, 64
+workgroups, and attention's 128 and 64 (tests/test_edge_configs.py reads them back).
 
 How: `--iree-codegen-transform-dialect-library=FILE` (its `__kernel_config` sequence runs on each
 executable before IREE's own configuration, and what it annotates keeps its `compilation_info`).

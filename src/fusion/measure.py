@@ -117,10 +117,9 @@ def shard_numels(cfg: DictConfig) -> list[int]:
     (padded to a multiple of them); without sharding every rank holds them all."""
     import math
 
-    from src.models import build_model
+    from src.models import meta_model
 
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = meta_model(cfg.model)
     world = world_size(cfg)
     shards = {"fsdp2": world, "hsdp": world // max(cfg.sharding.replicate, 1)}.get(str(cfg.sharding.strategy), 1)
     return [math.ceil(p.shape[0] / shards) * (p.numel() // p.shape[0]) if p.dim() else 1 for p in model.parameters()]
@@ -315,13 +314,12 @@ def build_block(model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: 
     """One transformer block of this model as the run's blocks are before compile and sharding: in
     the compute dtype (FSDP2 gathers the blocks' parameters in it), and with precision=fp8 its
     linears swapped for the run's float8 ones (impl and recipe), so the casts are timed too."""
-    from src.models import build_model
+    from src.models import meta_model
 
     m = model_cfg
     from omegaconf import OmegaConf
 
-    with torch.device("meta"):
-        model = build_model(OmegaConf.merge(m, {"n_layers": 1}))  # the block's arguments, one block's worth
+    model = meta_model(OmegaConf.merge(m, {"n_layers": 1}))  # the block's arguments, one block's worth
     block = model.new_block().to(device, dtype)
     if precision_cfg is not None and precision_cfg.float8:
         from src.distributed.float8 import act_in_cast, convert_blocks_to_float8

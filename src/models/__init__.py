@@ -6,8 +6,10 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
+from torch.overrides import TorchFunctionMode
 
 from src.models.llama3 import Llama3
 from src.models.llama3 import checks as llama3_checks
@@ -54,3 +56,22 @@ def build_model(model_cfg: DictConfig | Mapping) -> CausalLM:
     arch = str(cfg.get("arch", "mini_llm"))
     own = arguments(arch)
     return ARCHS[arch].model(**{k: v for k, v in cfg.items() if k in own})
+
+
+class _ShapesOnly(TorchFunctionMode):
+    """torch.nn.init's fills skipped (each returns its tensor as it is): a meta tensor holds no values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def meta_model(model_cfg: DictConfig | Mapping) -> CausalLM:
+    """build_model on the meta device: parameters with their shapes and dtypes and no values, for
+    counting or to materialize (src/distributed/parallelize.py). The constructors' init fills are
+    skipped: on meta, torch runs them through its reference implementations, whose first call
+    imports torch._dynamo, 1.4 s of CPU in the launcher (the memory estimate) and in each rank."""
+    with torch.device("meta"), _ShapesOnly():
+        return build_model(model_cfg)
+

@@ -1,7 +1,7 @@
 """What a run's checkpoints need, checked before any rank or MLflow run starts.
 
 - The checkpoint it will resume from (checkpoint.resume: auto, none, or a folder) is complete, its
-  files match the manifest written with them (src/train/checkpoint.py), and its model tensors have
+  files match the manifest written with them (src/train/checkpoint_files.py), and its model tensors have
   the names, shapes and dtypes of the model this config builds. A world size other than the one it
   was saved by is fine: DCP reshards on load.
 - The checkpoint folder can be written, and its filesystem has room for one more checkpoint.
@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from src.compose import ConfigError
-from src.train.checkpoint import (
+from src.train.checkpoint_files import (
     MANIFEST,
     CheckpointError,
     _gb,
@@ -63,10 +63,9 @@ def resume_target(cfg: DictConfig, run_dir: Path | None) -> Path | None:
 
 def model_tensors(cfg: DictConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of the model this config builds (on the meta device: no memory)."""
-    from src.models import build_model
+    from src.models import meta_model
 
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = meta_model(cfg.model)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
@@ -156,10 +155,9 @@ def check_checkpoints(cfg: DictConfig, run_dir: Path | None) -> Path | None:
 
 
 def estimated_checkpoint_bytes(cfg: DictConfig) -> int:
-    from src.models import build_model
+    from src.models import meta_model
 
-    with torch.device("meta"):
-        n_params = build_model(cfg.model).num_params(non_embedding=False)
+    n_params = meta_model(cfg.model).num_params(non_embedding=False)
     return n_params * CHECKPOINT_BYTES_PER_PARAM
 
 

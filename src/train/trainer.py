@@ -33,7 +33,7 @@ from src.distributed.parallelize import parallelize
 from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.fusion.trial import LossTrial
-from src.models import build_model
+from src.models import meta_model
 from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.annotate import profiled_step, step_marker
 from src.profiling.gpu_clocks import FIGURES as CLOCK_FIGURES
@@ -99,8 +99,7 @@ class Trainer:
         (and resume), data and the step callbacks."""
         cfg, env = self.cfg, self.env
         torch.manual_seed(cfg.train.seed)
-        with torch.device("meta"):
-            model = build_model(cfg.model)
+        model = meta_model(cfg.model)
         self.n_params = model.num_params(non_embedding=False)
         self.fpt = model.flops_per_token(cfg.data.seq_len)  # src/models/protocol.py: torchtitan's count
         self.kernels = self._swap_kernels(model)
