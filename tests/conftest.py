@@ -21,14 +21,15 @@ except ImportError:
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The longest test files first (seconds on one worker of a 2-core machine, `--durations`, 2026-12-02;
-# test_edge_sweep.py alone, 2026-12-05):
+# The longest test files first (seconds on one worker of a 2-core machine, the 120 slowest of
+# `--durations`, 2026-12-05; test_fp8.py after its float8 cases shrank):
 # under `-n 2 --dist loadfile` (README) a file runs whole on one worker, and a long file taken up
 # last leaves the other worker idle at the end; longest first is the classic cure. The order of
 # tests inside a file, and of the files not named, is unchanged.
-LONGEST_FIRST = {"test_edge.py": 608, "test_checkpoint.py": 420, "test_train_e2e.py": 320, "test_slurm.py": 260, "test_mlflow_server.py": 188,
-                 "test_cluster_postgres.py": 158, "test_preemption.py": 150, "test_tracking_sync.py": 130, "test_multinode.py": 117,
-                 "test_sweeps.py": 102, "test_edge_sweep.py": 75}
+LONGEST_FIRST = {"test_edge.py": 380, "test_slurm.py": 338, "test_checkpoint.py": 337, "test_preemption.py": 191, "test_train_e2e.py": 169,
+                 "test_tracking_sync.py": 162, "test_mlflow_server.py": 156, "test_edge_quant.py": 140, "test_llama3.py": 125,
+                 "test_edge_sweep.py": 117, "test_fp8.py": 115, "test_kernel_adamw.py": 105, "test_sweeps.py": 104,
+                 "test_cluster_postgres.py": 96, "test_multinode.py": 92, "test_edge_shapes.py": 90}
 
 
 def pytest_collection_modifyitems(config, items):
