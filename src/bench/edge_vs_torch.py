@@ -147,7 +147,8 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
             quant = quant_setting(v.quant, QUANT_GROUP, fuse_dequantization("vulkan", target))
             for batch in v.batches:
                 lm = deployed(reference_model(cfg, {"seed": 0}, v.prompt + v.steps, batch), {"dtype": v.dtype, "quant": quant})
-                use_matvec(lm, v.matvec_rows if batch > 1 else 0)
+                rows = v.matvec_rows if batch > 1 else 0  # one row is a matvec already
+                use_matvec(lm, rows)
                 flags = tuple(v.flags)
                 if v.tiles is not None:  # the projections' batch of 1 and attention's sequences x heads
                     flags += (prefill_tiles_flag(cache_dir / "tiles", batch * v.prompt, v.tiles, v.dtype, (1, batch * cfg["n_heads"])),)
@@ -156,7 +157,7 @@ def compile_grid(out: Path, target_map: dict[str, str], models: list[str], varia
                     art = build(lm, cfg, v.prompt, v.dtype, "vulkan", target, "", out / "_staging", cache_dir, {"seed": 0}, flags, params=False)
                 except CompilerToolError as err:  # a row of its own in the run's table, not the end of the grid
                     error = compile_error_line(err)
-                    variant = default_variant(target, False, flags, quant, v.matvec_rows if batch > 1 else 0).replace("-nocoop", "")
+                    variant = default_variant(target, False, flags, quant, rows).replace("-nocoop", "")
                     failures.append({"backend": "vulkan", "model": model, "dtype": v.dtype, "quant": v.quant, "batch": batch, "prompt_len": v.prompt,
                                      "variant": variant, "status": "failed", "error": f"does not compile: {error[:300]}"})
                     print(f"{model}-{v.dtype}-b{batch}-{variant}: does not compile: {error[:200]}", flush=True)

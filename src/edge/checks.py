@@ -30,16 +30,15 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
         raise ConfigError(f"edge.max_seq={e.max_seq} holds fewer positions than prompt_len + decode_steps = {e.prompt_len + e.decode_steps}; raise it or leave it 0")
     if e.dtype not in ("fp32", "fp16", "bf16"):
         raise ConfigError(f"edge.dtype={e.dtype}: fp32, fp16 or bf16")
-    from src.edge.matvec import MAX_MATVEC_ROWS
+    from src.edge.matvec import matvec_rows_error
 
-    if not 0 <= e.matvec_rows <= MAX_MATVEC_ROWS:
-        raise ConfigError(f"edge.matvec_rows={e.matvec_rows}: IREE compiles products of at most {MAX_MATVEC_ROWS} rows as matvecs; "
-                          f"use 0 (off) to {MAX_MATVEC_ROWS}")
+    why = matvec_rows_error(e.matvec_rows)
+    if why:
+        raise ConfigError(why)
     if e.matvec_rows and backend not in ("vulkan", "mps"):
         raise ConfigError(f"edge.matvec_rows={e.matvec_rows} shapes the IREE module (backend=vulkan or mps); backend={backend} runs torch: leave it 0")
     quant = str(e.quant)
     if quant == "int4":
-
         from src.edge.quant import group_error
         from src.models import meta_model
 

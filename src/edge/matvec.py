@@ -33,6 +33,13 @@ import torch.nn.functional as F
 MAX_MATVEC_ROWS = 8
 
 
+def matvec_rows_error(rows: int) -> str | None:
+    """Why edge.matvec_rows=`rows` cannot be, or None."""
+    if 0 <= rows <= MAX_MATVEC_ROWS:
+        return None
+    return f"edge.matvec_rows={rows}: IREE compiles products of at most {MAX_MATVEC_ROWS} rows as matvecs; use 0 (off) to {MAX_MATVEC_ROWS}"
+
+
 def weights_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) computed as (weight @ x^T)^T over x's rows."""
     rows = x.reshape(-1, x.shape[-1])
@@ -62,9 +69,9 @@ class MatvecLinear(nn.Linear):
 def use_matvec(lm: nn.Module, matvec_rows: int) -> nn.Module:
     """Every Linear of `lm` (an EdgeLM: the blocks' and the head; QuantLinear's too) computes products
     of 2 to `matvec_rows` rows weights first; 0 or 1 leaves `lm` as it is. In place; returns `lm`."""
-    if matvec_rows > MAX_MATVEC_ROWS:
-        raise ValueError(f"edge.matvec_rows={matvec_rows}: IREE compiles products of at most {MAX_MATVEC_ROWS} rows as matvecs; "
-                         f"use 0 (off) to {MAX_MATVEC_ROWS}")
+    why = matvec_rows_error(matvec_rows)
+    if why:
+        raise ValueError(why)
     if matvec_rows <= 1:
         return lm
     from src.edge.quant import QuantLinear

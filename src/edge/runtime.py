@@ -101,6 +101,17 @@ class Readback:
         return host[:nbytes].view(array.dtype).reshape(array.shape).copy()
 
 
+def mapped_int32(rt: Any, device: Any, shape: tuple[int, ...]) -> tuple[Any, Any, np.ndarray]:
+    """An int32 buffer of `shape` in host-visible, device-visible coherent memory, mapped once:
+    (its device array, the mapping, which must be held while the host view lives, the host view)."""
+    buffer = device.allocator.allocate_buffer(
+        memory_type=int(rt.MemoryType.HOST_LOCAL) | int(rt.MemoryType.HOST_COHERENT) | int(rt.MemoryType.DEVICE_VISIBLE),
+        allowed_usage=int(rt.BufferUsage.TRANSFER) | int(rt.BufferUsage.DISPATCH_STORAGE) | int(rt.BufferUsage.MAPPING),
+        allocation_size=4 * int(np.prod(shape)))
+    mapping = buffer.map()
+    return rt.DeviceArray(device, rt.HalBufferView(buffer, shape, rt.HalElementType.SINT_32)), mapping, mapping.asarray(shape, np.dtype(np.int32))
+
+
 class TokenBuffers:
     """The two [B] int32 buffers decode_token_into writes the next token into: the runner's own, in
     host-visible, device-visible coherent memory, each mapped once for the run. A step then
@@ -109,15 +120,8 @@ class TokenBuffers:
     its token input is read from."""
 
     def __init__(self, rt: Any, device: Any, batch: int):
-        self.arrays, self.host, self._maps = [], [], []
-        for _ in range(2):
-            buffer = device.allocator.allocate_buffer(
-                memory_type=int(rt.MemoryType.HOST_LOCAL) | int(rt.MemoryType.HOST_COHERENT) | int(rt.MemoryType.DEVICE_VISIBLE),
-                allowed_usage=int(rt.BufferUsage.TRANSFER) | int(rt.BufferUsage.DISPATCH_STORAGE) | int(rt.BufferUsage.MAPPING),
-                allocation_size=4 * batch)
-            self.arrays.append(rt.DeviceArray(device, rt.HalBufferView(buffer, (batch,), rt.HalElementType.SINT_32)))
-            self._maps.append(buffer.map())  # held: the arrays below are views of these mappings
-            self.host.append(self._maps[-1].asarray((batch,), np.dtype(np.int32)))
+        # the mappings held: the host arrays are views of them
+        self.arrays, self._maps, self.host = (list(t) for t in zip(*(mapped_int32(rt, device, (batch,)) for _ in range(2))))
 
     def other_than(self, token: Any) -> Any:
         return self.arrays[1] if token is self.arrays[0] else self.arrays[0]
@@ -137,13 +141,7 @@ class PromptBuffer:
     a wait each prefill)."""
 
     def __init__(self, rt: Any, device: Any, batch: int, prompt_len: int):
-        buffer = device.allocator.allocate_buffer(
-            memory_type=int(rt.MemoryType.HOST_LOCAL) | int(rt.MemoryType.HOST_COHERENT) | int(rt.MemoryType.DEVICE_VISIBLE),
-            allowed_usage=int(rt.BufferUsage.TRANSFER) | int(rt.BufferUsage.DISPATCH_STORAGE) | int(rt.BufferUsage.MAPPING),
-            allocation_size=4 * batch * prompt_len)
-        self.array = rt.DeviceArray(device, rt.HalBufferView(buffer, (batch, prompt_len), rt.HalElementType.SINT_32))
-        self._map = buffer.map()  # held: `host` is a view of this mapping
-        self.host = self._map.asarray((batch, prompt_len), np.dtype(np.int32))
+        self.array, self._map, self.host = mapped_int32(rt, device, (batch, prompt_len))  # _map held: `host` is a view of it
 
     def write(self, tokens: np.ndarray) -> Any:
         if tokens.shape != self.host.shape:
@@ -268,14 +266,13 @@ class IreeRunner:
         self.token_buffers = TokenBuffers(rt, self.device, artifacts.manifest["batch"]) if into is not None else None
         if into is not None:
             self._decode_token_into = rt.FunctionInvoker(self.context, self.device, into)
-        decode_into = into is not None
         self.positions = positions
         # the time to first token through prefill_token_into (modules compiled since it): the prompt
         # written into a mapped buffer of the runner's own, the token into one of token_buffers
-        into = main.lookup_function("prefill_token_into") if self.token_buffers is not None else None
-        self.prompt = PromptBuffer(rt, self.device, artifacts.manifest["batch"], artifacts.manifest["prompt_len"]) if into is not None else None
-        if into is not None:
-            self._prefill_token_into = rt.FunctionInvoker(self.context, self.device, into)
+        prefill_into = main.lookup_function("prefill_token_into") if self.token_buffers is not None else None
+        self.prompt = PromptBuffer(rt, self.device, artifacts.manifest["batch"], artifacts.manifest["prompt_len"]) if prefill_into is not None else None
+        if prefill_into is not None:
+            self._prefill_token_into = rt.FunctionInvoker(self.context, self.device, prefill_into)
         # poll: decode through decode$async, its fence signalled on a semaphore the host spins on
         self.poll = host_wait == "poll" or (host_wait == "auto" and not lavapipe)
         self.readback = Readback(rt, self.device, readback, self.poll)
@@ -283,7 +280,7 @@ class IreeRunner:
         if self.poll:
             self._decode_async = main.lookup_function("decode$async")
             self._decode_token_async = main.lookup_function("decode_token$async") if self.has_decode_token else None
-            self._decode_token_into_async = main.lookup_function("decode_token_into$async") if decode_into else None
+            self._decode_token_into_async = main.lookup_function("decode_token_into$async") if into is not None else None
             self._prefill_token_into_async = main.lookup_function("prefill_token_into$async") if self.prompt is not None else None
             self._timeline, self._tick = self.device.create_semaphore(0), 0
 

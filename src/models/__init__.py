@@ -71,7 +71,8 @@ def meta_model(model_cfg: DictConfig | Mapping) -> CausalLM:
     """build_model on the meta device: parameters with their shapes and dtypes and no values, for
     counting or to materialize (src/distributed/parallelize.py). The constructors' init fills are
     skipped: on meta, torch runs them through its reference implementations, whose first call
-    imports torch._dynamo, 1.4 s of CPU in the launcher (the memory estimate) and in each rank."""
+    imports torch._dynamo, 1.4 s of CPU in the launcher, which never compiles (the memory estimate,
+    the checkpoint and edge checks). A rank imports Dynamo anyway with FSDP2 (launch.py preloads it)."""
     with torch.device("meta"), _ShapesOnly():
         return build_model(model_cfg)
 
