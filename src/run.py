@@ -215,7 +215,6 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
 def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -> None:
     """The last lines of a run: where its files are and how to see it in MLflow."""
     from src.tracking.mlflow_run import experiment_name
-    from src.tracking.ui_view import run_hint
 
     if ctx.run_dir:
         run_dir = Path(ctx.run_dir)
@@ -223,8 +222,13 @@ def _say_where_it_went(cfg: DictConfig, ctx: RunContext, summary: dict | None) -
         log.info("outputs: %s/ (%s)", shown, _listing(run_dir))
     run_id = (summary or {}).get("mlflow_run_id") if isinstance(summary, dict) else None
     if cfg.tracking.enabled and run_id:
-        # the runs table of the run's task, by its headline figure (src/tracking/ui_view.py)
-        hint = run_hint(ctx.tracking_uri or cfg.tracking.uri, run_id, cfg.task.name, cfg.tracking.uri)
+        # the runs table of the run's task, by its headline figure (src/tracking/ui_view.py); rank 0
+        # of a training run made it (summary's mlflow_hint), a one-shot task's is made here
+        hint = summary.get("mlflow_hint")
+        if not hint:
+            from src.tracking.ui_view import run_hint
+
+            hint = run_hint(ctx.tracking_uri or cfg.tracking.uri, run_id, cfg.task.name, cfg.tracking.uri)
         log.info("MLflow: run %s in experiment '%s'; %s", run_id[:8], experiment_name(cfg), hint)
 
 

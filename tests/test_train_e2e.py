@@ -26,10 +26,19 @@ def _runs(cwd: Path):
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("default")
-    proc = run_cli(["train.steps=6"], cwd=cwd)
+    proc = run_cli(["train.steps=6"], cwd=cwd, launcher=["-c", LAUNCHER_IMPORTS])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (cwd / "console.txt").write_text(proc.stdout)
+    (cwd / "launcher.txt").write_text(proc.stderr)
     return cwd
+
+
+# `python -m src.run ARGS` run through runpy, saying at its exit whether the launcher (not the ranks)
+# imported MLflow: rank 0 makes the last line's view, so the launcher need not (about 2 s of CPU)
+LAUNCHER_IMPORTS = ("import atexit, runpy, sys\n"
+                    "atexit.register(lambda: print('launcher imported mlflow:', 'mlflow' in sys.modules, file=sys.stderr))\n"
+                    "sys.argv = sys.argv[2:]\n"  # [-c, -m, src.run, ARGS]
+                    "runpy.run_module('src.run', run_name='__main__', alter_sys=True)\n")
 
 
 def test_default_run_writes_one_run_dir_with_summary(default_run: Path):
@@ -49,6 +58,9 @@ def test_default_run_writes_one_run_dir_with_summary(default_run: Path):
     assert console[0].startswith("perflab: composing")  # printed before torch is imported
     assert f"outputs: {run_dirs[0].relative_to(default_run)}/" in console[-2]
     assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in console[-1]
+    # the saved view of the task's runs (src/tracking/ui_view.py), made by rank 0 and printed by the launcher
+    assert "viewStateShareKey=perflab-train" in console[-1] and "mlflow_hint" not in summary
+    assert "launcher imported mlflow: False" in (default_run / "launcher.txt").read_text()
     assert summary["mfu"] is None  # no peak-FLOPS figure for a CPU: not applicable, not invented
     assert summary["gpu_sm_clock_mhz"] is None and summary["gpu_power_capped_frac"] is None  # no GPU clock to sample
     assert summary["tokens_per_s"] == pytest.approx(2 * summary["tokens_per_s_per_device"])
@@ -69,6 +81,7 @@ def test_default_run_is_in_mlflow_with_params_metrics_and_tags(default_run: Path
     assert run.data.metrics["summary.tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s_per_device"])
     artifacts = {a.path for a in _client(default_run).list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.yaml"} <= artifacts
+    assert "mlflow.sharedViewState.perflab-train" in _client(default_run).get_experiment(run.info.experiment_id).tags
 
 
 def test_fsdp4_experiment_on_cpu_prints_the_seed_line(workdir: Path):

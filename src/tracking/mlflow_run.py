@@ -275,6 +275,8 @@ class NullTracker:
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
     def set_tags(self, tags: Mapping[str, str]) -> None: ...
     def finish(self, status: str, summary: Mapping[str, Any] | None = None, error: str | None = None) -> None: ...
+    def view_hint(self, task: str, shown_uri: str) -> str | None:
+        return None
 
 
 class MlflowTracker(NullTracker):
@@ -417,6 +419,15 @@ class MlflowTracker(NullTracker):
             self._server_call(f"the run's end ({status})", lambda: self.client.set_terminated(self.run_id, status=status))
             if self.server_lost and self.run_dir is not None:
                 write_json(self.run_dir / UNSYNCED_FILE, self.unsynced(status, error))
+
+    def view_hint(self, task: str, shown_uri: str) -> str | None:
+        """The run's last line on MLflow (src/tracking/ui_view.py run_hint), made with this tracker's
+        client: a launcher that prints it from the summary need not import MLflow (about 2 s of CPU)."""
+        if self.client is None or self.server_lost:
+            return None
+        from src.tracking.ui_view import run_hint
+
+        return run_hint(self.uri, self.run_id, task, shown_uri, client=self.client)
 
 
 class OfflineTracker(NullTracker):

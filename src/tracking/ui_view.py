@@ -278,10 +278,10 @@ def _hint(uri: str, shown_uri: str | None, make, client=None) -> str:
     return open_hint(shown_uri, url) if url else ui_hint(shown_uri)
 
 
-def run_hint(uri: str, run_id: str, task: str, shown_uri: str | None = None) -> str:
+def run_hint(uri: str, run_id: str, task: str, shown_uri: str | None = None, client=None) -> str:
     """How to see a run among its task's runs (task_view), as the run's last line says it;
     `shown_uri`: the store as the user wrote it (a relative sqlite path), `uri` as resolved."""
-    return _hint(uri, shown_uri, lambda client: task_view(client, uri, run_id, task))
+    return _hint(uri, shown_uri, lambda c: task_view(c, uri, run_id, task), client)
 
 
 def sweep_hint(client, parent_run_id: str, task: str, metric: str | None = None, shown_uri: str | None = None) -> str:
