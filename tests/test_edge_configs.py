@@ -78,3 +78,37 @@ def test_the_library_tiles_the_prompts_products_and_no_other(configs):
     # every other product (attention's over one sequence's PROMPT rows) as IREE chose it
     others = [name for name in prefill if name not in of_rows and name in own]
     assert others and all(prefill[name] == own[name][1] for name in others), (own, prefill)
+
+
+def _int4_decode(tmp: Path, batch: int) -> dict[str, tuple[str, bool]]:
+    """tiny's int4 (groups of 32) fp16 decode for `pascal` at `batch` (edge.matvec_rows=batch past
+    one): each dispatch -> (IREE's pipeline, whether it reads an i4 tensor)."""
+    from src.edge.compile import build
+
+    model = _tiny()
+    quant = {"format": "int4", "fused": True, "group_size": 32}
+    lm = deployed(reference_model(model, {"seed": 0}, PROMPT + STEPS, batch), {"dtype": "fp16", "quant": quant})
+    if batch > 1:
+        use_matvec(lm, batch)
+    configs, sources = tmp / f"int4-configs-{batch}", tmp / f"int4-sources-{batch}"
+    flags = (f"--iree-hal-dump-executable-configurations-to={configs}", f"--iree-hal-dump-executable-sources-to={sources}")
+    build(lm, model, PROMPT, "fp16", "vulkan", "pascal", "", tmp / f"int4-art-{batch}", tmp / "cache", {"seed": 0}, flags,
+          params=False, functions=("decode",))
+    found = {}
+    for f in configs.glob("*.mlir"):
+        text = f.read_text()
+        name = re.search(r"hal\.executable\.export public @(\S+)", text).group(1)
+        pipeline = re.search(r"spirv_pipeline<(\w+)>", text)
+        found[name] = (pipeline.group(1) if pipeline else "", "xi4>" in (sources / f.name.removeprefix("configured_")).read_text())
+    return found
+
+
+@pytest.mark.parametrize("batch", [1, BATCH])
+def test_int4_weights_are_read_as_i4_inside_each_decode_matvec(batch, tmp_path):
+    """src/edge/int4.py and QuantLinear's grouped product: every Linear of tiny's decode (the fused
+    q/k/v with the norm before it, the output projection, the MLP's two) is one SubgroupReduce
+    dispatch that reads the i4 weight; no dispatch dequantizes one apart."""
+    found = _int4_decode(tmp_path, batch)
+    reading = {name: pipeline for name, (pipeline, i4) in found.items() if i4}
+    assert len(reading) == 4 and set(reading.values()) == {"SubgroupReduce"}, found
+    assert not [name for name in reading if "elementwise" in name], reading

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import TOLERANCE, agreement, generate, reference_logits, relative_errors, tolerance, torch_greedy  # noqa: E402
 from src.edge.compile import module_key  # noqa: E402
-from src.edge.quant import QuantLinear, fuse_dequantization, quant_spec, quantize, quantized_copy  # noqa: E402
+from src.edge.quant import QuantLinear, fuse_dequantization, grouped_product, quant_spec, quantize, quantized_copy  # noqa: E402
 from src.edge.runtime import vulkan_devices  # noqa: E402
 from src.edge.task import deployed, quant_setting, reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -67,6 +67,46 @@ def test_int8_and_int4_store_what_dequantizes_to_the_rounded_weights():
         x = torch.randn(3, 5, 64)
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.dequantized(torch.float32), linear.bias), atol=1e-6)
         assert torch.allclose(layer(x[:1, :1]), layer(x)[:1, :1], atol=1e-6)
+
+
+def test_the_grouped_product_is_the_linear_of_its_groups():
+    """QuantLinear's exported int4 form (grouped_product): F.linear of the (out, in) weight, for one
+    row (rows first) and several (weights first), in fp32 and fp16 (accumulated in fp32)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 96, generator=g)
+    for shape in [(1, 96), (1, 1, 96), (3, 96), (2, 3, 96)]:
+        x = torch.randn(*shape, generator=g)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            got = grouped_product(x.to(dtype), w.to(dtype).view(24, 3, 32))
+            want = torch.nn.functional.linear(x.to(dtype).float(), w.to(dtype).float())
+            assert got.shape == (*shape[:-1], 24) and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def _int4_on_iree_cpu(tmp_path: Path, cache: Path) -> dict:
+    """tiny int4, its dequantization fused (`fuse`, which llvmpipe turns off), compiled for IREE's
+    CPU device at batch 2 with edge.matvec_rows=2: decode's products are the grouped i4 ones
+    (src/edge/int4.py), prefill's the i4 dequantization then the matmul."""
+    from src.edge.compile import build
+    from src.edge.matvec import use_matvec
+    from src.edge.runtime import IreeRunner
+
+    model, spec, batch = _tiny(), {"format": "int4", "fused": True, "group_size": 32}, 2
+    ref = reference_model(model, {"seed": 0}, PROMPT + 10, batch)
+    lm = use_matvec(deployed(ref, {"dtype": "fp32", "quant": spec}), batch)
+    art = build(lm, model, PROMPT, "fp32", "llvm-cpu", "host", "", tmp_path / "art", cache, {"seed": 0}, functions=("prefill", "decode", "kv_cache"))
+    tokens = np.random.default_rng(1).integers(0, 256, (batch, PROMPT)).astype(np.int32)
+    gen = generate(IreeRunner(art, "local-task"), tokens, 10, check=True)
+    fed = gen.tokens[:-1]
+    return {"variant": art.manifest["variant"],
+            "rel_err_vs_quantized": max(relative_errors(gen.logits, reference_logits(quantized_copy(ref, spec), tokens, fed))),
+            "same_steps": agreement(gen.tokens, torch_greedy(deployed(ref, {"dtype": "fp32", "quant": spec}), tokens, 10))[1]}
+
+
+def test_int4_read_as_i4_computes_the_quantized_models_logits(tmp_path, cache):
+    got = _int4_on_iree_cpu(tmp_path, cache)
+    assert got["variant"].endswith("matvec2-int4g32"), got
+    assert got["rel_err_vs_quantized"] <= TOLERANCE["fp32"] and got["same_steps"] == 11, got
 
 
 def test_the_module_key_and_manifest_change_with_the_format():

@@ -119,6 +119,7 @@ def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: st
 
 def _code_hash() -> str:
     """The source that decides what gets exported: a change to the model or the exporter is a new module."""
+    import src.edge.int4 as edge_int4
     import src.edge.matvec as edge_matvec
     import src.edge.model as edge_model
     import src.edge.quant as edge_quant
@@ -128,7 +129,7 @@ def _code_hash() -> str:
     import src.models.mini_llm.model as mini_llm
 
     digest = hashlib.sha256()
-    for module in (edge_model, edge_quant, edge_matvec, layers, mini_llm, llama3, rope):
+    for module in (edge_model, edge_quant, edge_matvec, edge_int4, layers, mini_llm, llama3, rope):
         digest.update(Path(module.__file__).read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]
@@ -147,6 +148,9 @@ def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str,
     """`functions` of `lm` (its cache sized for the batch; FUNCTIONS by default) to one MLIR module,
     the parameters and the cache named as external parameters."""
     import iree.turbine.aot as aot
+
+    from src.edge.int4 import bitcast_int4, unpackings
+    from src.edge.quant import quant_spec
 
     batch = lm.batch
     aot.externalize_module_parameters(lm)
@@ -174,6 +178,13 @@ def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str,
         fxb.export_program(name=name, args=args, strict=False)(program)
 
     aot.export(fxb).save_mlir(str(mlir))
+    if quant_spec(lm).get("format") == "int4":
+        text = mlir.read_text()
+        text, rewritten = bitcast_int4(text)
+        if rewritten != unpackings(text):
+            raise RuntimeError(f"{rewritten} of the exported module's {unpackings(text)} int4 unpackings read as i4: "
+                               "the export's form changed (src/edge/int4.py matches it)")
+        mlir.write_text(text)
 
 
 # OpCapability CooperativeMatrixKHR (6022) as SPIR-V words: what the driver must support to load it

@@ -5,14 +5,13 @@ integers with their scales, dequantized inside the module right before each matm
   [-127, 127] (no -128: the range stays symmetric around 0). One scale per row.
 - int4: group-wise, symmetric: each run of `group_size` weights along the input dim shares a
   scale = max |w| / 7, q in [-7, 7]. Two values a byte, two's-complement nibbles in an int8:
-  column 2j in the low nibble, 2j + 1 in the high one. Unpacked with shifts alone (`(p << 4) >> 4`
-  and `p >> 4`, arithmetic shifts sign-extend), written as one broadcast over a [4, 0] shift pair so
-  the unpacking is elementwise (a stack or cat would make IREE copy slices). torch has `torch.int4`
-  only as a dtype name (no kernels, and iree.turbine maps no i4 tensor type:
-  iree/turbine/support/conversions.py), so IREE's own i4 is reachable only by rewriting the exported
-  MLIR (flow.tensor.bitcast i8 -> i4, what turbine's MMGroupQuantRewriterPass does for brevitas
-  models, matched by name); a turbine custom op could emit it, but turbine 3.9's custom-op
-  expansion fails with this IREE's MLIR bindings (`IntegerType.isinstance`).
+  column 2j in the low nibble, 2j + 1 in the high one. Unpacked in torch with shifts alone
+  (`(p << 4) >> 4` and `p >> 4`, arithmetic shifts sign-extend), written as one broadcast over a
+  [4, 0] shift pair. torch has `torch.int4` only as a dtype name (no kernels, and iree.turbine maps
+  no i4 tensor type: iree/turbine/support/conversions.py), so the exported module's unpacking is
+  rewritten into IREE's own i4 type, a bitcast of the int8 global (src/edge/int4.py); a turbine
+  custom op could emit it, but turbine 3.9's custom-op expansion fails with this IREE's MLIR
+  bindings (`IntegerType.isinstance`).
 
 What IREE 3.13 makes of it for Vulkan (from the dispatch sources `iree-compile --iree-hal-dump-executable-sources-to=DIR` writes):
 - int8 written as `F.linear(x, q * scale)`: IREE fuses the dequantization into the matmul's dispatch
@@ -29,9 +28,13 @@ What IREE 3.13 makes of it for Vulkan (from the dispatch sources `iree-compile -
   reshape back keeps the dequantization in a dispatch of its own (it reads the int8 weight and
   writes the dtype's, transposed, a transient) and the matmul is the unquantized one (a one-Linear
   module compiles in 0.5-1.2 s, fp32 or fp16, batch 1 or 2). One row elsewhere: fused (`fuse`).
-- int4: never fused: the nibble shifts are outside the ops IREE clones into a matmul's dispatch
-  (extension, mul, add, sub: `isDequantizationLikeOp`), so each call unpacks into an int8 transient,
-  dequantizes into the dtype's, then multiplies.
+- int4: exported, one row and (edge.matvec_rows) 2-8 rows are a contraction over the groups and
+  their members (`grouped_product`), into which IREE clones the i4 weight's dequantization: for
+  `pascal`, each of tiny's decode products one dispatch reading i4, SubgroupReduce, at batch 1 and
+  at batch 4 with matvec_rows=4 (tests/test_edge_configs.py). The shifted-and-reshaped form before
+  it took three dispatches a product: unpack into an int8 transient, dequantize, multiply. More
+  rows (prefill) and llvmpipe (`fuse` off) dequantize from i4 in a dispatch of their own, then
+  multiply.
 - fp16 on llvmpipe compiles only with IREE's default hoisting (src/edge/compile.py), which hoists
   each dequantization into the initializer: the weights are expanded once at load and the calls
   read fp16 (the summary's `dequantization: at load`); the archive is still the smaller one.
@@ -117,7 +120,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.fuse and x.numel() // x.shape[-1] == 1:  # one row: a matrix-vector product, the dequantization fused into it
+        rows = x.numel() // x.shape[-1]
+        if self.fmt == "int4" and self.fuse and (rows == 1 or few_rows(x, self.matvec_rows)) and torch.compiler.is_exporting():
+            # the exported module's form, into which IREE fuses the i4 dequantization (src/edge/int4.py);
+            # torch itself multiplies the dequantized weight as below (grouped_product would hold rows x out x in floats)
+            y = grouped_product(x, self.dequantized(x.dtype).view(self.out_features, -1, self.group_size))
+            return y if bias is None else y + bias
+        if self.fuse and rows == 1:  # one row: a matrix-vector product, the dequantization fused into it
             return F.linear(x, self.dequantized(x.dtype), bias)
         if few_rows(x, self.matvec_rows):  # a matvec of several rows: fused as one row's, where `fuse`
             return weights_first(x, self.dequantized(x.dtype, apart=not self.fuse), bias)
@@ -127,6 +136,22 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.fmt}" + (f", group {self.group_size}" if self.fmt == "int4" else "")
+
+
+def grouped_product(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) for w in its int4 groups, `groups` (out, in / group, group): the products summed
+    over the groups and their members at once, in fp32 (what a matmul of x's dtype accumulates in).
+    Exported, this is one contraction over two dims that IREE 3.13 compiles, with the i4 weight's
+    dequantization inside, as a matvec (`pascal`: SubgroupReduce) for one row, and for 2-8 rows
+    written weights first (src/edge/matvec.py), `(W . x)^T`."""
+    out, n_groups, group = groups.shape
+    rows = x.reshape(-1, n_groups, group).float()
+    w = groups.float()
+    if rows.shape[0] == 1:
+        y = (rows.unsqueeze(1) * w.unsqueeze(0)).sum((-2, -1))
+    else:
+        y = (w.unsqueeze(1) * rows.unsqueeze(0)).sum((-2, -1)).t()
+    return y.to(x.dtype).reshape(*x.shape[:-1], out)
 
 
 def block_linears(lm: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

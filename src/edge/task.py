@@ -81,7 +81,7 @@ def dequantization(manifest: dict) -> str | None:
         return None
     if not (manifest.get("hoisting") == "no growing hoists" or NO_GROWING_HOISTS in manifest.get("flags", [])):
         return "at load"
-    return "per call, fused into the matvecs" if quant.get("fused") and quant["format"] == "int8" else "per call, a dispatch of its own"
+    return "per call, fused into the matvecs" if quant.get("fused") else "per call, a dispatch of its own"
 
 
 def deployed(reference: EdgeLM, settings: dict) -> EdgeLM:
