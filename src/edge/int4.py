@@ -19,7 +19,8 @@ QuantLinear's grouped product (`grouped_product`) contracts over groups and thei
 IREE clones the dequantization into: for `pascal`, one row is one `matvec_like` dispatch reading
 the i4 weight (SubgroupReduce), and 4 rows weights first another (tests/test_edge_configs.py).
 
-Verified with IREE 3.13 (iree-base-compiler) and iree-turbine 3.9's export of torch 2.13 and 2.14.1.
+Verified with IREE 3.13 (iree-base-compiler) and iree-turbine 3.9 exporting from torch 2.13 (the tests' torch);
+build() refuses a module whose unpackings it did not all find.
 """
 from __future__ import annotations
 
