@@ -109,6 +109,21 @@ def test_int4_read_as_i4_computes_the_quantized_models_logits(tmp_path, cache):
     assert got["rel_err_vs_quantized"] <= TOLERANCE["fp32"] and got["same_steps"] == 11, got
 
 
+def test_the_summary_says_where_decode_dequantizes():
+    from src.edge.task import dequantization
+
+    def manifest(fmt: str, fused: bool, batch: int, matvec_rows: int = 0, hoisting: str = "no growing hoists") -> dict:
+        return {"quant": {"format": fmt, "fused": fused}, "batch": batch, "matvec_rows": matvec_rows, "hoisting": hoisting}
+
+    fused, apart = "per call, fused into the matvecs", "per call, a dispatch of its own"
+    assert dequantization(manifest("int4", True, 1)) == dequantization(manifest("int8", True, 4, matvec_rows=4)) == fused
+    # a batch past edge.matvec_rows multiplies as a matmul; llvmpipe (fused off) never fuses
+    assert dequantization(manifest("int4", True, 4)) == dequantization(manifest("int4", True, 8, matvec_rows=4)) == apart
+    assert dequantization(manifest("int8", False, 1)) == apart
+    assert dequantization(manifest("int4", True, 1, hoisting="IREE's default")) == "at load"
+    assert dequantization({"quant": {"format": "none"}}) is None
+
+
 def test_the_module_key_and_manifest_change_with_the_format():
     model = _tiny()
     ref = reference_model(model, {"seed": 0}, PROMPT + STEPS, BATCH)

@@ -72,8 +72,8 @@ def quant_setting(fmt: str, group_size: int, fused: bool = True) -> dict:
 
 
 def dequantization(manifest: dict) -> str | None:
-    """Where a quantized module dequantizes its weights (src/edge/quant.py): in each call (inside
-    the one-row matvecs, or in a dispatch of its own before the matmul), or once at load, where
+    """Where a quantized module's decode dequantizes its weights (src/edge/quant.py): in each call
+    (inside the matvecs, or in a dispatch of its own before the matmul), or once at load, where
     IREE's default hoisting (the fp16 fallback, src/edge/compile.py) made the dequantized weights
     constants of the initializer: a smaller archive, the dtype's weights resident."""
     quant = manifest.get("quant") or {}
@@ -81,7 +81,10 @@ def dequantization(manifest: dict) -> str | None:
         return None
     if not (manifest.get("hoisting") == "no growing hoists" or NO_GROWING_HOISTS in manifest.get("flags", [])):
         return "at load"
-    return "per call, fused into the matvecs" if quant.get("fused") else "per call, a dispatch of its own"
+    # decode's products are matvecs at batch 1, and at 2-8 sequences with edge.matvec_rows covering them
+    batch = manifest.get("batch", 1)
+    matvecs = batch == 1 or batch <= manifest.get("matvec_rows", 0)
+    return "per call, fused into the matvecs" if quant.get("fused") and matvecs else "per call, a dispatch of its own"
 
 
 def deployed(reference: EdgeLM, settings: dict) -> EdgeLM:
