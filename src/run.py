@@ -255,19 +255,18 @@ def job_context(hc: DictConfig, tracking_uri: str, run_dir: str, overrides: list
         tracking_uri=resolve_tracking_uri(tracking_uri, cwd),
         parent_run_id=marker(PARENT_RUN_ID_FILE),
         sweep_keys=(marker(SWEEP_KEYS_FILE) or "").split() or None,
+        multirun=multirun,
     )
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> dict | None:
-    from hydra.types import RunMode
-
     from src.distributed.cluster import move_job_log, submitit_job
 
     hc = HydraConfig.get()
     ctx = job_context(hc, cfg.tracking.uri, hc.runtime.output_dir, list(hc.overrides.task))
     move_job_log(hc.runtime.output_dir, submitit_job())  # a submitit task on a node after the first: its own log
-    multirun = hc.mode == RunMode.MULTIRUN
+    multirun = ctx.multirun
     if multirun:  # sweep.resume=true: a job that finished before hands back its summary, and does not run
         from src.tracking.resume import finished_before
         from src.tracking.search import job_return

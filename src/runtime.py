@@ -25,6 +25,8 @@ class RunContext:
     """inside a Hydra multirun: the sweep's MLflow parent run"""
     sweep_keys: list[str] | None = None
     """inside a Hydra multirun: the keys the sweep varies, which name each job's run"""
+    multirun: bool = False
+    """a job of a Hydra multirun: the sweep's end, not the job's, prints where to see it"""
     verified_checkpoint: str | None = None
     """the checkpoint the launching process resumes from and has checked (its files against the
     manifest, its tensors against the model): the ranks load it without hashing it again"""

@@ -181,8 +181,9 @@ def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str,
     if quant_spec(lm).get("format") == "int4":
         text = mlir.read_text()
         text, rewritten = bitcast_int4(text)
-        if rewritten != unpackings(text):
-            raise RuntimeError(f"{rewritten} of the exported module's {unpackings(text)} int4 unpackings read as i4: "
+        found = unpackings(text)
+        if rewritten != found:
+            raise RuntimeError(f"{rewritten} of the exported module's {found} int4 unpackings read as i4: "
                                "the export's form changed (src/edge/int4.py matches it)")
         mlir.write_text(text)
 

@@ -408,7 +408,7 @@ class Trainer:
         if stopped:
             tracker.set_tags({"preempted": stopped, "preempted_at_step": str(result.stopped_at)})
         tracker.finish("KILLED" if stopped else "FINISHED", {**summary, **(anatomy_metrics(anatomy) if anatomy else {})})
-        if env.is_main and not stopped and ctx.sweep_keys is None and ctx.parent_run_id is None:  # a sweep prints its own view
+        if env.is_main and not stopped and not ctx.multirun:  # a sweep prints its own view
             # the launcher's last line (src/run.py), made here where MLflow is loaded; not in summary.json
             summary["mlflow_hint"] = tracker.view_hint(cfg.task.name, cfg.tracking.uri)
         if env.is_main:
