@@ -71,6 +71,17 @@ class SlurmCluster:
             return {}
         return dict(item.split("=", 1) for item in done.stdout.split() if "=" in item)
 
+    def finished(self, job_id: str, timeout: float = 60) -> dict[str, str]:
+        """The job once SLURM has ended it. submitit returns as soon as the job's result pickle is
+        written; the batch script's step still has to exit and slurmd report it, which under a loaded
+        machine (2 cores running the suite) took seconds, so the job can still read RUNNING then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.job(job_id)
+            if job.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING") or time.monotonic() > deadline:
+                return job
+            time.sleep(0.5)
+
     def queue(self) -> list[str]:
         """Job ids in the queue (pending, running, completing)."""
         done = self.run("squeue", "-h", "-o", "%i")

@@ -439,7 +439,8 @@ def test_an_iree_tool_that_lost_the_device_runs_again_on_lavapipe_only(tmp_path)
     """src/edge/runtime.py run_tool: a tool run (here a stand-in process) that fails twice with
     lavapipe's lost device and then succeeds is run three times on lavapipe; off lavapipe, or with
     an error that is not a lost device, its first result stands; and the tries stop at
-    LAVAPIPE_TRIES."""
+    LAVAPIPE_TRIES. One that died of a signal is run again on lavapipe too."""
+    import signal
     import sys
 
     from src.edge.runtime import LAVAPIPE_TRIES, run_tool
@@ -447,8 +448,9 @@ def test_an_iree_tool_that_lost_the_device_runs_again_on_lavapipe_only(tmp_path)
     def tool(failures: int, error: str) -> tuple[list[str], Path]:
         count = tmp_path / f"runs-{len(list(tmp_path.iterdir()))}"
         count.write_text("0")
-        script = (f"import pathlib, sys; p = pathlib.Path({str(count)!r}); n = int(p.read_text()) + 1; p.write_text(str(n)); "
-                  f"sys.exit('queue.c:2867: {error}' if n <= {failures} else 0)")
+        fail = "os.kill(os.getpid(), signal.SIGSEGV)" if error == "SIGSEGV" else f"sys.exit('queue.c:2867: {error}')"
+        script = (f"import os, pathlib, signal, sys; p = pathlib.Path({str(count)!r}); n = int(p.read_text()) + 1; p.write_text(str(n)); "
+                  f"{fail} if n <= {failures} else sys.exit(0)")
         return [sys.executable, "-c", script], count
 
     cmd, runs = tool(2, "DATA_LOSS; [vkSignalSemaphore] VK_ERROR_DEVICE_LOST")
@@ -460,3 +462,8 @@ def test_an_iree_tool_that_lost_the_device_runs_again_on_lavapipe_only(tmp_path)
     assert proc.returncode == 1 and runs.read_text() == "1" and "OUT_OF_DEVICE_MEMORY" in proc.stderr
     cmd, runs = tool(LAVAPIPE_TRIES, "DATA_LOSS; [vkSignalSemaphore] VK_ERROR_DEVICE_LOST")
     assert run_tool(cmd, lavapipe=True, timeout=60).returncode == 1 and runs.read_text() == str(LAVAPIPE_TRIES)
+    # a tool that died of a signal (no output: its stdout buffer went with it) is run again on lavapipe
+    cmd, runs = tool(1, "SIGSEGV")
+    assert run_tool(cmd, lavapipe=True, timeout=60).returncode == 0 and runs.read_text() == "2"
+    cmd, runs = tool(1, "SIGSEGV")
+    assert run_tool(cmd, lavapipe=False, timeout=60).returncode == -signal.SIGSEGV and runs.read_text() == "1"

@@ -99,7 +99,7 @@ def test_a_two_job_sweep_through_sbatch_is_one_parent_run_with_two_finished_chil
             "--array=0-1%2"} <= flags
     assert not any(flag.startswith(("--gpus", "--gres")) for flag in flags)  # backend=cpu asks for no GPU
     assert len(job_ids) == 2 and {job_id.split("_")[1] for job_id in job_ids} == {"0", "1"}  # one array, a task per job
-    jobs = {job_id: slurm_cluster.job(job_id) for job_id in job_ids}
+    jobs = {job_id: slurm_cluster.finished(job_id) for job_id in job_ids}
     for job_id, job in jobs.items():
         assert job.get("JobState") == "COMPLETED" and job["ExitCode"] == "0:0", (job_id, job)
         assert job["Partition"] == slurm_cluster.partition and job["NodeList"] == slurm_cluster.hostname and job["NumCPUs"] == "1"
@@ -130,7 +130,7 @@ def test_a_two_rank_job_is_given_a_cpu_per_rank(tmp_path: Path, slurm_cluster: S
     (sweep_dir,) = tmp_path.glob("multirun/*/*")
     (job_id,), flags = _submitted(sweep_dir)
     assert "--cpus-per-task=2" in flags
-    job = slurm_cluster.job(job_id)
+    job = slurm_cluster.finished(job_id)
     assert job.get("JobState") == "COMPLETED" and job["NumCPUs"] == "2", job
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["settings"]["world_size"] == 2 and summary["steps"] == 2

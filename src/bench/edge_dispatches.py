@@ -69,7 +69,8 @@ def profile(module: Path, calls: int, flags: list[str], work: Path, function: st
            "--device_profiling_mode=dispatch-events", f"--device_profiling_output={capture}", *flags]
     proc = run_tool(cmd, on_lavapipe(), timeout=300)
     if proc.returncode or not capture.is_file():
-        raise RuntimeError(f"iree-benchmark-module failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+        raise RuntimeError(f"iree-benchmark-module exited {proc.returncode}{'' if capture.is_file() else ', no capture written'}: "
+                           f"{(proc.stderr or proc.stdout).strip()[-500:]}")
     stats = subprocess.run([_tool("iree-profile"), "statistics", str(capture)], capture_output=True, text=True, timeout=120)
     return parse_statistics(stats.stdout, calls)
 

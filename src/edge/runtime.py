@@ -181,15 +181,18 @@ def lost_device(text: str) -> bool:
 
 def run_tool(cmd: list[str], lavapipe: bool, timeout: float) -> subprocess.CompletedProcess:
     """Run an IREE tool that makes a context of its own on the Vulkan device (iree-benchmark-module).
-    On lavapipe a run that lost the device is run again, LAVAPIPE_TRIES in all, as IreeRunner makes
-    its context again (the same Mesa fault: a 2-worker test run lost it in iree-benchmark-module
-    once where three runs alone did not); elsewhere, or with any other error, the first result
-    stands. Returns the last run's result."""
+    On lavapipe a run that lost the device, or died of a signal, is run again, LAVAPIPE_TRIES in all,
+    as IreeRunner makes its context again (the same Mesa fault: a 2-worker test run lost it in
+    iree-benchmark-module once where three runs alone did not, and once a prefill profile ended with
+    no output at all, stdout's buffer gone with the process); elsewhere, or with any other error,
+    the first result stands. Returns the last run's result."""
     for attempt in range(LAVAPIPE_TRIES if lavapipe else 1):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode == 0 or not lost_device(proc.stderr + proc.stdout) or attempt + 1 == LAVAPIPE_TRIES:
+        crashed = proc.returncode < 0
+        if proc.returncode == 0 or not (crashed or lost_device(proc.stderr + proc.stdout)) or attempt + 1 == LAVAPIPE_TRIES:
             return proc
-        log.warning("lavapipe lost the device in %s (try %d of %d); again", cmd[0].rsplit("/", 1)[-1], attempt + 1, LAVAPIPE_TRIES)
+        why = f"died of signal {-proc.returncode}" if crashed else "lost the device"
+        log.warning("lavapipe: %s %s (try %d of %d); again", cmd[0].rsplit("/", 1)[-1], why, attempt + 1, LAVAPIPE_TRIES)
     return proc
 
 
