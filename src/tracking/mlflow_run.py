@@ -341,11 +341,27 @@ class MlflowTracker(NullTracker):
             return None
 
     def start(self) -> None:
-        from mlflow.entities import Param
-
         check_reachable(self.uri, self.connect_timeout_s)
         if is_server(self.uri):  # _server_call retries, bounded by tracking.retry_s
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        # runs that log step metrics (one-shot runs, diagnose, log directly): the writer imports MLflow
+        # and opens the store while this process does, and learns the run id once there is one
+        if self.use_writer:
+            self.writer = MetricWriter(self.uri, None, self.system_metrics_interval_s, self.retry_s)
+        try:
+            self._open_run()
+        except BaseException:
+            if self.writer is not None:
+                self.writer.abandon()
+                self.writer = None
+            raise
+        if self.writer is not None:
+            self.writer.begin(self.run_id)
+
+    def _open_run(self) -> None:
+        """A new run, or the one an elastic restart continues."""
+        from mlflow.entities import Param
+
         self.client = client_for(self.uri)
         if self.continue_run_id:  # an elastic restart: the same run goes on, its curves continue
             self.run_id = self.continue_run_id
@@ -365,8 +381,6 @@ class MlflowTracker(NullTracker):
                         self.client.delete_tag(self.run_id, key)
             # Steps after the last checkpoint run again, bit for bit: log each step once.
             self.logged_steps = {m.step for m in self.client.get_metric_history(self.run_id, "loss")}
-            if self.use_writer:
-                self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s, self.retry_s)
             log.info("MLflow run %s continues after restart %s", self.run_id, restart)
             return
         exp_id = experiment_id(self.client, self.experiment)
@@ -383,8 +397,6 @@ class MlflowTracker(NullTracker):
         params = [Param(k, str(v)[:6000]) for k, v in self.params.items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
-        if self.use_writer:  # runs that log step metrics; one-shot runs (diagnose) log directly
-            self.writer = MetricWriter(self.uri, self.run_id, self.system_metrics_interval_s, self.retry_s)
         log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
 
     def log_step(self, step: int, metrics: Mapping[str, float | None]) -> None:
