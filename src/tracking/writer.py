@@ -6,7 +6,8 @@ against 95.8-96.9K with tracking=none on 2 GPUs): its Python work holds the GIL 
 training loop needs to launch kernels. Here the training process writes one JSON line per logged
 step into a pipe; `python -m src.tracking.writer URI RUN_ID` (a plain subprocess: it imports
 MLflow and nothing of the training stack) drains the pipe on a reader thread, so the pipe never
-fills, and stores whatever has queued up in one log_batch.
+fills, and stores whatever has queued up in one log_batch. Started with RUN_ID `-`, it imports
+MLflow while rank 0 opens the run, and reads the id as its first line of input.
 
 A tracking server that stops answering (a restart, a network cut) loses no metric: a batch that
 could not be stored stays pending and is sent again, with backoff, together with what queued up
