@@ -7,7 +7,7 @@ training loop needs to launch kernels. Here the training process writes one JSON
 step into a pipe; `python -m src.tracking.writer URI RUN_ID` (a plain subprocess: it imports
 MLflow and nothing of the training stack) drains the pipe on a reader thread, so the pipe never
 fills, and stores whatever has queued up in one log_batch. Started with RUN_ID `-`, it imports
-MLflow while rank 0 opens the run, and reads the id as its first line of input.
+MLflow while rank 0 opens the run, reads the id as its first line of input, then opens the store.
 
 A tracking server that stops answering (a restart, a network cut) loses no metric: a batch that
 could not be stored stays pending and is sent again, with backoff, together with what queued up
@@ -43,6 +43,7 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.5, 5.0
 REQUEST_TIMEOUT_S = 10
 EXIT_METRICS_NOT_STORED = 3
 RUN_ID_LATER = "-"  # the run id comes as the first line of input (MetricWriter.begin)
+_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL stores, by URI scheme
 
 
 class MetricWriter:
@@ -184,11 +185,16 @@ def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0, r
 
     from src.tracking.mlflow_run import client_for
 
-    client = client_for(uri)  # a new SQLite store is made under its lock: the training process may be making it too
     if run_id == RUN_ID_LATER:
+        if uri.split(":", 1)[0].split("+", 1)[0] in _DATABASES:
+            # the SQL store's modules (SQLAlchemy, alembic: about 2 s of CPU) load while rank 0 opens
+            # the run; the store itself is opened after, when the run and so its tables exist (a new
+            # PostgreSQL database has no lock of ours to make them under)
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
         run_id = sys.stdin.readline().strip()
         if not run_id:  # the training process never opened its run (MetricWriter.abandon)
             return 0
+    client = client_for(uri)
     # Background work: where the ranks use every core (a CPU run), the scheduler serves them first.
     os.nice(10)
     monitor = None
