@@ -17,7 +17,7 @@ def _writers() -> list[psutil.Process]:
 
 def test_a_writer_started_before_its_run_stores_every_step_once_told_the_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    writer = MetricWriter(uri, None)  # the store is new: made by one of the two under its lock
+    writer = MetricWriter(uri, None)  # imports MLflow now, opens the store once it has the run id
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("w")).info.run_id
     writer.begin(run_id)
