@@ -17,7 +17,7 @@ def _writers() -> list[psutil.Process]:
 
 def test_a_writer_started_before_its_run_stores_every_step_once_told_the_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    writer = MetricWriter(uri, None)  # imports MLflow now, opens the store once it has the run id
+    writer = MetricWriter(uri)  # imports MLflow now, opens the store once it has the run id
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("w")).info.run_id
     writer.begin(run_id)
@@ -31,9 +31,8 @@ def test_a_writer_started_before_its_run_stores_every_step_once_told_the_run(tmp
 
 def test_a_writer_whose_run_never_opened_ends_storing_nothing(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    writer = MetricWriter(uri, None)
-    writer.abandon()
-    assert writer.process.returncode == 0 and not _writers()
+    writer = MetricWriter(uri)
+    assert writer.close(timeout_s=30) and writer.process.returncode == 0 and not _writers()
     client = MlflowClient(uri)
     assert [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])] == []
 

@@ -50,7 +50,11 @@ def weights_first(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def few_rows(x: torch.Tensor, matvec_rows: int) -> bool:
     """Whether a product of `x` (rows of x.shape[-1]) takes the weights-first form: 2 to `matvec_rows`
     rows (one row is a matvec already)."""
-    rows = x.numel() // x.shape[-1]
+    return takes_weights_first(x.numel() // x.shape[-1], matvec_rows)
+
+
+def takes_weights_first(rows: int, matvec_rows: int) -> bool:
+    """few_rows by the count of rows."""
     return 1 < rows <= matvec_rows
 
 

@@ -18,7 +18,7 @@ from src.distributed.launch import RankFailed
 from src.dtypes import torch_dtype
 from src.edge.bench import measure, tolerance_error
 from src.edge.compile import NO_GROWING_HOISTS, Artifacts, build, cache_root, load_artifacts
-from src.edge.matvec import use_matvec
+from src.edge.matvec import takes_weights_first, use_matvec
 from src.edge.model import EdgeLM
 from src.edge.quant import fuse_dequantization, quantized_copy, weight_bytes
 from src.runtime import RunContext
@@ -83,7 +83,7 @@ def dequantization(manifest: dict) -> str | None:
         return "at load"
     # decode's products are matvecs at batch 1, and at 2-8 sequences with edge.matvec_rows covering them
     batch = manifest.get("batch", 1)
-    matvecs = batch == 1 or batch <= manifest.get("matvec_rows", 0)
+    matvecs = batch == 1 or takes_weights_first(batch, manifest.get("matvec_rows", 0))
     return "per call, fused into the matvecs" if quant.get("fused") and matvecs else "per call, a dispatch of its own"
 
 

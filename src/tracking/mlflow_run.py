@@ -347,12 +347,12 @@ class MlflowTracker(NullTracker):
         # runs that log step metrics (one-shot runs, diagnose, log directly): the writer imports MLflow
         # and opens the store while this process does, and learns the run id once there is one
         if self.use_writer:
-            self.writer = MetricWriter(self.uri, None, self.system_metrics_interval_s, self.retry_s)
+            self.writer = MetricWriter(self.uri, self.system_metrics_interval_s, self.retry_s)
         try:
             self._open_run()
         except BaseException:
-            if self.writer is not None:
-                self.writer.abandon()
+            if self.writer is not None:  # told no run (its input ends), it stores nothing and exits 0
+                self.writer.close(timeout_s=30)
                 self.writer = None
             raise
         if self.writer is not None:

@@ -43,53 +43,35 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.5, 5.0
 REQUEST_TIMEOUT_S = 10
 EXIT_METRICS_NOT_STORED = 3
 RUN_ID_LATER = "-"  # the run id comes as the first line of input (MetricWriter.begin)
-_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL stores, by URI scheme
 
 
 class MetricWriter:
     """Hand step metrics to a writer process; `close()` waits until all of them are stored."""
 
-    def __init__(self, uri: str, run_id: str | None = None, system_metrics_interval_s: float = 0.0, retry_s: float = 60.0):
-        """Start the writer process. Without `run_id` it imports MLflow and opens the store while
-        the caller does the same, and waits for begin(run_id): in turn, the two took about 4 s of a
-        tracked run's start on an idle 2-core machine, side by side about 2."""
+    def __init__(self, uri: str, system_metrics_interval_s: float = 0.0, retry_s: float = 60.0):
+        """Start the writer process: it imports MLflow while the caller opens the run, and waits for
+        begin(run_id). In turn, the two imports took about 4 s of a tracked run's start on an idle
+        2-core machine; side by side about 2."""
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the `src` package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         # this process retries itself (module docstring): one attempt per request, bounded
         env.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT_S))
         self.retry_s = retry_s
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "src.tracking.writer", uri, run_id or RUN_ID_LATER, str(system_metrics_interval_s), str(retry_s)],
+            [sys.executable, "-m", "src.tracking.writer", uri, RUN_ID_LATER, str(system_metrics_interval_s), str(retry_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
         )
-        if run_id is not None:
-            self._wait_ready()
 
     def begin(self, run_id: str) -> None:
-        """Name the run to a writer started without one, and wait until it is ready."""
+        """Name the run, and wait until the writer is ready: it has imported MLflow (1-3 s of CPU),
+        paid before the first step, not during the timed ones, where on a 2-core machine it would
+        halve a CPU run's tokens/s."""
         try:
             self.process.stdin.write(run_id + "\n")
         except (BrokenPipeError, ValueError):
-            pass  # it died; _wait_ready says so
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        # Wait until it has imported MLflow (1-3 s of CPU): paid before the first step, not
-        # during the timed ones, where on a 2-core machine it would halve a CPU run's tokens/s.
+            pass  # it died; the missing "ready" says so
         if self.process.stdout.readline().strip() != "ready":
             log.warning("MLflow metric writer failed to start; step metrics will not be logged")
-
-    def abandon(self) -> None:
-        """Stop a writer whose run was never opened: it reads the end of its input, stores nothing."""
-        try:
-            self.process.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         values = {k: float(v) for k, v in metrics.items() if v is not None}
@@ -183,16 +165,18 @@ def writer_main(uri: str, run_id: str, system_metrics_interval_s: float = 0.0, r
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
     from src.tracking.mlflow_run import client_for
 
     if run_id == RUN_ID_LATER:
-        if uri.split(":", 1)[0].split("+", 1)[0] in _DATABASES:
+        if uri.split(":", 1)[0].split("+", 1)[0] in DATABASE_ENGINES:
             # the SQL store's modules (SQLAlchemy, alembic: about 2 s of CPU) load while rank 0 opens
             # the run; the store itself is opened after, when the run and so its tables exist (a new
             # PostgreSQL database has no lock of ours to make them under)
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
         run_id = sys.stdin.readline().strip()
-        if not run_id:  # the training process never opened its run (MetricWriter.abandon)
+        if not run_id:  # the training process never opened its run (and closed the pipe)
             return 0
     client = client_for(uri)
     # Background work: where the ranks use every core (a CPU run), the scheduler serves them first.
