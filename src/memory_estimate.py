@@ -150,10 +150,12 @@ def _activation_bytes(cfg: DictConfig, shape: _Shape, act_bytes: int) -> float:
     # The loss: the logits in the compute dtype, then (train.loss_fp32) an fp32 copy, cross-entropy's
     # fp32 log-softmax and backward's fp32 gradient of it, all alive at once; in the compute dtype
     # otherwise. The fused cross-entropy writes the gradient in forward beside the logits; the fused
-    # linear + cross-entropy never forms them (chunks of a few MB).
+    # linear + cross-entropy never forms them, one chunk of rows at a time (its chunk_rows).
     fused = selected_ops(cfg.kernels.fused)
     if "linear_cross_entropy" in fused:
-        per_logit = 0
+        from kernels.triton.linear_cross_entropy import chunk_rows  # only where the fused head runs: it needs Triton
+
+        return tokens * kept * act_bytes + chunk_rows(tokens, shape.vocab, act_bytes) * shape.vocab * act_bytes
     elif "cross_entropy" in fused:
         per_logit = 2 * act_bytes
     else:

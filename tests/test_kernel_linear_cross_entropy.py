@@ -9,6 +9,7 @@ triton = pytest.importorskip("triton")
 
 from kernels.triton.linear_cross_entropy import (  # noqa: E402
     LOGITS_CHUNK_BYTES,
+    MIN_CHUNK_ROWS,
     LinearCrossEntropyHead,
     chunk_rows,
     fused_linear_cross_entropy,
@@ -43,13 +44,18 @@ def test_matches_linear_then_cross_entropy(tokens, dim, vocab, chunk, smoothing,
     assert h1.grad.dtype == dtype and w1.grad.dtype == dtype
 
 
-def test_a_chunk_of_logits_stays_within_its_byte_budget():
+def test_a_chunk_of_logits_stays_within_its_byte_budget_above_a_floor_of_rows():
     # 8192 tokens, V 32000 in bf16 -> chunks of 2048 (131 MB of logits; 4 chunks a step)
     assert chunk_rows(8192, 32000, 2) == 2048
-    assert chunk_rows(8192, 32000, 4) == 1024  # fp32 logits: half the rows
-    assert chunk_rows(3, 32000, 2) == 3  # fewer tokens than the budget: one chunk
-    assert chunk_rows(10, 2**27, 4) == 1  # a row larger than the budget: one row at a time
+    assert chunk_rows(16384, 8000, 2) == 8192  # a small vocabulary: more rows in the same bytes
     assert 2048 * 32000 * 2 <= LOGITS_CHUNK_BYTES < 4096 * 32000 * 2
+    # the floor: where the budget would give fewer rows (fp32 logits, LLaMA 3's 128256 tokens),
+    # grad_W's addmm still gets K = MIN_CHUNK_ROWS
+    assert MIN_CHUNK_ROWS == 2048
+    assert chunk_rows(8192, 32000, 4) == 2048
+    assert chunk_rows(8192, 128256, 2) == 2048
+    assert chunk_rows(3, 32000, 2) == 3  # fewer tokens than either: one chunk
+    assert chunk_rows(10, 2**27, 4) == 10
 
 
 def test_head_keeps_the_linear_weight_and_its_logits():

@@ -8,12 +8,18 @@ GEMMs of the head's backward: grad_hidden = dlogits @ W and grad_W += dlogits^T 
 whole backward happens inside forward, and only one chunk of logits ever exists; backward only
 scales the two saved gradients by the incoming one.
 
-A chunk's logits take at most LOGITS_CHUNK_BYTES (128 MB: 2048 tokens x 32000 in bf16). Liger-
-Kernel's rule (a chunk's logits about the size of the hidden input, 512 tokens at the seed's
-shapes) makes 16 chunks whose grad_W updates each read and write the whole 32000 x 2048 weight
-gradient with K = 512, about 4 GB of traffic a step; 4 chunks of 2048 keep the GEMMs large and
-the peak (logits chunk, grad_hidden, grad_W, and backward's outputs) near 500 MB, under the
-700 MB that the unfused head and loss's logits alone exceed.
+A chunk's logits take at most LOGITS_CHUNK_BYTES (128 MB: 2048 tokens x 32000 in bf16), and a
+chunk is never under MIN_CHUNK_ROWS tokens. Liger-Kernel's rule (a chunk's logits about the size of
+the hidden input, 512 tokens at the seed's shapes) makes 16 chunks whose grad_W updates each read
+and write the whole 32000 x 2048 weight gradient with K = 512, about 4 GB of traffic a step; 4
+chunks of 2048 keep the GEMMs large and the peak (logits chunk, grad_hidden, grad_W, and backward's
+outputs) near 500 MB, under the 700 MB that the unfused head and loss's logits alone exceed. The
+floor is grad_W's: its addmm does 2 x rows x V x D FLOPs on 2 x V x D x element-size bytes of
+gradient read and written, rows / element-size FLOPs a byte: at 2048 rows 1024 in bf16, 5x an
+H200's ridge point (989 TFLOP/s over 4.8 TB/s, 206; fp32's 512 against TF32's half-rate 103 too), so
+the gradient's traffic stays a fifth of the GEMM's time or less. At LLaMA 3's 128256-token
+vocabulary the byte budget alone gave 512 rows: 16 chunks at 4 x 2048 tokens, 16.8 GB of grad_W
+traffic a step (src/bench/lce_chunks.py measures the chunk sizes side by side).
 grad_W accumulates in the GEMMs' dtype through addmm_ (cuBLAS adds into it in fp32 and rounds
 once per chunk), as Liger-Kernel does: an fp32 accumulator fed by `(dlogits^T @ h).float()` costs
 three extra passes over the V x D weight per chunk, 21 GB of traffic and 4.3 ms a step at the
@@ -30,12 +36,14 @@ import torch.nn.functional as F
 from kernels.triton.cross_entropy import count_valid, cross_entropy_grad_, scale_unless_one_
 
 LOGITS_CHUNK_BYTES = 128 * 2**20
+MIN_CHUNK_ROWS = 2048
 
 
 def chunk_rows(tokens: int, vocab: int, element_size: int) -> int:
-    """The most rows (a power of two) whose logits fit LOGITS_CHUNK_BYTES, at most all of them."""
+    """The most rows (a power of two) whose logits fit LOGITS_CHUNK_BYTES, but no fewer than
+    MIN_CHUNK_ROWS, and at most all of them."""
     fit = max(1, LOGITS_CHUNK_BYTES // (vocab * element_size))
-    return max(1, min(tokens, 2 ** int(math.log2(fit))))
+    return max(1, min(tokens, max(MIN_CHUNK_ROWS, 2 ** int(math.log2(fit)))))
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
