@@ -218,8 +218,7 @@ class KernelsConfig:
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
     attention: SdpaBackend = SdpaBackend.default
     """scaled_dot_product_attention's kernel on CUDA: default (torch's order: flash first), or only
-    flash, efficient or cudnn (cuDNN's fused attention, written for Hopper); grouped-query attention
-    runs its fewer k/v heads in flash alone, and repeats them to the query's heads for the other two"""
+    flash, efficient or cudnn (cuDNN's fused attention, written for Hopper)"""
     fused: list[str] | None = field(default_factory=list)
     """fused Triton variants to swap in (src/fusion/registry.py); null means every one"""
     auto: bool = False

@@ -59,28 +59,6 @@ def _ours(folder: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("kernel, repeats", [("cudnn", True), ("efficient", True), ("flash", False), ("default", False)])
-def test_kv_heads_are_repeated_for_kernels_without_enable_gqa(kernel, repeats):
-    from src.fusion.attention import match_kv_heads
-
-    model = build_model(compose_config(["model=llama3_tiny", "model.n_heads=4", "model.n_kv_heads=2"]).model).double()
-    assert match_kv_heads(model, kernel) == len(model.layers)
-    assert all(block.attn.repeat_kv is repeats for block in model.layers)
-    tokens = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(0))
-    losses, grads = [], []
-    for repeat in (False, True):  # the same attention either way, forward and backward
-        model.zero_grad()
-        for block in model.layers:
-            block.attn.repeat_kv = repeat
-        logits = model(tokens)
-        losses.append(logits.double())
-        logits.square().mean().backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=1e-12)
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
 @pytest.mark.parametrize("config, name", [(TINY, "llama"), (QWEN, "qwen2")])
 def test_logits_equal_transformers_in_fp32(tmp_path, config, name):
     folder = _hf_checkpoint(tmp_path, config, name)

@@ -36,20 +36,6 @@ def use_sdpa_backend(name: str) -> None:
         switch(backend == name)
 
 
-def match_kv_heads(model: torch.nn.Module, name: str) -> int:
-    """Tell the model's grouped-query attention modules (those with a `repeat_kv` flag) whether the
-    kernel `name` takes fewer key/value heads than query heads: SDPA's enable_gqa runs in flash
-    attention only, and under cudnn or efficient alone it has no fused kernel left to run (the
-    call errors or falls to the math kernel), so those repeat k and v first. The modules set."""
-    repeat = name in ("cudnn", "efficient")
-    found = 0
-    for module in model.modules():
-        if hasattr(module, "repeat_kv"):
-            module.repeat_kv = repeat
-            found += 1
-    return found
-
-
 def restore_sdpa_backends() -> None:
     """The switches as they were before use_sdpa_backend changed them (nothing to do if it did not)."""
     global _saved

@@ -30,7 +30,7 @@ from src.distributed.cluster import submitit_job
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
-from src.fusion.attention import match_kv_heads, use_sdpa_backend
+from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.fusion.trial import LossTrial
 from src.models import meta_model
@@ -104,7 +104,6 @@ class Trainer:
         self.fpt = model.flops_per_token(cfg.data.seq_len)  # src/models/protocol.py: torchtitan's count
         self.kernels = self._swap_kernels(model)
         use_sdpa_backend(cfg.kernels.attention)  # before compile traces the blocks
-        match_kv_heads(model, cfg.kernels.attention)
         mesh = None
         if cfg.sharding.strategy in ("fsdp2", "hsdp"):
             mesh = build_mesh(env.device.type, env.world_size, cfg.sharding.strategy, cfg.sharding.replicate)

@@ -39,10 +39,6 @@ class GroupedQueryAttention(nn.Module):
         self.sizes = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim)
         self.qkv = nn.Linear(dim, sum(self.sizes), bias=qkv_bias)
         self.out_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
-        # SDPA's enable_gqa runs in flash attention alone: where the run picks another kernel
-        # (kernels.attention=cudnn | efficient, src/fusion/attention.py sets this), k and v are repeated
-        # to the query's heads first, as enable_gqa's own semantics repeat them
-        self.repeat_kv = False
 
     def heads(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, H, T, hd), k and v (B, KV, T, hd), q and k rotated for `positions` (T,): what attention
@@ -58,11 +54,7 @@ class GroupedQueryAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.heads(x, torch.arange(T, device=x.device))
-        grouped = self.n_kv_heads != self.n_heads
-        if grouped and self.repeat_kv:
-            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
-            grouped = False
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=grouped)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.n_kv_heads != self.n_heads)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H * hd)
         return self.out_proj(y)
 
