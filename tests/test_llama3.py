@@ -59,6 +59,30 @@ def _ours(folder: Path) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_rotary_table_made_once_a_model_equals_each_block_making_its_own(dtype):
+    model = build_model(compose_config(["model=llama3_tiny"]).model).to(dtype)
+    tokens = torch.randint(0, 256, (2, 37), generator=torch.Generator().manual_seed(0))
+    outs, grads = [], []
+    for blocks_make_it in (False, True):
+        model.zero_grad()
+        if blocks_make_it:  # what a block called on x alone does (kernels=auto's block timing)
+            x = model.embed(tokens)
+            for layer in model.layers:
+                x = layer(x)
+            out = model.head(model.norm(x))
+        else:
+            out = model(tokens)
+        out.float().square().mean().backward()
+        outs.append(out)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # the same bits
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert model.rotary_table(37, tokens.device) is model.rotary_table(37, tokens.device)  # made once, kept
+    assert model.rotary_table(37, tokens.device)[0].dtype == torch.float32
+
+
 @pytest.mark.parametrize("config, name", [(TINY, "llama"), (QWEN, "qwen2")])
 def test_logits_equal_transformers_in_fp32(tmp_path, config, name):
     folder = _hf_checkpoint(tmp_path, config, name)

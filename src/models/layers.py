@@ -50,10 +50,11 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[
 
 class PreNormBlock(nn.Module):
     """A pre-norm transformer block: x + attn(norm1(x)), then + ffn(norm2(.)), the residual add joined
-    with the second norm (add_norm). Subclasses make norm1, attn, norm2 and ffn."""
+    with the second norm (add_norm). Subclasses make norm1, attn, norm2 and ffn; what follows x
+    (LLaMA's rotary table) goes to attn."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
+        h, normed = add_norm(self.norm2, x, self.attn(self.norm1(x), *attn_args))
         return h + self.ffn(normed)
 
 

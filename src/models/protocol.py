@@ -20,7 +20,8 @@ class CausalLM(Protocol):
     embed:  nn.Embedding, tokens -> (B, T, dim)
     layers: nn.ModuleList of the transformer blocks: each is one FSDP2 unit and one torch.compile
             region, and its nn.Linear layers are the ones float8 converts; a block's forward takes the
-            residual stream (B, T, dim) first, and returns it
+            residual stream (B, T, dim) first, and returns it; what the model's forward hands every
+            block after it (LLaMA's rotary table) is optional: a block called on x alone makes it
     head:   the output projection, an nn.Linear (dim -> vocab, no bias) that may share embed's weight;
             the fused linear + cross-entropy swaps it for a module with `loss(x, targets)`
     """

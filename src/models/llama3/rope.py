@@ -2,9 +2,9 @@
 LlamaForCausalLM (so its checkpoints load with no permutation of q and k), and LLaMA 3.1's frequency
 scaling, which stretches the long wavelengths by `factor` and leaves the short ones, blending between.
 
-Computed from the sequence length at each call, in float32, and never stored: a buffer made on the
-meta device would hold garbage after FSDP2's `to_empty`, and the table is T x head_dim, small
-beside the block's GEMMs (inside a compiled block it fuses with its use).
+Computed in float32 from the positions, and never a buffer (one made on the meta device would hold
+garbage after FSDP2's `to_empty`): the model makes the table once and hands it to its blocks
+(src/models/llama3/model.py Llama3.rotary_table).
 """
 from __future__ import annotations
 
