@@ -183,7 +183,8 @@ class EdgeConfig:
     parameter archive and dequantized in the module before each matmul; embedding and head stay in dtype"""
     quant_group: int = 32
     """int4: weights sharing a scale (32 divides every width of tiny and small; 128 does not divide tiny's 64)"""
-    matvec_rows: int = 0
-    """IREE modules: Linear products of 2 to this many rows (decode at batch <= it) exported weights
-    first, (W @ x^T)^T, which IREE compiles as matrix-vector kernels rather than a general matmul
-    on a few workgroups (src/edge/matvec.py); 0: off; at most 8"""
+    matvec_rows: int = 8
+    """IREE modules at batch 2 or more: Linear products of 2 to this many rows (decode at batch <= it)
+    exported weights first, (W @ x^T)^T, which IREE compiles as matrix-vector kernels rather than a
+    general matmul on a few workgroups (src/edge/matvec.py); 0: off; at most 8. Torch backends
+    ignore it"""

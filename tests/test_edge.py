@@ -18,7 +18,7 @@ pytest.importorskip("iree.turbine")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
-from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts, split_k  # noqa: E402
+from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
 from src.edge.runtime import IreeRunner, Readback, vulkan_devices  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import REPO, run_cli  # noqa: E402
@@ -142,21 +142,6 @@ def _no_growing_hoists_match_torch(tmp_path: Path, cache: Path) -> None:
     assert runner.token_buffers is not None
     timed = generate(runner, tokens, STEPS)
     assert [t.tolist() for t in timed.tokens] == [t.tolist() for t in gen.tokens]
-
-
-@needs_vulkan
-def test_split_k_gives_torch_tokens_at_batch_above_one(tmp_path, cache):
-    in_own_process(_split_k_matches_torch, tmp_path, cache)
-
-
-def _split_k_matches_torch(tmp_path: Path, cache: Path) -> None:
-    """The weight GEMMs' K split 4 ways (split_k: more workgroups for batch > 1 decode): the same
-    logits within fp32's tolerance and torch's tokens, prefill and decode."""
-    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
-    artifacts = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "splitk", cache, extra_flags=(split_k(4),))
-    assert artifacts.manifest["variant"] == "llvmpipe-nocoop-splitk4" and split_k(4) in artifacts.manifest["flags"]
-    runner = IreeRunner(artifacts, "vulkan")
-    _generates_torch_tokens(runner, ref, "fp32")
 
 
 @needs_vulkan

@@ -73,3 +73,15 @@ def test_a_tiled_prefill_gives_torch_tokens_on_lavapipe(tmp_path):
         got = pool.submit(_generates_tiled, "fp32", tmp_path).result()
     assert got["variant"] == "llvmpipe-nocoop-tiles16x64" and got["rel_err"] <= TOLERANCE["fp32"], got
     assert got["tokens"] == got["argmax"], got
+
+
+def test_a_run_tiles_its_prefill_where_a_tile_was_measured_and_leaves_the_rest_to_iree(tmp_path):
+    from src.edge.tiles import MEASURED_TILES, default_prefill_flags, flag_name
+
+    (flag,) = default_prefill_flags(tmp_path, "pascal", "fp16", 4 * 32, n_heads=8, batch=4)
+    assert flag_name(flag) == "tiles{}x{}".format(*MEASURED_TILES[("pascal", "fp16")])
+    assert "dims_equal %m, [128]" in Path(flag.split("=", 1)[1]).read_text()  # the prefill's batch x prompt rows
+    assert "dims_equal %batch, [32]" in Path(flag.split("=", 1)[1]).read_text()  # attention's sequences x heads
+    assert default_prefill_flags(tmp_path, "llvmpipe", "fp16", 128, 8, 1) == ()  # no measured tile: IREE's own
+    assert default_prefill_flags(tmp_path, "pascal", "fp32", 128, 8, 1) == ()
+    assert default_prefill_flags(tmp_path, "pascal", "fp16", 8, 8, 1) == ()  # a matvec's rows

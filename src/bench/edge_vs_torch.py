@@ -48,7 +48,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from src.edge.compile import GROWING_HOISTS, split_k
+from src.edge.compile import GROWING_HOISTS
 
 PROMPT, STEPS = 32, 32
 MODELS = {  # the shapes of issue 13; the rest of each config from src/config.py's ModelConfig
@@ -66,10 +66,6 @@ VARIANTS = [
     # (src/edge/compile.py): 3 alloca, copy, 2 dealloca, barrier against the default's 2 alloca, 1 dealloca
     ("fp32", "ampere", (GROWING_HOISTS,), (1,)),
     ("fp16", "pascal", (GROWING_HOISTS,), (1,)),
-    # batch 4's projections on 1-16 workgroups (src/edge/compile.py split_k): K split 4 and 16 ways
-    ("fp32", "ampere", (split_k(4),), (4,)),
-    ("fp16", "pascal", (split_k(4),), (4,)),
-    ("fp16", "pascal", (split_k(16),), (4,)),
 ]
 
 

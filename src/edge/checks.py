@@ -35,8 +35,6 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
     why = matvec_rows_error(e.matvec_rows)
     if why:
         raise ConfigError(why)
-    if e.matvec_rows and backend not in ("vulkan", "mps"):
-        raise ConfigError(f"edge.matvec_rows={e.matvec_rows} shapes the IREE module (backend=vulkan or mps); backend={backend} runs torch: leave it 0")
     quant = str(e.quant)
     if quant == "int4":
         from src.edge.quant import group_error

@@ -75,15 +75,7 @@ HOIST_THRESHOLD = "--iree-opt-const-expr-max-size-increase-threshold="
 NO_GROWING_HOISTS = HOIST_THRESHOLD + "0"
 GROWING_HOISTS = HOIST_THRESHOLD + str(1024 * 1024)  # IREE 3.13's own default, named for comparisons
 # short names in a variant's name for flags whose own would make it unreadable
-# Split-K for the weight GEMMs: at batch > 1 IREE's SPIR-V matmul pipeline tiles N by 256-512, so
-# a decode step's projections (M = batch, N 512-2048) run on 1-16 workgroups of a 132-SM GPU (at
-# batch 1 they are matrix-vector kernels, one workgroup per output column); splitting K multiplies
-# the workgroups by `splits` and adds a small reduction dispatch each.
-def split_k(splits: int) -> str:
-    return f"--iree-dispatch-creation-split-matmul-reduction={splits}"
-
-
-FLAG_NAMES = {NO_GROWING_HOISTS: "nogrowhoist", GROWING_HOISTS: "growhoist", **{split_k(n): f"splitk{n}" for n in (2, 4, 8, 16, 32)}}
+FLAG_NAMES = {NO_GROWING_HOISTS: "nogrowhoist", GROWING_HOISTS: "growhoist"}
 
 
 def compile_flags(device: str, target: str, features: str = "", msl_dir: Path | None = None) -> list[str]:

@@ -23,6 +23,11 @@ import hashlib
 from pathlib import Path
 
 LIBRARY_FLAG = "--iree-codegen-transform-dialect-library="
+# The tile a run's prefill gets where one was measured: `pascal` (NVIDIA without cooperative
+# matrices) in fp16, model=small at a 128-token prompt on an H100 (driver 580.159.04, 2026-12-05,
+# one call): time to first token 2.20 ms at 16 x 64 and 2.21 at 32 x 64 against 13.51 with IREE's
+# own tiles, torch CUDA eager 1.63 (1.35x).
+MEASURED_TILES = {("pascal", "fp16"): (16, 64)}
 THREAD_TILE = 4  # outputs a thread computes along M and along N: 4 x 4 (IREE's own tile for pascal: 8 x 8)
 K_TILE = 32  # IREE's own for these products
 
@@ -84,3 +89,13 @@ def flag_name(flag: str) -> str | None:
         return None
     stem = Path(flag[len(LIBRARY_FLAG):]).stem
     return stem.split("-")[1] if stem.startswith("prefill-tiles") else "tdlibrary"
+
+
+def default_prefill_flags(directory: Path, target: str, dtype: str, rows: int, n_heads: int, batch: int) -> tuple[str, ...]:
+    """The flags a module for `target` in `dtype` gets for its prefill of `rows` rows (batch x prompt)
+    by default: MEASURED_TILES' library where there is one, nothing elsewhere (IREE's own tiles).
+    Prefills of up to 8 rows are matvecs (src/edge/matvec.py), left to IREE."""
+    tile = MEASURED_TILES.get((target, dtype))
+    if tile is None or rows <= 8:
+        return ()
+    return (prefill_tiles_flag(directory, rows, tile, dtype, (1, batch * n_heads)),)
