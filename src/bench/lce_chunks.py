@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.triton.linear_cross_entropy import chunk_rows, fused_linear_cross_entropy
-from src.fusion.timing import median_ms
+from src.fusion.timing import median_ms, peak_mb
 
 DEFAULT_SHAPES = ["8192x2048x128256", "8192x4096x128256", "16384x2048x32000"]
 
@@ -32,17 +32,6 @@ DEFAULT_SHAPES = ["8192x2048x128256", "8192x4096x128256", "16384x2048x32000"]
 def parse_shape(text: str) -> tuple[int, int, int]:
     tokens, dim, vocab = (int(v) for v in text.lower().split("x"))
     return tokens, dim, vocab
-
-
-def peak_mb(fn, device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def measure(tokens: int, dim: int, vocab: int, chunks: list[int], device: torch.device, dtype: torch.dtype) -> list[dict]:

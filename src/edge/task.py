@@ -164,12 +164,10 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     summary.update(weight_bytes(held))
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):
         out = Path(e.artifacts) if (e.action == "compile" and e.artifacts) else run_dir / "artifacts"
-        batch = settings["batch"]
-        flags = default_prefill_flags(cache_root(e.cache_dir) / "tiles", target, settings["dtype"], batch * settings["prompt_len"],
-                                      settings["model"]["n_heads"], batch)
+        batch, cache = settings["batch"], cache_root(e.cache_dir)
+        flags = default_prefill_flags(cache / "tiles", target, settings["dtype"], batch * settings["prompt_len"], settings["model"]["n_heads"], batch)
         artifacts = build(use_matvec(held, e.matvec_rows if batch > 1 else 0), settings["model"], settings["prompt_len"],  # one row is a matvec already
-                          settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache_root(e.cache_dir), settings["weights"],
-                          extra_flags=flags)
+                          settings["dtype"], IREE_DEVICE[backend], target, e.target_features, out, cache, settings["weights"], extra_flags=flags)
     if artifacts is not None:
         m = artifacts.manifest
         if not artifacts.irpa.is_file():  # compiled elsewhere without parameters: the seeded or exported weights, written here

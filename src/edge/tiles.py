@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from src.edge.matvec import MAX_MATVEC_ROWS
+
 LIBRARY_FLAG = "--iree-codegen-transform-dialect-library="
 # The tile a run's prefill gets where one was measured: `pascal` (NVIDIA without cooperative
 # matrices) in fp16, model=small at a 128-token prompt on an H100 (driver 580.159.04, 2026-12-05,
@@ -94,8 +96,8 @@ def flag_name(flag: str) -> str | None:
 def default_prefill_flags(directory: Path, target: str, dtype: str, rows: int, n_heads: int, batch: int) -> tuple[str, ...]:
     """The flags a module for `target` in `dtype` gets for its prefill of `rows` rows (batch x prompt)
     by default: MEASURED_TILES' library where there is one, nothing elsewhere (IREE's own tiles).
-    Prefills of up to 8 rows are matvecs (src/edge/matvec.py), left to IREE."""
+    Prefills of up to MAX_MATVEC_ROWS rows are matvecs (src/edge/matvec.py), left to IREE."""
     tile = MEASURED_TILES.get((target, dtype))
-    if tile is None or rows <= 8:
+    if tile is None or rows <= MAX_MATVEC_ROWS:
         return ()
     return (prefill_tiles_flag(directory, rows, tile, dtype, (1, batch * n_heads)),)

@@ -36,6 +36,18 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float =
     return statistics.median(times)
 
 
+def peak_mb(fn: Callable[[], object], device: torch.device) -> float | None:
+    """MB the caching allocator's peak rose above what was allocated before one call of `fn` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
 def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Effective bandwidth of dst.copy_(src) over `nbytes` (read once, written once): the most a
     memory-bound kernel can hope for on this device (4.25 TB/s measured on an H200, 4.8 peak)."""

@@ -24,7 +24,7 @@ from src.fusion.cases import (
     seed,
     variant,
 )
-from src.fusion.timing import chain_ms, copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms
+from src.fusion.timing import chain_ms, copy_ceiling_tbs, graph_ms, host_us_per_call, median_ms, peak_mb
 from src.runtime import RunContext
 
 log = logging.getLogger("src.run")
@@ -34,17 +34,6 @@ COLUMNS = ["op", "shape", "mode", "provider", "ms", "host_us", "graph_ms", "chai
 
 def _device(cfg: DictConfig) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cfg.backend.name == "cuda" else torch.device("cpu")
-
-
-def _peak_mb(fn, device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def _measure(case: Case, provider: str, mode: str, device: torch.device, dtype: torch.dtype, bench: DictConfig, reference: Any, base_inputs: list[torch.Tensor]) -> dict | None:
@@ -89,7 +78,7 @@ def _measure_variant(case: Case, provider: str, mode: str, device: torch.device,
     ms = median_ms(run, device, bench.warmup_ms, bench.rep_ms, leaves)
     for t in leaves:
         t.grad = None
-    peak = _peak_mb(run, device)
+    peak = peak_mb(run, device)
     host = host_us_per_call(run, device)
     try:
         replayed = graph_ms(run, device, bench.warmup_ms, bench.rep_ms, leaves)
