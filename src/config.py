@@ -272,8 +272,8 @@ class SpeedConfig:
     """fsdp2/hsdp on CUDA: the all-gathers' buffers in NCCL symmetric memory (FSDP2's set_symm_mem_for_comm,
     torch 2.13+); with NCCL_CTA_POLICY=2 they run on the copy engines"""
     clip_in_update: bool = True
-    """fused AdamW with optim.grad_clip > 0: the clipping factor applied inside the update (its grad_scale)
-    instead of a pass of its own over the gradients"""
+    """fused AdamW (torch's, or optim.impl=triton's) with optim.grad_clip > 0: the clipping factor applied
+    inside the update instead of a pass of its own over the gradients"""
     force_unverified: bool = False
     """run the recipes asked for on a torch or Triton release they were not verified on"""
 

@@ -71,6 +71,37 @@ def test_the_kernel_reads_bf16_gradients_as_their_fp32_values():
     torch.testing.assert_close(sq, sum(g.float().square().sum() for g in grads), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_clipping_factor_multiplied_in_the_update_gives_the_clipped_gradients_bits(grad_dtype):
+    """adamw_step_ with grad_mul: the same parameters and moments, bit for bit, as
+    clip_grads_with_norm_'s in-place multiply (rounded to the gradient's dtype) and then the update,
+    for fp32 and bf16 gradients; the gradients themselves are left as they were, and the squares
+    summed are the unclipped gradients'."""
+    from kernels.triton.adamw import TileTable, adamw_step_
+
+    params = [p.detach() for p in _params()]
+    want = [p.clone() for p in params]
+    grads = _grads(0, grad_dtype)
+    read = [g.clone() for g in grads]
+    moments = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).abs().to(DEVICE) for p in params] for i in range(4)]
+    moments[2], moments[3] = [m.clone() for m in moments[0]], [m.clone() for m in moments[1]]
+    table = TileTable([p.numel() for p in params], params[0].device)
+    hyper = {"step": 3, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    factor = torch.clamp(0.37 / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s factor at max_norm 0.37
+    assert float(factor) < 0.1
+    sq = adamw_step_(params, grads, moments[0], moments[1], table, want_squares=True, grad_mul=factor.float(), **hyper)
+    clipped = [g.clone() for g in grads]
+    torch._foreach_mul_(clipped, factor)  # what clip_grads_with_norm_ leaves
+    adamw_step_(want, clipped, moments[2], moments[3], table, **hyper)
+    for got, ref in zip(params + moments[0] + moments[1], want + moments[2] + moments[3]):
+        assert torch.equal(got, ref)
+    assert all(torch.equal(g, r) for g, r in zip(grads, read))
+    torch.testing.assert_close(sq, sum(g.float().square().sum() for g in read), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="grad_mul is one fp32 element"):
+        adamw_step_(params, grads, moments[0], moments[1], table, grad_mul=torch.ones(2, device=DEVICE), **hyper)
+
+
 def test_the_update_writes_each_parameters_bf16_cast_rounded_as_torchs():
     """adamw_step_ with copies: the same update, and each copy is the updated parameter's
     .to(torch.bfloat16) bit for bit (rounded to nearest even by the bits, in the interpreter as on
@@ -205,6 +236,18 @@ def test_a_run_with_optim_impl_triton_trains_as_foreach_adamw_and_reports_the_sa
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ref], rel=1e-5)
     assert [m["grad_norm"] for m in ours] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-5)
     assert all(m["grad_norm"] > 0 for m in ours)
+
+
+def test_a_clipped_run_with_the_factor_in_the_update_gives_the_bits_of_one_that_clips_in_a_pass(tmp_path: Path, in_process_runs):
+    """optim.impl=triton with optim.grad_clip: speed.clip_in_update hands the update kernel the
+    clipping factor (FSDP2's DTensor gradients over a 1-rank mesh, the factor a plain scalar); the
+    losses and grad norms are those of clip_grads_with_norm_'s pass then the update, bit for bit,
+    on a clip small enough that every step clips."""
+    common = ["optim.impl=triton", "optim.grad_clip=0.05"]
+    folded = _run(tmp_path, "folded", [*common, "speed.clip_in_update=true"], steps=3)
+    separate = _run(tmp_path, "separate", [*common, "speed.clip_in_update=false"], steps=3)
+    assert min(m["grad_norm"] for m in separate) > 0.05
+    assert [(m["loss"], m["grad_norm"]) for m in folded] == [(m["loss"], m["grad_norm"]) for m in separate]
 
 
 def test_a_run_with_bf16_moments_trains_as_one_with_fp32_moments(tmp_path: Path, in_process_runs):

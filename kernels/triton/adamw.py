@@ -125,16 +125,23 @@ def _rounding_bits(stream, first, offs):
 
 
 @triton.jit
-def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, stream, first, MASKED: tl.constexpr,
-                 HAS_COPY: tl.constexpr, STATE_BF16: tl.constexpr):
+def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, stream, first, mul, MASKED: tl.constexpr,
+                 HAS_COPY: tl.constexpr, STATE_BF16: tl.constexpr, HAS_MUL: tl.constexpr, GRAD_BF16: tl.constexpr):
     """AdamW over BLOCK elements at `offs` (P, G, M, V, C already at the tensor's first element); the
     gradients' squares, for the norm. Unmasked where the block is whole: a mask against a length read
     from memory has no known divisibility, so its loads would not vectorise. With HAS_COPY the
     updated parameter is also stored to C in bf16 (round to nearest even, as torch's .to()). With
     STATE_BF16 the moments are bf16, rounded stochastically with the bits `_rounding_bits` gives
-    for the tensor's (stream, first) (_rounding_stream) and offs."""
+    for the tensor's (stream, first) (_rounding_stream) and offs. With HAS_MUL each gradient is
+    multiplied by `mul` first and rounded to its own dtype, as clip_grads_with_norm_'s in-place
+    multiply stores it; the squares are the gradients' as read."""
     mask = offs < n if MASKED else None
     g = tl.load(G + offs, mask=mask, other=0.0 if MASKED else None).to(tl.float32)
+    squares = g * g
+    if HAS_MUL:
+        g = g * mul
+        if GRAD_BF16:
+            g = bf16_rne(g).to(tl.float32)
     p = tl.load(P + offs, mask=mask)
     m = tl.load(M + offs, mask=mask).to(tl.float32)
     v = tl.load(V + offs, mask=mask).to(tl.float32)
@@ -152,17 +159,18 @@ def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_
         tl.store(V + offs, v, mask=mask)
     if HAS_COPY:
         tl.store(C + offs, bf16_rne(p), mask=mask)
-    return g * g
+    return squares
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new key each step: one compiled kernel for all of them
-def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps, seed,
-                 BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr,
-                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr, STATE_BF16: tl.constexpr):
+def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, MUL, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
+                 seed, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr,
+                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr, STATE_BF16: tl.constexpr, HAS_MUL: tl.constexpr):
     """One tile of one tensor a program. OFFSETS holds four rows of n_tensors element offsets, from
     P, G, M and V: parameters, gradients, first moments, second moments; with HAS_COPY a fifth,
     from C: the parameters' bf16 copies (COPY_ALIGN elements to 16 bytes); with STATE_BF16 one more,
-    each tensor's random base (the last row)."""
+    each tensor's random base (the last row). With HAS_MUL, MUL is one fp32 factor every gradient is
+    multiplied by before the update (the clipping's)."""
     tile = tl.program_id(0)
     t = tl.load(TILE_TENSOR + tile)
     start = tl.load(TILE_START + tile)
@@ -188,15 +196,16 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
     P, G, M, V = P + p_off, G + g_off, M + m_off, V + v_off
     if HAS_COPY:
         C = C + c_off
+    mul = tl.load(MUL) if HAS_MUL else 1.0
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     if start + BLOCK * ITERS <= n:  # a whole tile: every tile but a tensor's last
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    stream, first, False, HAS_COPY, STATE_BF16)
+                                    stream, first, mul, False, HAS_COPY, STATE_BF16, HAS_MUL, GRAD_BF16)
     else:
         for i in range(ITERS):
             squares += _adamw_block(P, G, M, V, C, start + i * BLOCK + tl.arange(0, BLOCK), n, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                                    stream, first, True, HAS_COPY, STATE_BF16)
+                                    stream, first, mul, True, HAS_COPY, STATE_BF16, HAS_MUL, GRAD_BF16)
     if WANT_SQUARES:
         tl.store(SQUARES + tile, tl.sum(squares, axis=0))
 
@@ -225,14 +234,17 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                 table: TileTable, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                 want_squares: bool = False, copies: list[torch.Tensor] | None = None, rand_bases: list[int] | None = None,
-                rounding_key: int = 0) -> torch.Tensor | None:
+                rounding_key: int = 0, grad_mul: torch.Tensor | None = None) -> torch.Tensor | None:
     """AdamW's update of every tensor in place (fp32 parameters, contiguous; gradients fp32 or bf16,
     contiguous, all of one dtype; moments all fp32 or all bf16), the bias corrections of step `step`
     (counted from 1). With `copies` (one contiguous bf16 tensor of each parameter's size), each
     updated parameter is also written to its copy, rounded as torch's cast: 2 bytes more a
     parameter, where a separate cast would read the 4-byte parameter again. bf16 moments are rounded
     stochastically with the bits hashed from (`rounding_key`, 31 bits: step_key's, the tensor's
-    `rand_bases` entry + the element's index). Returns the sum of the gradients' squares (an fp32 device scalar) when `want_squares`."""
+    `rand_bases` entry + the element's index). With `grad_mul` (a one-element fp32 tensor on the
+    parameters' device) every gradient is taken times it, rounded to the gradient's dtype, as
+    clip_grads_with_norm_ would have left it; the gradients themselves are not written. Returns the
+    sum of the gradients' squares (an fp32 device scalar, of the gradients as read) when `want_squares`."""
     if not params:
         return torch.zeros((), dtype=torch.float32) if want_squares else None
     device = params[0].device
@@ -246,6 +258,8 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     state_bf16 = STATE_DTYPES[exp_avgs[0].dtype]
     if state_bf16 and (rand_bases is None or len(rand_bases) != len(params)):
         raise ValueError("adamw_step_ rounds bf16 moments stochastically: give each tensor its random base (rand_bases)")
+    if grad_mul is not None and (grad_mul.numel() != 1 or grad_mul.dtype != torch.float32 or grad_mul.device != device):
+        raise ValueError(f"adamw_step_'s grad_mul is one fp32 element on {device}; got {grad_mul.dtype} {tuple(grad_mul.shape)} on {grad_mul.device}")
     if any(t.data_ptr() % t.element_size() for group in streams for t in group):
         raise ValueError("adamw_step_ takes tensors aligned to their element size")
     aligned = all(t.data_ptr() % 16 == 0 for group in streams for t in group)
@@ -258,9 +272,11 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     block = BLOCKS[state_bf16]
     head = (params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], copies[0] if copies else params[0], offsets, table.numels, table.tensor, table.start)
-    tail = (len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, rounding_key)
+    # the factor, or any pointer in its place where there is none (HAS_MUL off: never read)
+    tail = (grad_mul if grad_mul is not None else offsets, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, rounding_key)
     spec = dict(BLOCK=block, ITERS=TILE // block, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], HAS_COPY=bool(copies),
-                COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, num_warps=NUM_WARPS)
+                COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, HAS_MUL=grad_mul is not None,
+                num_warps=NUM_WARPS)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
         _adamw_tiles[(table.n_tiles,)](*head, squares, *tail, WANT_SQUARES=want_squares, **spec)
         _compile_other_variant(device, head, tail, spec, want_squares, table.n_tiles)
@@ -279,7 +295,7 @@ def _compile_other_variant(device: torch.device, head: tuple, tail: tuple, spec:
     at the launch's first step, it joins the run's other first-step compiles."""
     if device.type != "cuda" or interpreted():
         return
-    key = (device.index, want_squares, tuple(t.dtype for t in head[:5]), tail[0], tuple(sorted(spec.items())))
+    key = (device.index, want_squares, tuple(t.dtype for t in head[:5]), tail[0].dtype, tail[1], tuple(sorted(spec.items())))
     if key in _BOTH_COMPILED:
         return
     _BOTH_COMPILED.add(key)
@@ -309,7 +325,9 @@ class TritonAdamW(torch.optim.AdamW):
     DCP checkpoints and resumes are AdamW's) whose step runs adamw_step_ over every parameter of a
     group in one launch. With `grad_norm_wanted` set, step() also leaves the global
     L2 norm of the gradients it read in `last_grad_norm` (a device scalar, no host sync), summed
-    over the mesh dimensions the parameters are sharded on, which is what get_total_norm returns."""
+    over the mesh dimensions the parameters are sharded on, which is what get_total_norm returns.
+    With `grad_mul` set (a one-element fp32 tensor; the training loop's clipping factor), step()
+    updates as if every gradient had been multiplied by it first (adamw_step_'s grad_mul)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, state_dtype: torch.dtype = torch.float32,
                  seed: int = 0):
@@ -321,6 +339,7 @@ class TritonAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self._tables: dict[tuple[int, ...], object] = {}
         self.grad_norm_wanted = False
+        self.grad_mul: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self._copies: dict[int, tuple[torch.Tensor, object]] = {}
 
@@ -430,7 +449,7 @@ class TritonAdamW(torch.optim.AdamW):
                 sq = adamw_step_(*streams, table, step=int(step), lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                                  eps=group["eps"], weight_decay=group["weight_decay"], want_squares=self.grad_norm_wanted,
                                  copies=outs if copy_dtype is not None else None, rand_bases=rand_bases,
-                                 rounding_key=step_key(self.seed, int(step)))
+                                 rounding_key=step_key(self.seed, int(step)), grad_mul=self.grad_mul)
                 # the kernel wrote the parameters behind autograd's back: their version counters
                 # (a DTensor's and its local tensor's) move as a torch in-place op's would, which
                 # is what a reader of a copy compares against

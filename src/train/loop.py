@@ -127,8 +127,9 @@ def optimizer_step(
     `need_norm` false (a step nobody reads, no clipping, no skipping): no norm is computed and None
     returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
     host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
-    what backward has not already updated). `clip_in_update` (speed.clip_in_update, fused AdamW
-    only): the clipping factor goes to the update kernel instead of a pass over the gradients. An
+    what backward has not already updated). `clip_in_update` (speed.clip_in_update, torch's fused
+    AdamW or optim.impl=triton's): the clipping factor goes to the update kernel instead of a pass
+    over the gradients. An
     optimizer that sums the gradients' squares as it updates (optim.impl=triton) gives the norm of a
     step that only reports it (no clipping, no skipping)."""
     update = update or optimizer.step
@@ -164,13 +165,21 @@ def optimizer_step(
             # by its `grad_scale` (GradScaler's hook) as it reads it and writes the divided gradient
             # back, so the same factor, inverted, rides along: one read of the gradients and the
             # pass's launches fewer, no host sync
-            optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / grad_clip, min=1.0)
+            if hasattr(optimizer, "grad_mul"):  # TritonAdamW (optim.impl=triton)
+                # the factor clip_grads_with_norm_ computes, multiplied in the update kernel as that
+                # pass would (rounded to the gradient's dtype): the same bits, the pass's read and
+                # write of every gradient gone (3.7 ms a step, LLaMA 3.2 1B's 1.24B on an H100)
+                optimizer.grad_mul = torch.clamp(grad_clip / (norm + 1e-6), max=1.0).float()
+            else:
+                optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / grad_clip, min=1.0)
         elif grad_clip > 0:  # it takes the parameters and scales their .grad (given the gradients it finds none)
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
         try:
             update()
         finally:
-            if folded:  # as GradScaler does: no divisor left for a step() outside this one
+            if folded and hasattr(optimizer, "grad_mul"):  # no factor left for a step() outside this one
+                optimizer.grad_mul = None
+            elif folded:  # as GradScaler does: no divisor left for a step() outside this one
                 del optimizer.grad_scale
         if after_optimizer is not None:
             after_optimizer()
@@ -178,9 +187,10 @@ def optimizer_step(
 
 
 def folds_clip(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` applies a gradient divisor inside its own kernel: torch's Adam/AdamW with
-    fused=True read `optimizer.grad_scale` in step() (foreach and for-loop ones refuse one)."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+    """Whether `optimizer` applies the clipping factor inside its own kernel: torch's Adam/AdamW with
+    fused=True read `optimizer.grad_scale` (a divisor) in step() (foreach and for-loop ones refuse
+    one); TritonAdamW reads `grad_mul` (a factor)."""
+    return hasattr(optimizer, "grad_mul") or (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults.get("fused")))
 
 
 class Readback:
