@@ -196,8 +196,10 @@ class PrecisionConfig:
     """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
     (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand cast in one pass)"""
     fp8_act_in_cast: bool | None = None
-    """fp8_impl=triton, model.mlp=silu: the MLP's SiLU applied inside the down projection's float8 casts and its
-    gradient inside the up projection's (a pass fewer each way); unset: on wherever it applies"""
+    """fp8_impl=triton: the MLP's activation inside the float8 casts. model.mlp=silu: SiLU inside the down
+    projection's casts and its gradient inside the up projection's (a pass fewer each way); unset: on.
+    model.mlp=swiglu (fp8_recipe=rowwise_with_gw_tensorwise): gate and up one GEMM, silu(gate) * up inside
+    the down projection's cast, its gradient inside the cast of gate's and up's dY; on when true"""
 
 
 @dataclass

@@ -167,23 +167,28 @@ def _train(cwd: Path, args: list[str], env: dict[str, str] | None = None) -> tup
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
-@pytest.mark.parametrize("impl", ["torchao", "triton", "triton_gw_tensorwise"])
+@pytest.mark.parametrize("impl", ["torchao", "triton", "triton_gw_tensorwise", "triton_swiglu"])
 def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
     """model=small on data=text, 12 steps under FSDP2 with compiled blocks (torchao: tensorwise,
     float8 all-gather; triton: rowwise_with_gw_hp, its Triton casts traced into the compiled
-    blocks): the loss falls and stays within 0.1 of bf16's at every step (same seed, same batches)."""
+    blocks; triton_swiglu: a SwiGLU MLP folded into kernels/triton/fp8_swiglu.py's one function):
+    the loss falls and stays within 0.1 of bf16's at every step (same seed, same batches)."""
     n = min(torch.cuda.device_count(), 2)
     triton = ["precision=fp8", "precision.fp8_impl=triton"]
-    fp8 = {"torchao": ["precision=fp8"], "triton": [*triton, "precision.fp8_recipe=rowwise_with_gw_hp"],
-           "triton_gw_tensorwise": [*triton, "precision.fp8_recipe=rowwise_with_gw_tensorwise"]}[impl]
+    gw_tensorwise = [*triton, "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
+    fp8 = {"torchao": ["precision=fp8"], "triton": [*triton, "precision.fp8_recipe=rowwise_with_gw_hp"], "triton_gw_tensorwise": gw_tensorwise,
+           "triton_swiglu": [*gw_tensorwise, "precision.fp8_act_in_cast=true"]}[impl]
+    model = ["model=small"] + (["model.mlp=swiglu"] if impl == "triton_swiglu" else [])
     losses = {}
     for precision, overrides in (("bf16", ["precision=bf16"]), ("fp8", fp8)):
-        stdout, _, losses[precision] = _train(tmp_path / precision, ["backend=cuda", "model=small", "data=text", f"dist.nproc={n}", "data.seq_len=512",
+        stdout, _, losses[precision] = _train(tmp_path / precision, ["backend=cuda", *model, "data=text", f"dist.nproc={n}", "data.seq_len=512",
                                                                      "train.steps=12", *overrides, "kernels=compile", "tracking=none"])
         if precision == "fp8":
             expected = {"torchao": "float8 (tensorwise scales, torchao casts): 16 block linears, weights all-gathered in float8",
                         "triton": "float8 (rowwise_with_gw_hp scales, triton casts): 16 block linears, weights all-gathered in bf16",
-                        "triton_gw_tensorwise": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 16 block linears, weights all-gathered in bf16"}[impl]
+                        "triton_gw_tensorwise": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 16 block linears, weights all-gathered in bf16",
+                        "triton_swiglu": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 20 block linears, weights all-gathered in bf16, "
+                                         "each SwiGLU MLP one float8 function (fp8_swiglu)"}[impl]
             assert expected in stdout
     assert losses["fp8"][-1] < losses["fp8"][0] - 0.5
     assert losses["fp8"] == pytest.approx(losses["bf16"], abs=0.1)
@@ -251,9 +256,12 @@ def test_only_float8_gathered_weights_keep_the_triton_optimizer_out(overrides, g
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "precision.fp8_act_in_cast=true"], True),
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "precision.fp8_act_in_cast=false"], False),
     ([], False),  # torchao's casts take no activation
-    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "model.mlp=swiglu"], False),  # silu(g) * u: two inputs
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "model.mlp=swiglu"], False),  # SwiGLU: when set true
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "model.mlp=swiglu"], False),
+    (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "model.mlp=swiglu", "precision.fp8_act_in_cast=true"], True),
+    (["model=llama3_tiny", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "precision.fp8_act_in_cast=true"], True),
 ])
-def test_the_mlps_silu_goes_into_the_down_casts_where_it_applies(overrides, folds):
+def test_the_mlps_activation_goes_into_the_casts_where_it_applies(overrides, folds):
     from src.distributed.float8 import act_in_cast
 
     cfg = compose_config(["precision=fp8", "backend=cuda", "dist.nproc=1", "tracking=none", *overrides])
@@ -262,13 +270,14 @@ def test_the_mlps_silu_goes_into_the_down_casts_where_it_applies(overrides, fold
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["precision.fp8_act_in_cast=true"], "precision.fp8_act_in_cast=true applies SiLU inside kernels/triton/fp8_linear.py's casts; "
+    (["precision.fp8_act_in_cast=true"], "precision.fp8_act_in_cast=true applies the MLP's activation inside kernels/triton's float8 casts; "
      "precision.fp8_impl=torchao casts elsewhere: set precision.fp8_impl=triton, or leave precision.fp8_act_in_cast unset"),
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "precision.fp8_act_in_cast=true", "model.mlp=swiglu"],
-     "precision.fp8_act_in_cast=true folds the seed MLP's SiLU (model.mlp=silu); model.mlp=swiglu has no single-input activation "
-     "before its down projection: leave precision.fp8_act_in_cast unset"),
+     "precision.fp8_act_in_cast=true runs the SwiGLU MLP's grad-weight GEMMs on the float8 casts it writes (never the bf16 activations); "
+     "precision.fp8_recipe=rowwise_with_gw_hp wants them in bf16: set precision.fp8_recipe=rowwise_with_gw_tensorwise, or leave "
+     "precision.fp8_act_in_cast unset"),
 ])
-def test_the_silu_in_the_casts_is_refused_where_it_cannot_apply(overrides, message):
+def test_the_activation_in_the_casts_is_refused_where_it_cannot_apply(overrides, message):
     cfg = compose_config(["precision=fp8", "backend=cuda", "dist.nproc=1", "tracking=none", *overrides])
     with pytest.raises(ConfigError) as err:
         validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)

@@ -106,9 +106,11 @@ TRANSPOSE_FROMS = ("input", "e4m3")
 FROM_E4M3_TILE = (128, 128)
 FROM_E4M3_WARPS = 4
 # What the rowwise cast may apply first (ACT, the index): none, SiLU (`act="silu"`, the casts of X),
-# or SiLU's gradient ("silu_grad", the cast of dY: the tensor read is d silu(U), and U is read beside
-# it, so dU = d silu(U) * silu'(U) is cast as it is computed and never stored).
-ACTS = (None, "silu", "silu_grad")
+# SiLU's gradient ("silu_grad", the cast of dY: the tensor read is d silu(U), and U is read beside
+# it, so dU = d silu(U) * silu'(U) is cast as it is computed and never stored), or SwiGLU ("swiglu":
+# the tensor read is the gate G, the up projection's output U is read beside it, and silu(G) * U is
+# cast; kernels/triton/fp8_swiglu.py).
+ACTS = (None, "silu", "silu_grad", "swiglu")
 # dY's rowwise cast where the linear has a bias, or where its output was handed on in pieces
 # (`split_forward`: in_proj's q, k and v): each program walks a fixed share of rows, SUM_STAGES rows'
 # loads in flight (tl.range num_stages), casting each row as _rowwise_e4m3 does from up to MAX_PIECES
@@ -162,10 +164,15 @@ def _silu_grad(dh, u, dtype: tl.constexpr):
 
 @triton.jit
 def _rowwise_load(X, G, rows, offs, stride_x, stride_g, mask, ACT: tl.constexpr):
-    """The rowwise cast's input tile in fp32: X's, through ACT (ACTS; silu_grad also reads G, U)."""
+    """The rowwise cast's input tile in fp32: X's, through ACT (ACTS; silu_grad and swiglu also read G:
+    U for the one, the up projection's output for the other). SwiGLU rounds as eager's silu(G) * U
+    stores: silu(G) to X's dtype, then the product."""
     x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if ACT == 2:
         return _silu_grad(x, tl.load(G + rows[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
+    if ACT == 3:
+        up = tl.load(G + rows[:, None] * stride_g + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        return _as_stored(_act(x, 1, X.dtype.element_ty) * up, X.dtype.element_ty)
     return _act(x, ACT, X.dtype.element_ty)
 
 
@@ -390,10 +397,13 @@ _launch_from_rowwise = Launcher(_transposed_e4m3_from_rowwise)
 def rowwise_e4m3(x: torch.Tensor, act: str | None = None, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, inv): x (M, N) with unit column stride, or act(x) (ACTS), in e4m3, a scale a row; inv
     (M, 1) fp32 = 1/s, the scale_a (or, viewed (1, M), scale_b) _scaled_mm takes. act="silu_grad":
-    x is d silu(u), and what is cast is dU = x * silu'(u), u of x's shape."""
+    x is d silu(u), and what is cast is dU = x * silu'(u), u of x's shape. act="swiglu": x is the
+    gate, u the up projection's output (x's shape), and what is cast is silu(x) * u."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if act == "silu_grad" and u.stride(-1) != 1:
+    if act in ("silu_grad", "swiglu") and (u.shape != x.shape or u.stride(-1) != 1):
+        if u.shape != x.shape:
+            raise ValueError(f"rowwise_e4m3(act={act!r}) reads u beside x, of one shape; got {tuple(x.shape)} and {tuple(u.shape)}")
         u = u.contiguous()
     m, n = x.shape
     y = torch.empty((m, n), dtype=E4M3, device=x.device)
@@ -401,7 +411,7 @@ def rowwise_e4m3(x: torch.Tensor, act: str | None = None, u: torch.Tensor | None
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
     chunks = triton.cdiv(n, block)
     meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, ACT=ACTS.index(act), num_warps=warps_for(block, SILU_GRAD_WARPS if act == "silu_grad" else ROWWISE_WARPS))
-    g = u if act == "silu_grad" else x  # read only by silu_grad
+    g = u if act in ("silu_grad", "swiglu") else x  # read only by silu_grad and swiglu
     _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, g, y, inv, m, n, x.stride(0), g.stride(0)), meta, meta_key(meta))
     return y, inv
 
@@ -439,21 +449,19 @@ def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor, act: str | None = No
     1/s repeated (1, K), the scale_b of a rowwise _scaled_mm; inv_max the same 1/s as one value,
     the scale of a tensorwise one. `w8`, that rowwise cast's e4m3 output: where given and
     TRANSPOSE_FROM is "e4m3", it is read in W's place (act already applied in it)."""
+    if w8 is not None and TRANSPOSE_FROM == "e4m3":
+        return transposed_from_rowwise(w8, row_inv)
+    if act not in (None, "silu"):
+        raise ValueError(f"transposed_e4m3 applies SiLU at most (act={act!r} reads a second tensor): cast from its rowwise cast (w8)")
     n, k = w.shape
     wt = torch.empty((k, n), dtype=E4M3, device=w.device)
     inv = torch.empty((1, k), dtype=torch.float32, device=w.device)
     inv_max = row_inv.amax()
-    from_e4m3 = w8 is not None and TRANSPOSE_FROM == "e4m3"
-    bn, bk = FROM_E4M3_TILE if from_e4m3 else TRANSPOSE_TILE
+    bn, bk = TRANSPOSE_TILE
     grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
-    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK),
-                num_warps=FROM_E4M3_WARPS if from_e4m3 else TRANSPOSE_WARPS)
-    if from_e4m3:
-        meta["EVEN"] = n % bn == 0 and k % bk == 0
-        _launch_from_rowwise.launch(grid, (w8, row_inv, wt, inv_max, inv, n, k), meta, meta_key(meta))
-        return wt, inv, inv_max
+    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), num_warps=TRANSPOSE_WARPS,
+                ACT=ACTS.index(act))
     w = w.contiguous()
-    meta["ACT"] = ACTS.index(act)
     if TRANSPOSE_TMA and _tma_fits(w, wt):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -462,6 +470,23 @@ def transposed_e4m3(w: torch.Tensor, row_inv: torch.Tensor, act: str | None = No
     else:
         meta["EVEN"] = n % bn == 0 and k % bk == 0
         _launch_transposed.launch(grid, (w, wt, inv_max, inv, n, k), meta, meta_key(meta))
+    return wt, inv, inv_max
+
+
+def transposed_from_rowwise(q8: torch.Tensor, row_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transposed_e4m3's (wt8, inv, inv_max) from a rowwise cast alone: q8 (N, K) e4m3 and its rows'
+    inverse scales (rowwise_e4m3's), read in place of the tensor they came from (TRANSPOSE_FROM's
+    "e4m3"), for a tensor that was never written in its own dtype (the fused MLP's
+    kernels/triton/fp8_swiglu.py)."""
+    n, k = q8.shape
+    wt = torch.empty((k, n), dtype=E4M3, device=q8.device)
+    inv = torch.empty((1, k), dtype=torch.float32, device=q8.device)
+    inv_max = row_inv.amax()
+    bn, bk = FROM_E4M3_TILE
+    grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+    meta = dict(BN=bn, BK=bk, OF=TRANSPOSE_OFS.index(TRANSPOSE_OF), WALK=WALKS.index(TRANSPOSE_WALK), num_warps=FROM_E4M3_WARPS,
+                EVEN=n % bn == 0 and k % bk == 0)
+    _launch_from_rowwise.launch(grid, (q8, row_inv, wt, inv_max, inv, n, k), meta, meta_key(meta))
     return wt, inv, inv_max
 
 

@@ -93,33 +93,35 @@ def make_pass(casts: list[Cast], device: torch.device, seed: int = 0) -> Callabl
     """The casts run in order on operands of their own: a transposed cast takes the rowwise cast's
     e4m3 output (for X^T and dY^T) and rows' inverse scales from the cast before it in the pass,
     or, with none (W^T in backward; a transposed cast timed alone), ones made beforehand (the
-    linear saved W's scales in forward)."""
+    linear saved W's scales in forward). Operands are each linear's own: casts of two linears in one
+    pass read tensors of their own shapes."""
     g = torch.Generator(device=device).manual_seed(seed)
-    operands: dict[str, torch.Tensor] = {}
+    operands: dict[tuple[str, str], torch.Tensor] = {}
     for c in casts:
-        if c.operand not in operands:
-            operands[c.operand] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
-        if c.act == "silu_grad" and "U" not in operands:  # SiLU's input beside dY
-            operands["U"] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
+        if (c.linear, c.operand) not in operands:
+            operands[c.linear, c.operand] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
+        if c.act == "silu_grad" and (c.linear, "U") not in operands:  # SiLU's input beside dY
+            operands[c.linear, "U"] = torch.randn(c.rows, c.cols, generator=g, device=device, dtype=torch.bfloat16)
     # pieces as the step has them: tensors of their own, not views of one
-    parts = {c.operand: [p.contiguous() for p in operands[c.operand].chunk(c.pieces, -1)] for c in casts if c.pieces > 1}
+    parts = {(c.linear, c.operand): [p.contiguous() for p in operands[c.linear, c.operand].chunk(c.pieces, -1)] for c in casts if c.pieces > 1}
 
     def rowwise_cast(c: Cast) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (c.linear, c.operand)
         if c.pieces > 1 or c.col_sum:
-            return fp8.rowwise_e4m3_pieces(parts.get(c.operand, [operands[c.operand]]), c.col_sum)[:2]
-        return fp8.rowwise_e4m3(operands[c.operand], c.act, operands.get("U"))
+            return fp8.rowwise_e4m3_pieces(parts.get(key, [operands[key]]), c.col_sum)[:2]
+        return fp8.rowwise_e4m3(operands[key], c.act, operands.get((c.linear, "U")))
 
-    saved = {c.operand: rowwise_cast(c) for c in casts if c.kind == "rowwise"}
-    saved.update({c.operand: fp8.rowwise_e4m3(operands[c.operand], c.act) for c in casts if c.operand not in saved})
+    saved = {(c.linear, c.operand): rowwise_cast(c) for c in casts if c.kind == "rowwise"}
+    saved.update({(c.linear, c.operand): fp8.rowwise_e4m3(operands[c.linear, c.operand], c.act) for c in casts if (c.linear, c.operand) not in saved})
 
     def run() -> None:
         rowwise = dict(saved)
         for c in casts:
             if c.kind == "rowwise":
-                rowwise[c.operand] = rowwise_cast(c)
+                rowwise[c.linear, c.operand] = rowwise_cast(c)
             else:
-                q, inv = rowwise[c.operand]
-                fp8.transposed_e4m3(operands[c.operand], inv, c.act, w8=q if c.after_rowwise else None)
+                q, inv = rowwise[c.linear, c.operand]
+                fp8.transposed_e4m3(operands[c.linear, c.operand], inv, c.act, w8=q if c.after_rowwise else None)
     return run
 
 

@@ -75,10 +75,15 @@ def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name
 
 
 def act_in_cast(precision, mlp: str) -> bool:
-    """Whether the MLP's SiLU goes into the down projection's float8 casts (precision.fp8_act_in_cast;
-    unset: wherever it can, fp8_impl=triton with the seed's SiLU MLP)."""
-    can = bool(precision.float8) and str(precision.fp8_impl) == "triton" and str(mlp) == "silu"
-    return can if precision.fp8_act_in_cast is None else bool(precision.fp8_act_in_cast) and can
+    """Whether the MLP's activation goes into its float8 casts (precision.fp8_act_in_cast), with
+    fp8_impl=triton: the seed's SiLU (model.mlp=silu) into the down projection's, wherever it can
+    when unset; SwiGLU (model.mlp=swiglu: the whole MLP as kernels/triton/fp8_swiglu.py's one
+    function) when set true, with precision.fp8_recipe=rowwise_with_gw_tensorwise."""
+    if not (precision.float8 and str(precision.fp8_impl) == "triton"):
+        return False
+    if str(mlp) == "silu":
+        return precision.fp8_act_in_cast is None or bool(precision.fp8_act_in_cast)
+    return str(mlp) == "swiglu" and bool(precision.fp8_act_in_cast) and bool(TRITON_RECIPES.get(str(precision.fp8_recipe)))
 
 
 def act_in_cast_refusal(precision, mlp: str) -> str | None:
@@ -87,11 +92,14 @@ def act_in_cast_refusal(precision, mlp: str) -> str | None:
     if not precision.fp8_act_in_cast:
         return None
     if str(precision.fp8_impl) != "triton":
-        return (f"precision.fp8_act_in_cast=true applies SiLU inside kernels/triton/fp8_linear.py's casts; precision.fp8_impl="
+        return (f"precision.fp8_act_in_cast=true applies the MLP's activation inside kernels/triton's float8 casts; precision.fp8_impl="
                 f"{precision.fp8_impl} casts elsewhere: set precision.fp8_impl=triton, or leave precision.fp8_act_in_cast unset")
-    if str(mlp) != "silu":
-        return (f"precision.fp8_act_in_cast=true folds the seed MLP's SiLU (model.mlp=silu); model.mlp={mlp} has no single-input "
-                "activation before its down projection: leave precision.fp8_act_in_cast unset")
+    if str(mlp) not in ("silu", "swiglu"):
+        return f"precision.fp8_act_in_cast=true folds model.mlp=silu or swiglu, not {mlp}: leave precision.fp8_act_in_cast unset"
+    if str(mlp) == "swiglu" and not TRITON_RECIPES.get(str(precision.fp8_recipe)):
+        return (f"precision.fp8_act_in_cast=true runs the SwiGLU MLP's grad-weight GEMMs on the float8 casts it writes (never the "
+                f"bf16 activations); precision.fp8_recipe={precision.fp8_recipe} wants them in bf16: set precision.fp8_recipe="
+                "rowwise_with_gw_tensorwise, or leave precision.fp8_act_in_cast unset")
     return None
 
 
@@ -118,9 +126,12 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     wherever torch._scaled_mm runs (CUDA 8.9+, and a CPU). `module_filter(module, fqn)` picks the
     linears: those under `layers.` of the model; kernels=auto's timed block takes all of its own.
     `fold_activation` (impl=triton): each SiLU MLP's activation then runs inside its down
-    projection's casts (fp8_linear.fold_mlp_activation; act_in_cast says when)."""
+    projection's casts (fp8_linear.fold_mlp_activation), and each SwiGLU MLP as one function
+    (fp8_swiglu.fold_swiglu); act_in_cast says when."""
     if impl == "triton":
         from kernels.triton.fp8_linear import fold_mlp_activation, swap_to_float8
+        from kernels.triton.fp8_swiglu import fold_swiglu
+        from src.models.layers import SwiGLUFeedForward
 
         if str(recipe) not in TRITON_RECIPES:
             raise ValueError(f"precision.fp8_impl=triton casts for {' or '.join(TRITON_RECIPES)}, not {recipe}")
@@ -129,7 +140,10 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
             swap_to_float8(m, float8_grad_weight=TRITON_RECIPES[str(recipe)])
         if fold_activation:
             for m in list(model.modules()):
-                fold_mlp_activation(m)
+                if isinstance(m, SwiGLUFeedForward):
+                    fold_swiglu(m)
+                else:
+                    fold_mlp_activation(m)
         return len(linears)
     import dataclasses
 

@@ -188,7 +188,8 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         after_optimizer = scale_precompute(model) if gather_fp8 else None
         if main:
             log.info("float8 (%s scales, %s casts): %d block linears, weights all-gathered in %s%s", cfg.precision.fp8_recipe, impl, n_fp8,
-                     "float8" if gather_fp8 else "bf16", ", the MLPs' SiLU inside the down projections' casts" if fold else "")
+                     "float8" if gather_fp8 else "bf16", "" if not fold else ", the MLPs' SiLU inside the down projections' casts"
+                     if str(cfg.model.mlp) == "silu" else ", each SwiGLU MLP one float8 function (fp8_swiglu)")
     if cfg.ac.mode != "none":  # torchtitan's order: float8, activation checkpointing, compile, FSDP2
         from src.distributed.activation_checkpoint import apply_activation_checkpointing
 
