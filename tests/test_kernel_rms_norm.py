@@ -51,8 +51,10 @@ def test_multi_row_tiles_match_torch(shape, rows, monkeypatch):
     """Several rows per tile (FWD_ROWS, BWD_ROWS): row counts that do not divide into tiles, and
     backward programs whose rows end inside a tile, give torch's results, with and without the add;
     so does a forward whose programs loop over several tiles (FWD_PROGRAMS_PER_SM > 0)."""
+    import kernels.triton.device as device
     import kernels.triton.rms_norm as rn
 
+    monkeypatch.setattr(device, "INTERPRETER_ROWS", 1)  # the tiles asked for, in the interpreter too
     monkeypatch.setattr(rn, "FWD_ROWS", rows[0])
     monkeypatch.setattr(rn, "BWD_ROWS", rows[1])
     monkeypatch.setattr(rn, "FWD_PROGRAMS_PER_SM", rows[2])  # 2 programs on a CPU: 3-21 tiles each walk

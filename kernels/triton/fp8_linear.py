@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.triton.device import device_index, pipeline_stages, sm_count
+from kernels.triton.device import device_index, pipeline_stages, rows_per_tile, sm_count
 from kernels.triton.launch import Launcher, meta_key
 from kernels.triton.rounding import INTERPRETED, bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 from kernels.triton.rows import warps_for
@@ -410,9 +410,10 @@ def rowwise_e4m3(x: torch.Tensor, act: str | None = None, u: torch.Tensor | None
     inv = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
     chunks = triton.cdiv(n, block)
-    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=ROWWISE_ROWS, ACT=ACTS.index(act), num_warps=warps_for(block, SILU_GRAD_WARPS if act == "silu_grad" else ROWWISE_WARPS))
+    rows = rows_per_tile(ROWWISE_ROWS, x.is_cuda)
+    meta = dict(BLOCK=block, CHUNKS=chunks, ROWS=rows, ACT=ACTS.index(act), num_warps=warps_for(block, SILU_GRAD_WARPS if act == "silu_grad" else ROWWISE_WARPS))
     g = u if act in ("silu_grad", "swiglu") else x  # read only by silu_grad and swiglu
-    _launch_rowwise.launch((triton.cdiv(m, ROWWISE_ROWS),), (x, g, y, inv, m, n, x.stride(0), g.stride(0)), meta, meta_key(meta))
+    _launch_rowwise.launch((triton.cdiv(m, rows),), (x, g, y, inv, m, n, x.stride(0), g.stride(0)), meta, meta_key(meta))
     return y, inv
 
 

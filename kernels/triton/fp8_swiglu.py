@@ -31,6 +31,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kernels.triton.device import rows_per_tile
 from kernels.triton.fp8_linear import (
     E4M3,
     MAX_BLOCK,
@@ -52,38 +53,39 @@ from kernels.triton.rows import warps_for
 # The gradient cast computes dG and dU from three tensors a chunk: a row of H = 8192 in chunks of
 # 4096 (two passes, the second mostly from L2: a row of three bf16 tensors is 48 KB) keeps
 # registers at about 5 x 16 fp32 a thread at 8 warps, where one pass over 8192 would hold 5 x 32.
+# Both casts here take one row a program on a GPU (fp8_linear's ROWWISE_ROWS).
 GRAD_BLOCK = 4096
 
 
 @triton.jit
-def _rowwise_pair_e4m3(A, B, Y, INV, NA, K, stride_a, stride_b, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    """Rows of [A; B] (A's NA rows, then B's) cast rowwise into one e4m3 Y (a scale a row, INV): two
-    weights as one GEMM operand, with no copy stacking them. One row a program."""
-    row = tl.program_id(0).to(tl.int64)
-    if row < NA:
-        src = A + row * stride_a
-    else:
-        src = B + (row - NA) * stride_b
+def _rowwise_pair_e4m3(A, B, Y, INV, NA, M, K, stride_a, stride_b, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr):
+    """Rows of [A; B] (A's NA rows, then B's; M in all) cast rowwise into one e4m3 Y (a scale a row,
+    INV): two weights as one GEMM operand, with no copy stacking them. ROWS rows a program."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_mask = rows < M
+    src = tl.where(rows < NA, A + rows * stride_a, B + (rows - NA) * stride_b)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for c in range(CHUNKS):
         offs = c * BLOCK + cols
-        amax = tl.maximum(amax, tl.abs(tl.load(src + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale, inv = pow2_scale(tl.max(amax, axis=0))
+        mask = row_mask[:, None] & (offs < K)[None, :]
+        amax = tl.maximum(amax, tl.abs(tl.load(src[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)))
+    scale, inv = pow2_scale(tl.max(amax, axis=1))
     for c in range(CHUNKS):
         offs = c * BLOCK + cols
-        x = tl.load(src + offs, mask=offs < K, other=0.0).to(tl.float32)
-        tl.store(Y + row * K + offs, e4m3_rne(x * scale).to(Y.dtype.element_ty), mask=offs < K)
-    tl.store(INV + row, inv)
+        mask = row_mask[:, None] & (offs < K)[None, :]
+        x = tl.load(src[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + rows[:, None] * K + offs[None, :], e4m3_rne(x * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(INV + rows, inv, mask=row_mask)
 
 
 @triton.jit
-def _swiglu_grads(DH, GU, row, offs, stride_dh, stride_gu, H, mask):
-    """(dG, dU) at `offs` of one row, fp32, each rounded to the activations' dtype as eager's backward
-    of silu(G) * U stores it: dU = dH * silu(G) (silu(G) as stored), dG = SiLU's backward of dH * U."""
-    dh = tl.load(DH + row * stride_dh + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_gu + H + offs, mask=mask, other=0.0).to(tl.float32)
+def _swiglu_grads(DH, GU, rows, offs, stride_dh, stride_gu, H, mask):
+    """(dG, dU) at rows x offs, fp32, each rounded to the activations' dtype as eager's backward of
+    silu(G) * U stores it: dU = dH * silu(G) (silu(G) as stored), dG = SiLU's backward of dH * U."""
+    dh = tl.load(DH + rows[:, None] * stride_dh + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(GU + rows[:, None] * stride_gu + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + rows[:, None] * stride_gu + H + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = DH.dtype.element_ty
     du = _as_stored(dh * _act(g, 1, dtype), dtype)
     dg = _silu_grad(_as_stored(dh * u, dtype), g, dtype)
@@ -91,32 +93,33 @@ def _swiglu_grads(DH, GU, row, offs, stride_dh, stride_gu, H, mask):
 
 
 @triton.jit
-def _swiglu_grad_e4m3(DH, GU, Y, INV, H, stride_dh, stride_gu, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    """One row a program: [dG | dU] (2H wide) from dH (H wide) and [G | U] (GU, 2H wide), cast to e4m3
-    with one scale for the row (INV its inverse), as rowwise_e4m3 casts the concatenation."""
-    row = tl.program_id(0).to(tl.int64)
+def _swiglu_grad_e4m3(DH, GU, Y, INV, M, H, stride_dh, stride_gu, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS rows a program: [dG | dU] (2H wide) from dH (H wide) and [G | U] (GU, 2H wide), cast to e4m3
+    with one scale a row (INV its inverse), as rowwise_e4m3 casts the concatenation."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_mask = rows < M
     cols = tl.arange(0, BLOCK)
-    out = Y + row * 2 * H
+    out = Y + rows[:, None] * 2 * H
     if CHUNKS == 1:
-        mask = cols < H
-        dg, du = _swiglu_grads(DH, GU, row, cols, stride_dh, stride_gu, H, mask)
-        scale, inv = pow2_scale(tl.maximum(tl.max(tl.abs(dg), axis=0), tl.max(tl.abs(du), axis=0)))
-        tl.store(out + cols, e4m3_rne(dg * scale).to(Y.dtype.element_ty), mask=mask)
-        tl.store(out + H + cols, e4m3_rne(du * scale).to(Y.dtype.element_ty), mask=mask)
+        mask = row_mask[:, None] & (cols < H)[None, :]
+        dg, du = _swiglu_grads(DH, GU, rows, cols, stride_dh, stride_gu, H, mask)
+        scale, inv = pow2_scale(tl.maximum(tl.max(tl.abs(dg), axis=1), tl.max(tl.abs(du), axis=1)))
+        tl.store(out + cols[None, :], e4m3_rne(dg * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
+        tl.store(out + H + cols[None, :], e4m3_rne(du * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
     else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
-            dg, du = _swiglu_grads(DH, GU, row, offs, stride_dh, stride_gu, H, offs < H)
+            dg, du = _swiglu_grads(DH, GU, rows, offs, stride_dh, stride_gu, H, row_mask[:, None] & (offs < H)[None, :])
             amax = tl.maximum(amax, tl.maximum(tl.abs(dg), tl.abs(du)))
-        scale, inv = pow2_scale(tl.max(amax, axis=0))
+        scale, inv = pow2_scale(tl.max(amax, axis=1))
         for c in range(CHUNKS):
             offs = c * BLOCK + cols
-            mask = offs < H
-            dg, du = _swiglu_grads(DH, GU, row, offs, stride_dh, stride_gu, H, mask)
-            tl.store(out + offs, e4m3_rne(dg * scale).to(Y.dtype.element_ty), mask=mask)
-            tl.store(out + H + offs, e4m3_rne(du * scale).to(Y.dtype.element_ty), mask=mask)
-    tl.store(INV + row, inv)
+            mask = row_mask[:, None] & (offs < H)[None, :]
+            dg, du = _swiglu_grads(DH, GU, rows, offs, stride_dh, stride_gu, H, mask)
+            tl.store(out + offs[None, :], e4m3_rne(dg * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
+            tl.store(out + H + offs[None, :], e4m3_rne(du * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(INV + rows, inv, mask=row_mask)
 
 
 _launch_pair, _launch_grad = Launcher(_rowwise_pair_e4m3), Launcher(_swiglu_grad_e4m3)
@@ -134,8 +137,9 @@ def rowwise_pair_e4m3(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, t
     y = torch.empty((rows, k), dtype=E4M3, device=a.device)
     inv = torch.empty((rows, 1), dtype=torch.float32, device=a.device)
     block = min(triton.next_power_of_2(k), MAX_BLOCK)
-    meta = dict(BLOCK=block, CHUNKS=triton.cdiv(k, block), num_warps=warps_for(block, ROWWISE_WARPS))
-    _launch_pair.launch((rows,), (a, b, y, inv, a.shape[0], k, a.stride(0), b.stride(0)), meta, meta_key(meta))
+    tile = rows_per_tile(1, a.is_cuda)
+    meta = dict(BLOCK=block, CHUNKS=triton.cdiv(k, block), ROWS=tile, num_warps=warps_for(block, ROWWISE_WARPS))
+    _launch_pair.launch((triton.cdiv(rows, tile),), (a, b, y, inv, a.shape[0], rows, k, a.stride(0), b.stride(0)), meta, meta_key(meta))
     return y, inv
 
 
@@ -150,9 +154,10 @@ def swiglu_grad_e4m3(dh: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, 
     y = torch.empty((m, 2 * h), dtype=E4M3, device=dh.device)
     inv = torch.empty((m, 1), dtype=torch.float32, device=dh.device)
     block = min(triton.next_power_of_2(h), GRAD_BLOCK)
-    meta = dict(BLOCK=block, CHUNKS=triton.cdiv(h, block), num_warps=warps_for(block, SILU_GRAD_WARPS))
+    tile = rows_per_tile(1, dh.is_cuda)
+    meta = dict(BLOCK=block, CHUNKS=triton.cdiv(h, block), ROWS=tile, num_warps=warps_for(block, SILU_GRAD_WARPS))
     if m:
-        _launch_grad.launch((m,), (dh, gu, y, inv, h, dh.stride(0), gu.stride(0)), meta, meta_key(meta))
+        _launch_grad.launch((triton.cdiv(m, tile),), (dh, gu, y, inv, m, h, dh.stride(0), gu.stride(0)), meta, meta_key(meta))
     return y, inv
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
-from kernels.triton.device import device_index, pipeline_stages, sm_count
+from kernels.triton.device import device_index, pipeline_stages, rows_per_tile, sm_count
 from kernels.triton.launch import Launcher, meta_key
 from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
 from kernels.triton.rows import as_shape, by_width, row_major, warps_for
@@ -181,11 +181,12 @@ def _plan(key: tuple, make) -> tuple:
 def _fwd_plan(M: int, N: int, element_size: int, index: int, residual: bool, gdc: bool) -> tuple:
     """(grid, meta, meta key) of a forward launch."""
     block = _block(N)
-    tiles = triton.cdiv(M, FWD_ROWS)
+    rows = rows_per_tile(FWD_ROWS, index >= 0)
+    tiles = triton.cdiv(M, rows)
     programs = min(tiles, sm_count(index) * FWD_PROGRAMS_PER_SM) if FWD_PROGRAMS_PER_SM else tiles
     loads = 2 if residual else 1  # the (ROWS, BLOCK) tiles a pipelined stage buffers
-    stages = pipeline_stages(FWD_STAGES, loads * FWD_ROWS * block * element_size, index)
-    meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=FWD_ROWS, STAGES=stages, USE_GDC=gdc, num_warps=warps_for(block, FWD_RESIDUAL_WARPS if residual else FWD_WARPS), **pdl.launch_options(gdc))
+    stages = pipeline_stages(FWD_STAGES, loads * rows * block * element_size, index)
+    meta = dict(HAS_RESIDUAL=residual, BLOCK=block, ROWS=rows, STAGES=stages, USE_GDC=gdc, num_warps=warps_for(block, FWD_RESIDUAL_WARPS if residual else FWD_WARPS), **pdl.launch_options(gdc))
     return (programs,), meta, meta_key(meta)
 
 
@@ -196,8 +197,9 @@ def _bwd_plan(M: int, N: int, element_size: int, index: int, has_ds: bool, gdc: 
     programs = min(M, sm_count(index) * BWD_PROGRAMS_PER_SM)
     block = _block(N)
     loads = 3 if has_ds else 2  # x, dy (and ds): what each pipelined stage buffers
-    stages = pipeline_stages(by_width(block, BWD_STAGES, 4), loads * BWD_ROWS * block * element_size, index)
-    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=BWD_ROWS, STAGES=stages, USE_GDC=gdc or dw_gdc, num_warps=warps_for(block, BWD_WARPS), **pdl.launch_options(gdc))
+    rows = rows_per_tile(BWD_ROWS, index >= 0)
+    stages = pipeline_stages(by_width(block, BWD_STAGES, 4), loads * rows * block * element_size, index)
+    meta = dict(HAS_DS=has_ds, BLOCK=block, ROWS=rows, STAGES=stages, USE_GDC=gdc or dw_gdc, num_warps=warps_for(block, BWD_WARPS), **pdl.launch_options(gdc))
     dw_meta = dict(BLOCK_P=min(DW_BLOCK_P, triton.next_power_of_2(programs)), BLOCK_N=DW_BLOCK_N, USE_GDC=gdc or dw_gdc, num_warps=4, **pdl.launch_options(gdc or dw_gdc))
     return (programs, (programs,), meta, meta_key(meta), (triton.cdiv(N, DW_BLOCK_N),), dw_meta, meta_key(dw_meta))
 
