@@ -210,7 +210,7 @@ def _check_twins(proc: subprocess.Popen, job_dir: Path, job_id: str, sig: str, c
     assert Path(resumed["resumed_from"]).name == f"step_{at:08d}" and (job_dir / "checkpoints" / f"step_{at:08d}" / "manifest.json").exists()
     assert resumed["final_loss"] == straight["final_loss"] and straight["start_step"] == 0  # bit for bit
     # SLURM's side: one job, run twice (sacct keeps the first attempt as REQUEUED)
-    job = cluster.job(job_id)
+    job = cluster.finished(job_id)  # submitit returns at the result pickle; slurmd may not have reported the end yet
     assert job.get("JobState") == "COMPLETED" and job["Restarts"] == "1", job
     attempts = cluster.run("sacct", "-n", "-X", "-P", "-D", "-o", "State", "-j", job_id).stdout.split()
     assert attempts == ["REQUEUED", "COMPLETED"], attempts
