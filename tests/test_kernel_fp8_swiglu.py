@@ -14,31 +14,9 @@ from kernels.triton import fp8_swiglu  # noqa: E402
 from kernels.triton.fp8_linear import Float8RowwiseLinearFunction, rowwise_e4m3, swap_to_float8  # noqa: E402
 from kernels.triton.fp8_swiglu import Float8SwiGLUFunction, fold_swiglu, rowwise_pair_e4m3, swiglu_grad_e4m3  # noqa: E402
 from src.models.layers import SwiGLUFeedForward  # noqa: E402
+from tests.test_kernel_fp8_linear import _bits, _silu_as_stored, _within_an_e4m3_step  # noqa: E402  (the same checks as the linear's casts)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
-def _within_an_e4m3_step(a8: torch.Tensor, b8: torch.Tensor) -> None:
-    """The same bits in the interpreter; on a GPU Triton's approximate division (2 ulp) against
-    torch's may move a value by one e4m3 step (1/8 of its power of two) now and then."""
-    if DEVICE == "cpu":
-        assert torch.equal(_bits(a8), _bits(b8))
-        return
-    a, b = a8.float(), b8.float()
-    differ = a != b
-    assert differ.float().mean() < 0.01
-    assert ((a - b).abs()[differ] <= torch.maximum(a.abs(), b.abs())[differ] / 8 + 2**-9).all()
-
-
-def _silu_as_stored(g: torch.Tensor) -> torch.Tensor:
-    """SiLU as x / (1 + e^-x) in fp32, rounded to g's dtype (fp8_linear's _act; torch's own silu
-    differs from it by an fp32 ulp here and there)."""
-    gf = g.float()
-    return (gf / (1 + torch.exp(-gf))).to(g.dtype)
 
 
 def _gate_up(rows: int, hidden: int, seed: int) -> torch.Tensor:
