@@ -199,7 +199,7 @@ class PrecisionConfig:
     """fp8_impl=triton: the MLP's activation inside the float8 casts. model.mlp=silu: SiLU inside the down
     projection's casts and its gradient inside the up projection's (a pass fewer each way); unset: on.
     model.mlp=swiglu (fp8_recipe=rowwise_with_gw_tensorwise): gate and up one GEMM, silu(gate) * up inside
-    the down projection's cast, its gradient inside the cast of gate's and up's dY; on when true"""
+    the down projection's cast, its gradient inside the cast of gate's and up's dY; unset: on"""
 
 
 @dataclass

@@ -71,13 +71,22 @@ def test_the_kernel_reads_bf16_gradients_as_their_fp32_values():
     torch.testing.assert_close(sq, sum(g.float().square().sum() for g in grads), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("as_on_cuda", [False, True], ids=["this_device", "factor_rounded_as_on_cuda"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_the_clipping_factor_multiplied_in_the_update_gives_the_clipped_gradients_bits(grad_dtype):
+def test_the_clipping_factor_multiplied_in_the_update_gives_the_clipped_gradients_bits(grad_dtype, as_on_cuda, monkeypatch):
     """adamw_step_ with grad_mul: the same parameters and moments, bit for bit, as
-    clip_grads_with_norm_'s in-place multiply (rounded to the gradient's dtype) and then the update,
-    for fp32 and bf16 gradients; the gradients themselves are left as they were, and the squares
-    summed are the unclipped gradients'."""
+    clip_grads_with_norm_'s in-place multiply on this device (rounded to the gradient's dtype) and
+    then the update, for fp32 and bf16 gradients; the gradients themselves are left as they were,
+    and the squares summed are the unclipped gradients'. On CUDA torch rounds the fp32 factor to
+    bf16 gradients' dtype before multiplying; off CUDA the second case takes that rounding here, against
+    a factor the reference rounds itself."""
+    from kernels.triton import adamw
     from kernels.triton.adamw import TileTable, adamw_step_
+
+    if as_on_cuda and DEVICE == "cuda":
+        pytest.skip("on CUDA the first case is torch's own rounding")
+    if as_on_cuda:
+        monkeypatch.setattr(adamw, "FACTOR_ROUNDED_ON", frozenset({"cpu"}))
 
     params = [p.detach() for p in _params()]
     want = [p.clone() for p in params]
@@ -92,7 +101,8 @@ def test_the_clipping_factor_multiplied_in_the_update_gives_the_clipped_gradient
     assert float(factor) < 0.1
     sq = adamw_step_(params, grads, moments[0], moments[1], table, want_squares=True, grad_mul=factor.float(), **hyper)
     clipped = [g.clone() for g in grads]
-    torch._foreach_mul_(clipped, factor)  # what clip_grads_with_norm_ leaves
+    # what clip_grads_with_norm_ leaves (a CPU scalar's value is read unrounded: round it as CUDA does)
+    torch._foreach_mul_(clipped, factor.to(grad_dtype) if as_on_cuda else factor)
     adamw_step_(want, clipped, moments[2], moments[3], table, **hyper)
     for got, ref in zip(params + moments[0] + moments[1], want + moments[2] + moments[3]):
         assert torch.equal(got, ref)

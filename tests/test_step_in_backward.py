@@ -39,7 +39,10 @@ def _train(in_backward: bool, split_root: bool) -> dict:
     for _ in range(STEPS):
         x, y = next(batches)
         opt.zero_grad(set_to_none=True)
-        loss = forward_backward_step(model, x, y)
+        # detached as train_step returns it: c10d's all_reduce on a tensor that requires grad goes
+        # through autograd's not-implemented fallback, which registers a hook on the loss whose graph
+        # backward has freed, and on torch 2.13 that segfaulted 1 run in 19 (gdb: VariableHooks::_register_hook)
+        loss = forward_backward_step(model, x, y).detach()
         if stepper is not None:
             # what backward already updated: AdamW's per-parameter step count is 1 ahead there
             steps_seen.append(sorted({int(opt.state[p]["step"]) for p in model.parameters() if p in opt.state}))

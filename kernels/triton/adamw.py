@@ -165,12 +165,14 @@ def _adamw_block(P, G, M, V, C, offs, n, wd_scale, beta1, beta2, step_size, inv_
 @triton.jit(do_not_specialize=["seed"])  # a new key each step: one compiled kernel for all of them
 def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARES, MUL, n_tensors, wd_scale, beta1, beta2, step_size, inv_bc2_sqrt, eps,
                  seed, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, GRAD_BF16: tl.constexpr, WANT_SQUARES: tl.constexpr,
-                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr, STATE_BF16: tl.constexpr, HAS_MUL: tl.constexpr):
+                 HAS_COPY: tl.constexpr, COPY_ALIGN: tl.constexpr, STATE_BF16: tl.constexpr, HAS_MUL: tl.constexpr,
+                 ROUND_MUL: tl.constexpr):
     """One tile of one tensor a program. OFFSETS holds four rows of n_tensors element offsets, from
     P, G, M and V: parameters, gradients, first moments, second moments; with HAS_COPY a fifth,
     from C: the parameters' bf16 copies (COPY_ALIGN elements to 16 bytes); with STATE_BF16 one more,
     each tensor's random base (the last row). With HAS_MUL, MUL is one fp32 factor every gradient is
-    multiplied by before the update (the clipping's)."""
+    multiplied by before the update (the clipping's); with ROUND_MUL the factor is first rounded to
+    bf16, the gradients' dtype (factor_rounded_to_grads)."""
     tile = tl.program_id(0)
     t = tl.load(TILE_TENSOR + tile)
     start = tl.load(TILE_START + tile)
@@ -197,6 +199,8 @@ def _adamw_tiles(P, G, M, V, C, OFFSETS, NUMELS, TILE_TENSOR, TILE_START, SQUARE
     if HAS_COPY:
         C = C + c_off
     mul = tl.load(MUL) if HAS_MUL else 1.0
+    if ROUND_MUL:
+        mul = bf16_rne(mul).to(tl.float32)
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
     if start + BLOCK * ITERS <= n:  # a whole tile: every tile but a tensor's last
         for i in range(ITERS):
@@ -231,6 +235,18 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
     return [(t.data_ptr() - base) // size for t in tensors]
 
 
+# Where torch's in-place multiply of bf16 gradients by clip_grads_with_norm_'s fp32 0-dim factor
+# rounds the factor to bf16 first. On CUDA the factor is a device tensor, so _foreach_mul_ leaves its
+# fast path (the dtypes differ) for Tensor.mul_, whose TensorIterator casts both inputs to the common
+# dtype, bf16, before the fp32 multiply; on the CPU a 0-dim tensor is a CPU scalar, read at fp32.
+# Seen on an H100 (torch 2.11): the unrounded factor differed in the last bit of some updates.
+FACTOR_ROUNDED_ON = frozenset({"cuda"})
+
+
+def factor_rounded_to_grads(device: torch.device, grad_dtype: torch.dtype) -> bool:
+    return device.type in FACTOR_ROUNDED_ON and grad_dtype == torch.bfloat16
+
+
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                 table: TileTable, *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                 want_squares: bool = False, copies: list[torch.Tensor] | None = None, rand_bases: list[int] | None = None,
@@ -243,7 +259,7 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     stochastically with the bits hashed from (`rounding_key`, 31 bits: step_key's, the tensor's
     `rand_bases` entry + the element's index). With `grad_mul` (a one-element fp32 tensor on the
     parameters' device) every gradient is taken times it, rounded to the gradient's dtype, as
-    clip_grads_with_norm_ would have left it; the gradients themselves are not written. Returns the
+    clip_grads_with_norm_ would have left it on that device (factor_rounded_to_grads); the gradients themselves are not written. Returns the
     sum of the gradients' squares (an fp32 device scalar, of the gradients as read) when `want_squares`."""
     if not params:
         return torch.zeros((), dtype=torch.float32) if want_squares else None
@@ -276,7 +292,7 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     tail = (grad_mul if grad_mul is not None else offsets, len(params), 1.0 - lr * weight_decay, beta1, beta2, lr / bc1, 1.0 / math.sqrt(bc2), eps, rounding_key)
     spec = dict(BLOCK=block, ITERS=TILE // block, ALIGNED=aligned, GRAD_BF16=GRAD_DTYPES[grads[0].dtype], HAS_COPY=bool(copies),
                 COPY_ALIGN=16 // copies[0].element_size() if copies else 1, STATE_BF16=state_bf16, HAS_MUL=grad_mul is not None,
-                num_warps=NUM_WARPS)
+                ROUND_MUL=grad_mul is not None and factor_rounded_to_grads(device, grads[0].dtype), num_warps=NUM_WARPS)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # the tensors' GPU, whichever is current
         _adamw_tiles[(table.n_tiles,)](*head, squares, *tail, WANT_SQUARES=want_squares, **spec)
         _compile_other_variant(device, head, tail, spec, want_squares, table.n_tiles)

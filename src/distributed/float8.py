@@ -76,14 +76,15 @@ def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name
 
 def act_in_cast(precision, mlp: str) -> bool:
     """Whether the MLP's activation goes into its float8 casts (precision.fp8_act_in_cast), with
-    fp8_impl=triton: the seed's SiLU (model.mlp=silu) into the down projection's, wherever it can
-    when unset; SwiGLU (model.mlp=swiglu: the whole MLP as kernels/triton/fp8_swiglu.py's one
-    function) when set true, with precision.fp8_recipe=rowwise_with_gw_tensorwise."""
+    fp8_impl=triton, wherever it can when unset: the seed's SiLU (model.mlp=silu) into the down
+    projection's; SwiGLU (model.mlp=swiglu: the whole MLP as kernels/triton/fp8_swiglu.py's one
+    function) with precision.fp8_recipe=rowwise_with_gw_tensorwise."""
     if not (precision.float8 and str(precision.fp8_impl) == "triton"):
         return False
+    wanted = precision.fp8_act_in_cast is None or bool(precision.fp8_act_in_cast)
     if str(mlp) == "silu":
-        return precision.fp8_act_in_cast is None or bool(precision.fp8_act_in_cast)
-    return str(mlp) == "swiglu" and bool(precision.fp8_act_in_cast) and bool(TRITON_RECIPES.get(str(precision.fp8_recipe)))
+        return wanted
+    return str(mlp) == "swiglu" and wanted and bool(TRITON_RECIPES.get(str(precision.fp8_recipe)))
 
 
 def act_in_cast_refusal(precision, mlp: str) -> str | None:
