@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from src.bench.torchtitan_flavor import FLAVORS, ffn_hidden, flops_per_token, param_count
-from src.bench.torchtitan_llama import main, parse_titan_log, titan_figures, write_assets
+from src.bench.torchtitan_llama import main, parse_titan_log, table, titan_figures, write_assets
 from src.models.llama3.model import Llama3
 
 
@@ -69,3 +69,28 @@ def test_assets_and_dry_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--model.flavor 1B" in out and "--experimental.custom_import src.bench.torchtitan_flavor" in out
     assert "quantize.linear.float8" in out and "model.tie_embeddings=false" in out
+
+
+def _row(run: str, whose: str, n: int, tps: float) -> dict:
+    return {"run": run, "whose": whose, "round": n, "tokens_per_s_per_device": tps, "step_time_s": 8192 / tps, "mfu": None}
+
+
+def test_rounds_compare_each_of_ours_with_its_own_rounds_torchtitan():
+    rows = [_row("compile_fp8", "torchtitan", 1, 60_000), _row("fp8_tied", "ours", 1, 78_000),
+            _row("compile_fp8", "torchtitan", 2, 59_000), _row("fp8_tied", "ours", 2, 77_000),
+            {"run": "compile", "whose": "torchtitan", "round": 2, "error": "timed out\nlast lines"}]
+    text = table(rows)
+    assert "| 1 | fp8_tied | ours | 78,000 |" in text and "| 1.300x |" in text  # 78k / round 1's 60k
+    assert "| 2 | fp8_tied | ours | 77,000 |" in text and "| 1.305x |" in text  # 77k / round 2's 59k, not round 1's
+    assert "| 2 | compile | torchtitan | failed: timed out |" in text
+    assert "fp8_tied: 1.300x-1.305x torchtitan's best over 2 rounds" in text
+    one = table([r for r in rows if r["round"] == 1])  # one round: no round column, no range
+    assert one.startswith("| run | whose |") and "over 1 rounds" not in one and "| 1.300x |" in one
+
+
+def test_a_dry_run_of_two_rounds_lists_the_plan_twice(tmp_path, capsys):
+    main(["--dry-run", "--rounds", "2", "--corpus-mb", "0.05", "--out", str(tmp_path), "--titan-settings", "compile_fp8",
+          "--ours", "fp8_tied=+exp=llama3_1b_fp8"])
+    out = capsys.readouterr().out
+    assert out.count("# torchtitan compile_fp8") == 2 and out.count("# ours fp8_tied") == 2
+    assert out.index("# ours fp8_tied") < out.rindex("# torchtitan compile_fp8")  # alternated: round 1 whole, then round 2

@@ -4,7 +4,8 @@
         --titan-settings eager,compile,compile_fp8 \\
         --ours bf16="+exp=llama3_1b model.tie_embeddings=false" --ours fp8="+exp=llama3_1b_fp8 model.tie_embeddings=false"
 
-Runs go in order, torchtitan's first; past --budget-s none starts. The defaults (four torchtitan settings,
+Runs go in order, torchtitan's first; past --budget-s none starts. `--rounds 2` runs the whole plan twice,
+alternated, and gives each of ours against its own round's torchtitan, then the range of those ratios. The defaults (four torchtitan settings,
 four of ours) are about two 10-minute calls; the five above, one.
 
 The GPU machine has no network: torchtitan 0.2.2 and what the image lacks of its dependencies (torchdata,
@@ -214,21 +215,36 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    ok_titan = [r for r in rows if r["whose"] == "torchtitan" and "error" not in r]
-    best = max(ok_titan, key=lambda r: r["tokens_per_s_per_device"], default=None)
-    out = ["| run | whose | tok/s/GPU | MFU % (torchtitan's log) | MFU % (our formula) | step ms | peak GB | vs torchtitan best |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    """The rows as a markdown table, each of ours against the best torchtitan setting of its own
+    round (rows without a "round" are one round); with two rounds or more, each of ours's range of
+    those ratios after the table."""
+    rounds = sorted({r.get("round", 1) for r in rows})
+    best = {}
+    for n in rounds:
+        ok_titan = [r for r in rows if r.get("round", 1) == n and r["whose"] == "torchtitan" and "error" not in r]
+        best[n] = max(ok_titan, key=lambda r: r["tokens_per_s_per_device"], default=None)
+    many = len(rounds) > 1
+    out = [f"| {'round | ' if many else ''}run | whose | tok/s/GPU | MFU % (torchtitan's log) | MFU % (our formula) | step ms | peak GB | vs torchtitan best |",
+           f"|{'---:|' if many else ''}---|---|---:|---:|---:|---:|---:|---:|"]
+    ratios: dict[str, list[float]] = {}
     for r in rows:
+        lead = f"| {r.get('round', 1)} " if many else ""
         if "error" in r:
-            out.append(f"| {r['run']} | {r['whose']} | failed: {r['error'].splitlines()[0][:80]} | | | | | |")
+            out.append(f"{lead}| {r['run']} | {r['whose']} | failed: {r['error'].splitlines()[0][:80]} | | | | | |")
             continue
-        tps = r["tokens_per_s_per_device"]
-        ratio = f"{tps / best['tokens_per_s_per_device']:.3f}x" if best and tps else "n/a"
-        out.append(f"| {r['run']} | {r['whose']} | {_fmt(tps, ',.0f')} | {_fmt(r.get('mfu_titan'), '.1f')} | "
+        tps, top = r["tokens_per_s_per_device"], best[r.get("round", 1)]
+        ratio = tps / top["tokens_per_s_per_device"] if top and tps else None
+        if ratio is not None and r["whose"] == "ours":
+            ratios.setdefault(r["run"], []).append(ratio)
+        out.append(f"{lead}| {r['run']} | {r['whose']} | {_fmt(tps, ',.0f')} | {_fmt(r.get('mfu_titan'), '.1f')} | "
                    f"{_fmt(r.get('mfu'), '.1f')} | {_fmt(r['step_time_s'] and 1e3 * r['step_time_s'], '.1f')} | "
-                   f"{_fmt(r.get('peak_mem_gb'), '.1f')} | {ratio} |")
-    if best:
-        out.append(f"\ntorchtitan's best setting: {best['run']}. torchtitan's llama3 does not tie the head to the embedding: "
+                   f"{_fmt(r.get('peak_mem_gb'), '.1f')} | {_fmt(ratio, '.3f')}{'x' if ratio is not None else ''} |")
+    if many and ratios:
+        out.append("\n" + "; ".join(f"{name}: {min(v):.3f}x-{max(v):.3f}x torchtitan's best over {len(v)} rounds"
+                                      for name, v in ratios.items()))
+    named = {b["run"] for b in best.values() if b}
+    if named:
+        out.append(f"\ntorchtitan's best setting: {', '.join(sorted(named))}. torchtitan's llama3 does not tie the head to the embedding: "
                    "compare it with ours untied (bf16, fp8); the tied rows are the preset as it ships. MFU (our formula) "
                    "is 6 x matmul parameters + 12 x layers x heads x head_dim x seq per token at 989 TFLOP/s.")
     return "\n".join(out)
@@ -260,6 +276,7 @@ def main(argv: list[str] | None = None, clock=time.monotonic) -> list[dict]:
     ap.add_argument("--no-install", action="store_true", help="--site is installed already")
     ap.add_argument("--corpus-mb", type=float, default=2.0, help="JSON-lines text for torchtitan's loader; it loops over it")
     ap.add_argument("--timeout-s", type=float, default=150.0, help="each run's own limit")
+    ap.add_argument("--rounds", type=int, default=1, help="the whole plan this many times, alternated (each of ours against its own round's torchtitan)")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no run past this many seconds of wall time")
     ap.add_argument("--out", type=Path, default=Path("bench_out/torchtitan"))
     ap.add_argument("--dry-run", action="store_true", help="write the assets, print the commands, run nothing")
@@ -279,10 +296,13 @@ def main(argv: list[str] | None = None, clock=time.monotonic) -> list[dict]:
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade",
                "--target", str(args.site), *map(str, wheels)]
     tok, data = write_assets(args.out / "assets", args.corpus_mb)
-    plan = [("torchtitan", s) for s in settings] + [("ours", n) for n, _ in ours]
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
+    plan = [(whose, name, n) for n in range(1, args.rounds + 1) for whose, name in
+            [("torchtitan", s) for s in settings] + [("ours", o) for o, _ in ours]]
     if args.dry_run:
         print(shlex.join(install))
-        for whose, name in plan:
+        for whose, name, _ in plan:
             cmd, env = (titan_command(name, args, tok, data), titan_env(args)) if whose == "torchtitan" else ours_command(name, dict(ours)[name], args)
             extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
             print(f"# {whose} {name}\n" + " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items()) + " " + shlex.join(cmd))
@@ -295,22 +315,22 @@ def main(argv: list[str] | None = None, clock=time.monotonic) -> list[dict]:
 
     rows: list[dict] = []
     longest = 0.0
-    for whose, name in plan:
+    for whose, name, n in plan:
         elapsed = clock() - t0
         if elapsed + min(longest, args.timeout_s) > args.budget_s:
             print(f"--budget-s {args.budget_s:g}: no new run after {elapsed:.0f} s; left out: "
-                  f"{', '.join(n for _, n in plan[len(rows):])}", flush=True)
+                  f"{', '.join(f'{p} (round {k})' for _, p, k in plan[len(rows):])}", flush=True)
             break
         timeout = min(args.timeout_s, max(args.budget_s - elapsed, 1.0))
         start = clock()
         figures = run_titan(name, args, tok, data, timeout) if whose == "torchtitan" else run_ours(name, dict(ours)[name], args, timeout)
         took = clock() - start
         longest = max(longest, took)
-        rows.append({"run": name, "whose": whose, "wall_s": took, **figures})
+        rows.append({"run": name, "whose": whose, "round": n, "wall_s": took, **figures})
         (args.out / "rows.json").write_text(json.dumps(rows, indent=2))  # after every run: a cut-off call keeps what ran
         what = figures.get("error") or (f"{figures['tokens_per_s_per_device']:,.0f} tok/s/GPU, MFU {_fmt(figures.get('mfu'), '.1f')}%"
                                         f" (torchtitan's {_fmt(figures.get('mfu_titan'), '.1f')}%), step {1e3 * figures['step_time_s']:.1f} ms")
-        print(f"{whose:<10} {name:<20} ({took:.0f} s): {what}", flush=True)
+        print(f"{whose:<10} {name:<20} {f'round {n} ' if args.rounds > 1 else ''}({took:.0f} s): {what}", flush=True)
     print()
     text = table(rows)
     print(text)
