@@ -138,9 +138,8 @@ def end_preempted(cfg: DictConfig, summary: dict[str, Any]) -> None:
     to submitit's requeue (it exits there); a SLURM batch job requeues itself (checkpoint.requeue);
     then the process exits 128 + the signal's number, a sweep on this machine with it."""
     import os
-    import subprocess
 
-    from src.distributed.cluster import submitit_job
+    from src.distributed.cluster import requeue_through, scontrol_requeue, submitit_job
     from src.train.preempt import exit_code, stop_signals
 
     sig = signal.Signals[summary["preempted_by"]]
@@ -149,10 +148,11 @@ def end_preempted(cfg: DictConfig, summary: dict[str, Any]) -> None:
         handler = signal.getsignal(submitit_sig)
         if callable(handler) and getattr(handler, "__name__", "") == "checkpoint_and_try_requeue":
             log.warning("%s: handing over to submitit, which requeues the job", sig.name)
+            requeue_through(handler)
             handler(submitit_sig, None)  # submitit requeues the job, then exits
     elif os.environ.get("SLURM_JOB_ID") and os.environ.get("ENVIRONMENT") == "BATCH" and cfg.checkpoint.requeue:
         job_id = os.environ["SLURM_JOB_ID"]
-        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+        done = scontrol_requeue(job_id)
         if done.returncode == 0:
             log.warning("%s: SLURM job %s requeued (checkpoint.requeue)", sig.name, job_id)
         else:
