@@ -241,7 +241,8 @@ class KernelsConfig:
 
 @dataclass
 class SpeedConfig:
-    """Speed-ups that leave what the step computes unchanged (python -m src.speed lists the recipes).
+    """Speed-ups that leave what the step computes unchanged, but for norm_in_copy_in's order of summing the
+    gradient norm (python -m src.speed lists the recipes).
 
     The recipes replace torch internals (src/speed/: each verified on named torch releases, held to
     torch's own path bit for bit); the rest are FSDP2's and Inductor's own levers. Presets:
@@ -276,6 +277,10 @@ class SpeedConfig:
     clip_in_update: bool = True
     """fused AdamW (torch's, or optim.impl=triton's) with optim.grad_clip > 0: the clipping factor applied
     inside the update instead of a pass of its own over the gradients"""
+    norm_in_copy_in: Use = Use.off
+    """one rank with speed.reduce_copy_in and one_rank_copies running and optim.grad_clip > 0: the copy-in kernel that writes
+    the fp32 gradients also sums their squares, and clipping takes the norm from those sums instead of a pass over every
+    gradient (the same sum in another order; off in every preset until it is measured on a GPU)"""
     force_unverified: bool = False
     """run the recipes asked for on a torch or Triton release they were not verified on"""
 

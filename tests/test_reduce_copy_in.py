@@ -50,6 +50,30 @@ def test_more_gradients_than_one_launch_holds():
     assert torch.equal(out.view(world, -1), ref)
 
 
+@pytest.mark.parametrize("world, count", [(1, 5), (3, 2 * SLOTS + 3)], ids=["1rank-5", "3ranks-19"])
+def test_the_copy_with_squares_writes_the_same_bits_and_each_programs_sum_of_squares(world, count):
+    """speed.norm_in_copy_in's launch: the copy as without it, and per row one sum of squares per
+    program in the output's order (19 gradients: three launches, each writing after the last's)."""
+    from kernels.triton.chunk_cat import BLOCK, launch_checked, tiles_a_row
+
+    grads = _grads(world, torch.bfloat16, count=count)
+    n = sum(t.numel() for t in grads)
+    out, ref = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    chunk_cat(grads, world, ref)
+    partials = launch_checked(grads, world, out, squares=True)
+    assert torch.equal(out, ref) and launch_checked(grads, world, torch.empty_like(out)) is None
+    assert partials.shape == (world, tiles_a_row(grads, world)) and partials.dtype == torch.float32
+    want = []  # each gradient's chunk r in BLOCK-element tiles, as the programs take them
+    for r in range(world):
+        row = []
+        for t in grads:
+            chunk = t.reshape(world, -1)[r].double()
+            row += [chunk[i:i + BLOCK].square().sum() for i in range(0, chunk.numel(), BLOCK)]
+        want.append(torch.stack(row))
+    assert torch.allclose(partials.double(), torch.stack(want), rtol=1e-6, atol=0)
+    assert partials.double().sum().item() == pytest.approx(out.double().square().sum().item(), rel=1e-6)
+
+
 def test_what_the_kernel_refuses():
     grads = _grads(2, torch.bfloat16)
     n = sum(t.numel() for t in grads)

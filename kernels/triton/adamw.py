@@ -336,6 +336,23 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def global_norm_from_squares(squares: list[torch.Tensor], sharded, device: torch.device) -> torch.Tensor:
+    """The global L2 norm from this rank's sums of squares (0-dim fp32 tensors): summed, all-reduced
+    over the mesh dimensions the gradients are sharded on (`sharded`: (mesh, dims) or None), square
+    root; what get_total_norm(...).full_tensor() gives, summed in another order."""
+    # a rank with no gradient this step still joins the all-reduce, with 0
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if sharded is not None and dist.is_initialized():
+        mesh, dims = sharded
+        for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already
+            # a dimension of one rank holds the whole sum already: no collective, which on one
+            # GPU would be the run's first and start NCCL there (0.34-0.58 s at the first logged
+            # step on an H200: docs/lab/PERFORMANCE.md section 7, "The first logged step's half second")
+            if mesh.size(d) > 1:
+                dist.all_reduce(total, group=mesh.get_group(d))
+    return total.sqrt()
+
+
 class TritonAdamW(torch.optim.AdamW):
     """torch's AdamW (same param groups, same state: `step`, `exp_avg`, `exp_avg_sq`, so state dicts,
     DCP checkpoints and resumes are AdamW's) whose step runs adamw_step_ over every parameter of a
@@ -476,19 +493,5 @@ class TritonAdamW(torch.optim.AdamW):
                 if sq is not None:
                     squares.append(sq)
         if self.grad_norm_wanted:
-            self.last_grad_norm = self._global_norm(squares, sharded, self.param_groups[0]["params"][0].device)
+            self.last_grad_norm = global_norm_from_squares(squares, sharded, self.param_groups[0]["params"][0].device)
         return loss
-
-    @staticmethod
-    def _global_norm(squares: list[torch.Tensor], sharded, device: torch.device) -> torch.Tensor:
-        # a rank with no gradient this step still joins the all-reduce, with 0
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-        if sharded is not None and dist.is_initialized():
-            mesh, dims = sharded
-            for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already
-                # a dimension of one rank holds the whole sum already: no collective, which on one
-                # GPU would be the run's first and start NCCL there (0.34-0.58 s at the first logged
-                # step on an H200: docs/lab/PERFORMANCE.md section 7, "The first logged step's half second")
-                if mesh.size(d) > 1:
-                    dist.all_reduce(total, group=mesh.get_group(d))
-        return total.sqrt()

@@ -12,6 +12,11 @@ One launch takes up to SLOTS gradients: a program copies BLOCK elements of one g
 needs no padding is taken: contiguous gradients whose dim 0 divides by W, cast to an equal or wider
 float (an exact conversion, so the result is torch's bit for bit); src/speed/reduce_copy_in.py
 sends everything else to torch.
+
+With `squares`, each program also leaves the sum of the squares of what it wrote (one fp32 per
+program, 2 KB per million elements): on one rank, where this output is the fp32 gradients
+themselves (speed.one_rank_copies), clipping's norm is summed here instead of in a pass of its own
+over them (speed.norm_in_copy_in, src/speed/grad_squares.py).
 """
 from __future__ import annotations
 
@@ -30,14 +35,18 @@ WIDENS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}  # ex
 
 
 @triton.jit
-def _tile(OUT, row_stride, X, c, col, lo, hi, BLOCK: tl.constexpr):
+def _tile(OUT, row_stride, X, c, col, lo, hi, S, s_row, s_base, BLOCK: tl.constexpr, SQUARES: tl.constexpr):
     pid = tl.program_id(0)
     if (pid >= lo) & (pid < hi):
         row = tl.program_id(1).to(tl.int64)
         offs = (pid - lo).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < c
-        x = tl.load(X + row * c + offs, mask=mask)
-        tl.store(OUT + row * row_stride + col + offs, x.to(OUT.dtype.element_ty), mask=mask)
+        x = tl.load(X + row * c + offs, mask=mask, other=0.0)
+        y = x.to(OUT.dtype.element_ty)
+        tl.store(OUT + row * row_stride + col + offs, y, mask=mask)
+        if SQUARES:
+            f = y.to(tl.float32)
+            tl.store(S + row * s_row + s_base + pid, tl.sum(f * f, axis=0))
 
 
 @triton.jit
@@ -46,23 +55,25 @@ def _chunk_cat(OUT, row_stride,
                C0, C1, C2, C3, C4, C5, C6, C7,
                O0, O1, O2, O3, O4, O5, O6, O7,
                T1, T2, T3, T4, T5, T6, T7, T8,
-               NT: tl.constexpr, BLOCK: tl.constexpr):
-    # slot i: gradient Xi, Ci elements a chunk, its chunk at column Oi of each row, tiles [T(i), T(i+1))
-    _tile(OUT, row_stride, X0, C0, O0, 0, T1, BLOCK)
+               S, s_row, s_base,
+               NT: tl.constexpr, BLOCK: tl.constexpr, SQUARES: tl.constexpr):
+    # slot i: gradient Xi, Ci elements a chunk, its chunk at column Oi of each row, tiles [T(i), T(i+1));
+    # SQUARES: tile t of row r leaves its sum of squares at S[r * s_row + s_base + t]
+    _tile(OUT, row_stride, X0, C0, O0, 0, T1, S, s_row, s_base, BLOCK, SQUARES)
     if NT > 1:
-        _tile(OUT, row_stride, X1, C1, O1, T1, T2, BLOCK)
+        _tile(OUT, row_stride, X1, C1, O1, T1, T2, S, s_row, s_base, BLOCK, SQUARES)
     if NT > 2:
-        _tile(OUT, row_stride, X2, C2, O2, T2, T3, BLOCK)
+        _tile(OUT, row_stride, X2, C2, O2, T2, T3, S, s_row, s_base, BLOCK, SQUARES)
     if NT > 3:
-        _tile(OUT, row_stride, X3, C3, O3, T3, T4, BLOCK)
+        _tile(OUT, row_stride, X3, C3, O3, T3, T4, S, s_row, s_base, BLOCK, SQUARES)
     if NT > 4:
-        _tile(OUT, row_stride, X4, C4, O4, T4, T5, BLOCK)
+        _tile(OUT, row_stride, X4, C4, O4, T4, T5, S, s_row, s_base, BLOCK, SQUARES)
     if NT > 5:
-        _tile(OUT, row_stride, X5, C5, O5, T5, T6, BLOCK)
+        _tile(OUT, row_stride, X5, C5, O5, T5, T6, S, s_row, s_base, BLOCK, SQUARES)
     if NT > 6:
-        _tile(OUT, row_stride, X6, C6, O6, T6, T7, BLOCK)
+        _tile(OUT, row_stride, X6, C6, O6, T6, T7, S, s_row, s_base, BLOCK, SQUARES)
     if NT > 7:
-        _tile(OUT, row_stride, X7, C7, O7, T7, T8, BLOCK)
+        _tile(OUT, row_stride, X7, C7, O7, T7, T8, S, s_row, s_base, BLOCK, SQUARES)
 
 
 _launch = Launcher(_chunk_cat)  # kernels/triton/launch.py: cached launches
@@ -96,11 +107,22 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -
     launch_checked(tensors, num_chunks, out)
 
 
-def launch_checked(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
-    """`chunk_cat` for a call `takes` has already accepted (FSDP2's route checks once, then launches)."""
+def tiles_a_row(tensors: list[torch.Tensor], num_chunks: int) -> int:
+    """Programs a row of the output takes: the length of each row of launch_checked's partial sums."""
+    return sum(triton.cdiv(t.numel() // num_chunks, BLOCK) for t in tensors)
+
+
+def launch_checked(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor, squares: bool = False) -> torch.Tensor | None:
+    """`chunk_cat` for a call `takes` has already accepted (FSDP2's route checks once, then launches).
+    `squares`: also the sums of the squares of the elements written, one a program, (num_chunks,
+    tiles_a_row) fp32 in the output's order (their sum: the output's squared L2 norm); else None."""
     rows = out.view(num_chunks, -1)
     row_stride = rows.shape[1]
     col = 0
+    s_row = tiles_a_row(tensors, num_chunks) if squares else 0
+    partials = torch.empty((num_chunks, s_row), dtype=torch.float32, device=out.device) if squares else None
+    s = partials if squares else rows  # an unread pointer where no sums are asked for
+    base = 0
     for first in range(0, len(tensors), SLOTS):
         group = tensors[first:first + SLOTS]
         xs, cs, cols, ends = [], [], [], []
@@ -116,4 +138,6 @@ def launch_checked(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tens
         if tiles:
             pad = SLOTS - len(group)
             _launch((tiles, num_chunks), rows, row_stride, *xs, *[rows] * pad, *cs, *[0] * pad, *cols, *[0] * pad,
-                    *ends, *[tiles] * pad, NT=len(group), BLOCK=BLOCK, num_warps=NUM_WARPS)
+                    *ends, *[tiles] * pad, s, s_row, base, NT=len(group), BLOCK=BLOCK, SQUARES=squares, num_warps=NUM_WARPS)
+        base += tiles
+    return partials

@@ -224,6 +224,8 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
             cfg.speed.forward_prefetch, cfg.speed.backward_prefetch,
         )
         speed_on = install_fsdp(model, verdicts, cfg.precision.param_dtype, main)
+        if norm_in_copy_in(cfg, speed_on, mesh.size(), main, model):
+            speed_on.append("norm_in_copy_in")  # taken by the Trainer's clipping (src/speed/grad_squares.py)
         if verdicts["cast_in_step"].on:
             speed_on.append("cast_in_step")  # installed by the Trainer, once the optimizer exists
     elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
@@ -238,3 +240,20 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return Parallelized(model, autocast_dtype, after_optimizer, speed_on)
+
+
+def norm_in_copy_in(cfg: DictConfig, speed_on: list[str], mesh_ranks: int, main: bool, model: nn.Module | None = None) -> bool:
+    """speed.norm_in_copy_in: on (and the copy-in summing squares from now on) where one rank is the whole mesh,
+    the copy-in and one-rank recipes run and clipping reads the norm; off, and the copy-in summing nothing,
+    everywhere else (one process may run several)."""
+    from src.speed.apply import asked
+    from src.speed.grad_squares import SQUARES, divides_gradients
+
+    wanted = asked(cfg, "norm_in_copy_in") != "off" and cfg.optim.grad_clip > 0
+    SQUARES.on = (wanted and mesh_ranks == 1 and {"reduce_copy_in", "one_rank_copies"} <= set(speed_on)
+                  and not (model is not None and divides_gradients(model)))
+    if wanted and not SQUARES.on and main:
+        log.info("speed.norm_in_copy_in: off in this run (it needs one rank, with speed.reduce_copy_in and one_rank_copies running); "
+                 "clipping sums the norm in a pass of its own")
+    return SQUARES.on
+

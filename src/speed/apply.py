@@ -88,6 +88,14 @@ def refusal(cfg: DictConfig) -> str | None:
         line = recipe.refusal(bool(speed.force_unverified))
         if line:
             return line
+    if asked(cfg, "norm_in_copy_in") == "on":
+        for needed in ("reduce_copy_in", "one_rank_copies"):
+            if asked(cfg, needed) == "off":
+                return (f"speed.norm_in_copy_in=on sums the gradient norm in speed.reduce_copy_in's kernel where speed.one_rank_copies "
+                        f"makes its output the gradients, and speed.{needed}=off; set speed.{needed}=auto or on")
+        if cfg.optim.grad_clip <= 0:
+            return ("speed.norm_in_copy_in=on gives clipping its norm, and optim.grad_clip=0 clips nothing; "
+                    "set optim.grad_clip > 0 or speed.norm_in_copy_in=off")
     if asked(cfg, "cast_in_step") == "on":
         if asked(cfg, "one_rank_copies") == "off":
             return ("speed.cast_in_step=on writes the casts into the storage speed.one_rank_copies keeps, and speed.one_rank_copies=off; "

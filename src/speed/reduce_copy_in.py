@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from src.speed.grad_squares import SQUARES
 from src.speed.patch import Patch
 from src.speed.recipe import FSDP, Recipe
 from src.speed.versions import TRITON_TESTED
@@ -23,7 +24,13 @@ _INTERPRETED = None  # kernels.triton.device.interpreted
 def foreach_reduce_scatter_copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
     here = reduce_scatter_input.is_cuda or (reduce_scatter_input.device.type == "cpu" and _INTERPRETED())
     if here and not torch.compiler.is_compiling() and _KERNEL.takes(unsharded_grads, world_size, reduce_scatter_input):
-        _KERNEL.launch_checked(unsharded_grads, world_size, reduce_scatter_input)
+        if SQUARES.on and world_size == 1:  # speed.norm_in_copy_in: the squares summed as written (src/speed/grad_squares.py)
+            # FSDP2 then copies the one-rank input onto the reduce output (`reduce_output.copy_(reduce_scatter_input)`),
+            # which speed.one_rank_copies makes the same tensor: the same values, one more version (torch 2.11-2.15)
+            partials = _KERNEL.launch_checked(unsharded_grads, world_size, reduce_scatter_input, squares=True)
+            SQUARES.record(reduce_scatter_input, partials, later_writes=1)
+        else:
+            _KERNEL.launch_checked(unsharded_grads, world_size, reduce_scatter_input)
     else:
         PATCH.fsdp2["foreach_reduce_scatter_copy_in"](unsharded_grads, reduce_scatter_input, world_size)
 

@@ -120,6 +120,7 @@ def optimizer_step(
     need_norm: bool = True,
     update: Callable[[], object] | None = None,
     clip_in_update: bool = True,
+    norm_from: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """After backward: the global grad norm, clipping and the optimizer; returns the norm as a
     device tensor. `skip_nonfinite` drops the optimizer step when the norm is NaN/inf (a device
@@ -129,7 +130,8 @@ def optimizer_step(
     host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
     what backward has not already updated). `clip_in_update` (speed.clip_in_update, torch's fused
     AdamW or optim.impl=triton's): the clipping factor goes to the update kernel instead of a pass
-    over the gradients. An
+    over the gradients. `norm_from` (speed.norm_in_copy_in) gives the global norm of the gradients
+    in place of get_total_norm's pass over them. An
     optimizer that sums the gradients' squares as it updates (optim.impl=triton) gives the norm of a
     step that only reports it (no clipping, no skipping)."""
     update = update or optimizer.step
@@ -152,9 +154,12 @@ def optimizer_step(
             return optimizer.last_grad_norm.detach()
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):  # DTensor: the local shards' norms reduced over the mesh
-            norm = norm.full_tensor()
+        if norm_from is not None:
+            norm = norm_from(grads)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+            if hasattr(norm, "full_tensor"):  # DTensor: the local shards' norms reduced over the mesh
+                norm = norm.full_tensor()
         if skip_nonfinite and not bool(torch.isfinite(norm)):
             optimizer.zero_grad(set_to_none=True)
             return norm.detach()

@@ -312,13 +312,19 @@ class Trainer:
         float8's scales); returns (loss, global grad norm) as device tensors, not yet synced; the
         norm None when `need_norm` is false and neither clipping nor skipping needs it."""
         self.optimizer.zero_grad(set_to_none=True)
+        norm_from = None
+        if "norm_in_copy_in" in self.speed:
+            from src.speed.grad_squares import SQUARES
+
+            SQUARES.clear()  # only this step's copies count
+            norm_from = SQUARES.norm
         if self.cfg.speed.cudagraphs:
             # the trees' outputs of the last step are dead from here: its graphs may be replayed over them
             torch.compiler.cudagraph_mark_step_begin()
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
                               self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm,
-                              self._update_rest if self.in_backward is not None else None, self.cfg.speed.clip_in_update)
+                              self._update_rest if self.in_backward is not None else None, self.cfg.speed.clip_in_update, norm_from)
         return loss.detach(), norm
 
     def _update_rest(self) -> None:

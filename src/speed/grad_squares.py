@@ -1,0 +1,92 @@
+"""speed.norm_in_copy_in: clipping's gradient norm from the sums of squares the one-rank copy-in leaves.
+
+On one rank with speed.one_rank_copies the reduce-scatter input that speed.reduce_copy_in's kernel
+writes (kernels/triton/chunk_cat.py) is the reduce output, and FSDP2 hands out the fp32 gradients as
+views of it. The kernel can sum the squares of what it writes as it writes it, so clipping needs no
+pass of its own over every fp32 gradient (get_total_norm: 4 bytes a parameter, 1.40 ms a step for
+LLaMA 3.2 1B's 1.24B on an H200, docs/lab/2026-12-06-h200.md). The norm is the same sum in another
+order (within a few units of fp32's last place of get_total_norm's); the step is otherwise unchanged.
+
+`SQUARES` keys each output by its storage, with its version counter as written. A gradient whose
+storage holds no entry (more than one rank: the gradients are views of the reduce output, another
+buffer; FSDP2's own copy under torch.compile; CPU offload) or whose version moved since (accumulated
+into, divided, scaled in place) is seen, and its rank sums its own squares the usual way. Entries are
+cleared at each step's start and once the norm is taken, so none outlives the step that wrote it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class GradSquares:
+    """The sums of squares the copy-in left for the buffers it wrote this step, and the global norm
+    made from them."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self._outputs: dict[int, tuple[int, torch.Tensor]] = {}  # storage address -> (version when written, partial sums)
+        self._told = False
+
+    def record(self, out: torch.Tensor, partials: torch.Tensor, later_writes: int = 0) -> None:
+        """`partials` sum to the squared L2 norm of all of `out`, just written; `later_writes` in-place
+        writes of the same values are still to come (its version counter then that much further)."""
+        self._outputs[out.untyped_storage().data_ptr()] = (out._version + later_writes, partials)
+
+    def clear(self) -> None:
+        self._outputs.clear()
+
+    def local_squares(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """This rank's sum of the squares of `grads` from the recorded sums, or None where one was
+        not written by a recorded copy this step or changed since. `grads` are every gradient of the
+        step: a buffer's sum covers all of it (and its padding, zeros)."""
+        hit: dict[int, torch.Tensor] = {}
+        for g in grads:
+            t = _local(g)
+            ptr = t.untyped_storage().data_ptr()
+            entry = self._outputs.get(ptr)
+            if entry is None or entry[0] != t._version:
+                return None
+            hit[ptr] = entry[1]
+        return torch.cat([p.reshape(-1) for p in hit.values()]).sum() if hit else None
+
+    def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of `grads` (what get_total_norm(...).full_tensor() gives, summed in
+        another order): this rank's squares, reduced over the mesh dimensions the gradients are
+        sharded on. A rank whose gradients the copy-in did not all write sums its own squares the
+        usual way, so every rank joins the same collective."""
+        from kernels.triton.adamw import global_norm_from_squares
+
+        try:
+            local = self.local_squares(grads)
+            if local is None and grads:
+                if not self._told:
+                    self._told = True
+                    log.info("speed.norm_in_copy_in: some gradients were not written by the one-rank copy-in this step "
+                             "(accumulated, offloaded or copied by torch); their norm is summed in a pass of its own")
+                local = torch.stack(torch._foreach_norm([_local(g) for g in grads], 2)).float().square().sum()
+            sharded = next(((g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard()))
+                            for g in grads if hasattr(g, "placements")), None)
+            device = _local(grads[0]).device if grads else torch.device("cpu")
+            return global_norm_from_squares([local] if local is not None else [], sharded, device)
+        finally:
+            self.clear()
+
+
+SQUARES = GradSquares()
+
+
+def divides_gradients(model: torch.nn.Module) -> bool:
+    """Whether an FSDP2 group of `model` divides its gradients in the one-rank copy onto the reduce
+    output (FSDPModule.set_gradient_divide_factor): that copy then writes other values than the
+    copy-in summed, in one write as the plain copy does, so the version counter cannot tell."""
+    from src.speed.one_rank import _groups
+
+    return any(getattr(group, "gradient_divide_factor", None) is not None for group in _groups(model))
