@@ -253,7 +253,7 @@ def norm_in_copy_in(cfg: DictConfig, speed_on: list[str], mesh_ranks: int, main:
     SQUARES.on = (wanted and mesh_ranks == 1 and {"reduce_copy_in", "one_rank_copies"} <= set(speed_on)
                   and not (model is not None and divides_gradients(model)))
     if wanted and not SQUARES.on and main:
-        log.info("speed.norm_in_copy_in: off in this run (it needs one rank, with speed.reduce_copy_in and one_rank_copies running); "
-                 "clipping sums the norm in a pass of its own")
+        log.info("speed.norm_in_copy_in: off in this run (it needs one rank, speed.reduce_copy_in and one_rank_copies running, and no "
+                 "gradient divide factor); clipping sums the norm in a pass of its own")
     return SQUARES.on
 
