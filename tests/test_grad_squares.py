@@ -30,11 +30,13 @@ def test_the_sums_count_only_gradients_the_copy_wrote_and_nothing_changed_since(
     out, views = _written(squares)
     assert float(squares.local_squares(views)) == sum(i * i for i in range(1, 7)) + sum(i * i for i in range(1, 5))
     assert squares.local_squares([torch.ones(3, device=DEVICE)]) is None  # not written by the copy
+    assert squares.local_squares(views[:1]) is None  # part of a buffer: its sum covers the rest too
     views[1].add_(1)  # what FSDP2 does to a gradient it accumulates into
     assert squares.local_squares(views) is None
-    _written(squares)
+    _, fresh = _written(squares)
+    assert squares.local_squares(fresh) is not None
     squares.clear()
-    assert squares.local_squares(views) is None
+    assert squares.local_squares(fresh) is None
 
 
 def test_writes_still_to_come_are_counted_and_no_more():

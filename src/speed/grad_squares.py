@@ -32,30 +32,33 @@ class GradSquares:
 
     def __init__(self) -> None:
         self.on = False
-        self._outputs: dict[int, tuple[int, torch.Tensor]] = {}  # storage address -> (version when written, partial sums)
+        self._outputs: dict[int, tuple[int, int, torch.Tensor]] = {}  # storage address -> (version when written, elements, partial sums)
         self._told = False
 
     def record(self, out: torch.Tensor, partials: torch.Tensor, later_writes: int = 0) -> None:
         """`partials` sum to the squared L2 norm of all of `out`, just written; `later_writes` in-place
         writes of the same values are still to come (its version counter then that much further)."""
-        self._outputs[out.untyped_storage().data_ptr()] = (out._version + later_writes, partials)
+        self._outputs[out.untyped_storage().data_ptr()] = (out._version + later_writes, out.numel(), partials)
 
     def clear(self) -> None:
         self._outputs.clear()
 
     def local_squares(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """This rank's sum of the squares of `grads` from the recorded sums, or None where one was
-        not written by a recorded copy this step or changed since. `grads` are every gradient of the
-        step: a buffer's sum covers all of it (and its padding, zeros)."""
-        hit: dict[int, torch.Tensor] = {}
+        not written by a recorded copy this step, changed since, or is only part of a buffer whose
+        other gradients are not among `grads` (a buffer's sum covers all of it: the copy-in takes
+        only gradients that fill it, no padding)."""
+        covered: dict[int, int] = {}
         for g in grads:
             t = _local(g)
             ptr = t.untyped_storage().data_ptr()
             entry = self._outputs.get(ptr)
             if entry is None or entry[0] != t._version:
                 return None
-            hit[ptr] = entry[1]
-        return torch.cat([p.reshape(-1) for p in hit.values()]).sum() if hit else None
+            covered[ptr] = covered.get(ptr, 0) + t.numel()
+        if not covered or any(n != self._outputs[ptr][1] for ptr, n in covered.items()):
+            return None
+        return torch.cat([self._outputs[ptr][2].reshape(-1) for ptr in covered]).sum()
 
     def norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of `grads` (what get_total_norm(...).full_tensor() gives, summed in
@@ -67,10 +70,13 @@ class GradSquares:
         try:
             local = self.local_squares(grads)
             if local is None and grads:
+                # what keeps the sums from covering the gradients (no aliased reduce, a bf16 reduce, offload,
+                # accumulation) holds for the run: stop summing, so the fallback costs no more than the pass
+                self.on = False
                 if not self._told:
                     self._told = True
-                    log.info("speed.norm_in_copy_in: some gradients were not written by the one-rank copy-in this step "
-                             "(accumulated, offloaded or copied by torch); their norm is summed in a pass of its own")
+                    log.info("speed.norm_in_copy_in: the gradients were not all written by the one-rank copy-in (not aliased, "
+                             "accumulated, offloaded or copied by torch); the norm is summed in a pass of its own from here on")
                 local = torch.stack(torch._foreach_norm([_local(g) for g in grads], 2)).float().square().sum()
             sharded = next(((g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard()))
                             for g in grads if hasattr(g, "placements")), None)
