@@ -336,6 +336,14 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def sharding_of(t: torch.Tensor):
+    """(mesh, the mesh dimensions `t` is sharded on) for a DTensor, None for a plain tensor: where
+    global_norm_from_squares reduces a rank's sum of squares."""
+    if not hasattr(t, "placements"):
+        return None
+    return t.device_mesh, tuple(i for i, pl in enumerate(t.placements) if pl.is_shard())
+
+
 def global_norm_from_squares(squares: list[torch.Tensor], sharded, device: torch.device) -> torch.Tensor:
     """The global L2 norm from this rank's sums of squares (0-dim fp32 tensors): summed, all-reduced
     over the mesh dimensions the gradients are sharded on (`sharded`: (mesh, dims) or None), square
@@ -452,8 +460,8 @@ class TritonAdamW(torch.optim.AdamW):
                 elif state["step"].device.type != "cpu":  # a fused AdamW's checkpoint keeps it on the GPU: read once, not every step
                     state["step"] = state["step"].cpu()
                 state["step"] += 1
-                if sharded is None and hasattr(p, "placements"):
-                    sharded = (p.device_mesh, tuple(i for i, pl in enumerate(p.placements) if pl.is_shard()))
+                if sharded is None:
+                    sharded = sharding_of(p)
                 tensors = (local_shard(p), local_shard(p.grad), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]))
                 if any(t.numel() and not t.data_ptr() for t in tensors):  # a wrapper subclass (torchao's float8 weights) has no storage
                     raise ValueError(f"TritonAdamW reads each tensor's storage, and a {type(tensors[0]).__name__} parameter has none; use torch's fused AdamW")

@@ -22,10 +22,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 class GradSquares:
     """The sums of squares the copy-in left for the buffers it wrote this step, and the global norm
     made from them."""
@@ -48,9 +44,11 @@ class GradSquares:
         not written by a recorded copy this step, changed since, or is only part of a buffer whose
         other gradients are not among `grads` (a buffer's sum covers all of it: the copy-in takes
         only gradients that fill it, no padding)."""
+        from kernels.triton.adamw import local_shard  # Triton may be missing where this module is imported
+
         covered: dict[int, int] = {}
         for g in grads:
-            t = _local(g)
+            t = local_shard(g)
             ptr = t.untyped_storage().data_ptr()
             entry = self._outputs.get(ptr)
             if entry is None or entry[0] != t._version:
@@ -65,7 +63,7 @@ class GradSquares:
         another order): this rank's squares, reduced over the mesh dimensions the gradients are
         sharded on. A rank whose gradients the copy-in did not all write sums its own squares the
         usual way, so every rank joins the same collective."""
-        from kernels.triton.adamw import global_norm_from_squares
+        from kernels.triton.adamw import global_norm_from_squares, local_shard, sharding_of
 
         try:
             local = self.local_squares(grads)
@@ -77,10 +75,9 @@ class GradSquares:
                     self._told = True
                     log.info("speed.norm_in_copy_in: the gradients were not all written by the one-rank copy-in (not aliased, "
                              "accumulated, offloaded or copied by torch); the norm is summed in a pass of its own from here on")
-                local = torch.stack(torch._foreach_norm([_local(g) for g in grads], 2)).float().square().sum()
-            sharded = next(((g.device_mesh, tuple(i for i, p in enumerate(g.placements) if p.is_shard()))
-                            for g in grads if hasattr(g, "placements")), None)
-            device = _local(grads[0]).device if grads else torch.device("cpu")
+                local = torch.nn.utils.get_total_norm([local_shard(g) for g in grads]).float().square()
+            sharded = next((s for s in map(sharding_of, grads) if s is not None), None)
+            device = local_shard(grads[0]).device if grads else torch.device("cpu")
             return global_norm_from_squares([local] if local is not None else [], sharded, device)
         finally:
             self.clear()
