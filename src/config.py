@@ -195,6 +195,10 @@ class PrecisionConfig:
     fp8_impl: Fp8Impl = Fp8Impl.torchao
     """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
     (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand cast in one pass)"""
+    fp8_fast_accum: bool = False
+    """float8 GEMMs' accumulation: false gives the output GEMM fast accumulation (the tensor cores' own
+    precision) and promotes the grad-input and grad-weight GEMMs' sums to fp32 along the way, as torchao
+    does by default; true gives every float8 GEMM fast accumulation (both fp8_impls)"""
     fp8_act_in_cast: bool | None = None
     """fp8_impl=triton: the MLP's activation inside the float8 casts. model.mlp=silu: SiLU inside the down
     projection's casts and its gradient inside the up projection's (a pass fewer each way); unset: on.
@@ -280,7 +284,7 @@ class SpeedConfig:
     norm_in_copy_in: Use = Use.off
     """one rank with speed.reduce_copy_in and one_rank_copies running and optim.grad_clip > 0: the copy-in kernel that writes
     the fp32 gradients also sums their squares, and clipping takes the norm from those sums instead of a pass over every
-    gradient (the same sum in another order; off in every preset until it is measured on a GPU)"""
+    gradient (the same sum in another order; auto under speed=copies and graphs)"""
     force_unverified: bool = False
     """run the recipes asked for on a torch or Triton release they were not verified on"""
 

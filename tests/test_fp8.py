@@ -233,6 +233,23 @@ def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
     assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, emulate=True) == 8
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fast_accumulation_sets_torchaos_backward_gemms(recipe):
+    """precision.fp8_fast_accum with fp8_impl=torchao: every Float8Linear's grad-input and grad-weight
+    GEMM configs accumulate fast, the output GEMM's as the recipe has it (fast in both)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from src.distributed.float8 import convert_blocks_to_float8
+    from src.models.mini_llm import MiniLLM
+
+    for fast in (False, True):
+        model = MiniLLM(vocab_size=256, dim=64, n_layers=1, n_heads=4)
+        convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, emulate=True, fast_accum=fast)
+        configs = [m.config for m in model.modules() if isinstance(m, Float8Linear)]
+        assert len(configs) == 4 and all(c.gemm_config_output.use_fast_accum for c in configs)
+        assert all(c.gemm_config_grad_input.use_fast_accum is fast and c.gemm_config_grad_weight.use_fast_accum is fast for c in configs)
+
+
 @pytest.mark.parametrize("overrides,gathered", [
     ([], True),  # tensorwise under FSDP2: float8 wrapper weights
     (["precision.fp8_all_gather=false"], False),

@@ -108,11 +108,15 @@ def test_it_stays_off_beyond_one_rank_or_without_the_recipes_it_rides_on():
         assert norm_in_copy_in(cfg, ["reduce_copy_in", "one_rank_copies"], 1, main=False) and SQUARES.on
         assert not norm_in_copy_in(cfg, ["reduce_copy_in", "one_rank_copies"], 2, main=False) and not SQUARES.on
         assert not norm_in_copy_in(cfg, ["reduce_copy_in"], 1, main=False)
-        assert not norm_in_copy_in(compose_config([]), ["reduce_copy_in", "one_rank_copies"], 1, main=False)  # off unless asked
+        assert norm_in_copy_in(compose_config([]), ["reduce_copy_in", "one_rank_copies"], 1, main=False)  # auto under speed=copies
+        assert not norm_in_copy_in(compose_config(["speed=torch"]), ["reduce_copy_in", "one_rank_copies"], 1, main=False)
+        assert not norm_in_copy_in(compose_config(["optim.grad_clip=0"]), ["reduce_copy_in", "one_rank_copies"], 1, main=False)
     finally:
         SQUARES.on = False
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run whose copy-in kernel runs in Triton's interpreter, "
+                    "which a process on a GPU machine does not use")
 def test_a_one_rank_run_clips_with_the_norm_from_the_copy_in(tmp_path, in_process_runs, monkeypatch):
     """A one-rank CPU run (the kernel in Triton's interpreter) with it on: every step's norm came from
     the copy-in's sums where the kernel took every unit's copy (torch 2.11-2.14; torch 2.15 hands it

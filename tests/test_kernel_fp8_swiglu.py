@@ -167,3 +167,29 @@ def test_a_llama_block_converted_with_the_fold_trains_as_the_unfolded_one():
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         assert ((g.float() - ref_grads[name].float()).norm() / ref_grads[name].float().norm()).item() < 0.03, name
+
+
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["output-only", "every-gemm"])
+def test_fast_accumulation_reaches_the_gemms_it_names(fast_accum, monkeypatch):
+    """precision.fp8_fast_accum through convert_blocks_to_float8 on a tiny LLaMA 3 model (the folded
+    SwiGLU function and the attention's plain float8 linears): forward's GEMMs always accumulate fast
+    (torchao's default for the output GEMM), backward's grad-input and grad-weight GEMMs only with it on."""
+    from src.distributed.float8 import convert_blocks_to_float8
+    from src.models.llama3.model import Llama3
+
+    torch.manual_seed(0)
+    model = Llama3(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=96).to(DEVICE, torch.bfloat16)
+    convert_blocks_to_float8(model, "rowwise_with_gw_tensorwise", False, impl="triton", fold_activation=True, fast_accum=fast_accum)
+    assert type(model.layers[0].ffn).__name__ == "Float8SwiGLUFeedForward"
+    calls, scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(k["use_fast_accum"]) or scaled_mm(*a, **k))
+    tokens = torch.randint(0, 64, (1, 17), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    forward = list(calls)
+    loss.backward()
+    backward = calls[len(forward):]
+    # forward: the attention's linears (q, k, v, o as the model has them) and the MLP's two GEMMs
+    assert forward and all(forward)
+    # backward: two GEMMs a linear (grad input, grad weight), four for the MLP's function
+    assert len(backward) == 2 * len(forward) and all(b is fast_accum for b in backward)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

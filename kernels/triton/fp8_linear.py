@@ -2,7 +2,8 @@
 operand cast in one pass by a Triton kernel; the grad-weight GEMM stays in the input's dtype.
 
 This is torchao's `rowwise_with_gw_hp` recipe (the output GEMM with fast accumulation, the
-grad-input GEMM without; scales rounded down to powers of two), with the casts written by hand:
+grad-input GEMM without unless `fast_accum_backward`; scales rounded down to powers of two), with the
+casts written by hand:
 
 - output: Y = X W^T as `torch._scaled_mm(x8, w8^T)`, x8 a scale a row of X (one program a row
   reads X once and writes x8 and its scale), w8 a scale a row of W (an output feature's).
@@ -506,7 +507,8 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, float8_grad_weight: bool, act: str | None = None,
-                pieces: int = 1, act_out: str | None = None, act_grad_by_producer: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                pieces: int = 1, act_out: str | None = None, act_grad_by_producer: bool = False,
+                fast_accum_backward: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         x2 = x.reshape(-1, x.shape[-1])
         x8, x_inv = rowwise_e4m3(x2, act)
         if float8_grad_weight:
@@ -526,6 +528,7 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*((xt8, xt_inv, weight, w_inv) if float8_grad_weight else (x2, weight, w_inv)), *kept.values())
         ctx.kept = tuple(kept)
         ctx.has_bias, ctx.float8_grad_weight, ctx.act, ctx.act_grad_by_producer = bias is not None, float8_grad_weight, act, act_grad_by_producer
+        ctx.fast_accum = fast_accum_backward
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if pieces == 1 else y.chunk(pieces, -1)
 
@@ -554,7 +557,7 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
                 whole = torch.cat(rows, dim=-1)
             # from dY's e4m3 bytes (TRANSPOSE_FROM), dY itself only its shape: the pieces' cast stands in
             dyt8, _, dyt_inv = transposed_e4m3(whole if whole is not None else dy8, dy_inv, w8=dy8)
-            dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=False)
+            dw = torch._scaled_mm(dyt8, xt8.t(), scale_a=dyt_inv, scale_b=xt_inv, out_dtype=weight.dtype, use_fast_accum=ctx.fast_accum)
         else:
             dy2 = whole if whole is not None else torch.cat(rows, dim=-1)
             x2, weight, w_inv = saved[:3]
@@ -562,11 +565,11 @@ class Float8RowwiseLinearFunction(torch.autograd.Function):
             x_in = F.silu(u) if ctx.act else x2  # the activation again: only its input was kept
             dw = (dy2.t() @ x_in.to(dy2.dtype)).to(weight.dtype)
         wt8, wt_inv, _ = transposed_e4m3(weight, w_inv)
-        dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dys[0].dtype, use_fast_accum=False)
+        dx = torch._scaled_mm(dy8, wt8.t(), scale_a=dy_inv, scale_b=wt_inv, out_dtype=dys[0].dtype, use_fast_accum=ctx.fast_accum)
         if ctx.act and not ctx.act_grad_by_producer:  # the gradient through the activation (SiLU, ACTS' one), as its own backward computes it
             dx = torch.ops.aten.silu_backward(dx, u.to(dx.dtype))
         db = db.to(weight.dtype) if ctx.has_bias else None
-        return dx.view(*dys[0].shape[:-1], weight.shape[1]), dw, db, None, None, None, None, None
+        return dx.view(*dys[0].shape[:-1], weight.shape[1]), dw, db, None, None, None, None, None, None
 
 
 class Float8RowwiseLinear(nn.Linear):
@@ -575,33 +578,39 @@ class Float8RowwiseLinear(nn.Linear):
     Set by `fold_mlp_activation` on an MLP's pair of linears: `act` (ACTS), the activation this layer
     applies to its input first; `act_out`, the activation applied to this layer's output, which is handed
     on as its input U (the next layer's `act` applies it); `act_grad_by_producer`, this layer's backward
-    returns the gradient of act(x), and the layer that made x (its `act_out`) takes act's gradient."""
+    returns the gradient of act(x), and the layer that made x (its `act_out`) takes act's gradient.
+    `fast_accum_backward` (precision.fp8_fast_accum): the grad-input and grad-weight GEMMs accumulate as
+    the output GEMM does, in the tensor cores' own precision, not promoted to fp32 along the way."""
 
     float8_grad_weight = False
+    fast_accum_backward = False
     act: str | None = None
     act_out: str | None = None
     act_grad_by_producer = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, 1, self.act_out, self.act_grad_by_producer)
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, 1, self.act_out, self.act_grad_by_producer,
+                                                 self.fast_accum_backward)
 
     def split_forward(self, x: torch.Tensor, pieces: int) -> tuple[torch.Tensor, ...]:
         """forward(x).chunk(pieces, -1), the same views, with backward taking the pieces' gradients
         apart: their cast reads each where it lies instead of a copy stacking them into one tensor
         (src/models/mini_llm.py's split_projection asks for it)."""
-        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, pieces, self.act_out, self.act_grad_by_producer)
+        return Float8RowwiseLinearFunction.apply(x, self.weight, self.bias, self.float8_grad_weight, self.act, pieces, self.act_out, self.act_grad_by_producer,
+                                                 self.fast_accum_backward)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", act={self.act}" if self.act else "") + (f", act_out={self.act_out}" if self.act_out else "")
 
 
-def swap_to_float8(linear: nn.Linear, float8_grad_weight: bool = False) -> None:
+def swap_to_float8(linear: nn.Linear, float8_grad_weight: bool = False, fast_accum_backward: bool = False) -> None:
     """Make `linear` a Float8RowwiseLinear in place (its parameters untouched); `float8_grad_weight`
-    runs its grad-weight GEMM in float8 too."""
+    runs its grad-weight GEMM in float8 too; `fast_accum_backward`, its backward GEMMs with fast accumulation."""
     if type(linear) is not nn.Linear:
         raise TypeError(f"swap_to_float8 takes a plain nn.Linear, not {type(linear).__name__}")
     linear.__class__ = Float8RowwiseLinear
     linear.float8_grad_weight = float8_grad_weight
+    linear.fast_accum_backward = fast_accum_backward
 
 
 def fold_mlp_activation(mlp: nn.Module) -> bool:

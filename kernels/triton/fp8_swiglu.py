@@ -36,7 +36,6 @@ from kernels.triton.fp8_linear import (
     E4M3,
     MAX_BLOCK,
     ROWWISE_WARPS,
-    SILU_GRAD_WARPS,
     Float8RowwiseLinear,
     _act,
     _as_stored,
@@ -50,11 +49,13 @@ from kernels.triton.fp8_linear import (
 from kernels.triton.launch import Launcher, meta_key
 from kernels.triton.rows import warps_for
 
-# The gradient cast computes dG and dU from three tensors a chunk: a row of H = 8192 in chunks of
-# 4096 (two passes, the second mostly from L2: a row of three bf16 tensors is 48 KB) keeps
-# registers at about 5 x 16 fp32 a thread at 8 warps, where one pass over 8192 would hold 5 x 32.
-# Both casts here take one row a program on a GPU (fp8_linear's ROWWISE_ROWS).
-GRAD_BLOCK = 4096
+# The gradient cast computes dG and dU from three tensors a chunk. A row of H = 8192 in one pass at
+# 32 warps (5 x 8 fp32 a thread) took 180 us at LLaMA 3.2 1B's 8192 x 8192 on an H100 (2.98 TB/s of
+# its 537 MB), against 200 us in two chunks of 4096 at 8 warps (the second pass re-reading the row)
+# and 182 us at 16 warps; rows wider than 8192 go in chunks. Both casts here take one row a program
+# on a GPU (fp8_linear's ROWWISE_ROWS).
+GRAD_BLOCK = 8192
+GRAD_WARPS = {8192: 32, 4096: 8}  # by the block's width, below 4096: 4
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def swiglu_grad_e4m3(dh: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, 
     inv = torch.empty((m, 1), dtype=torch.float32, device=dh.device)
     block = min(triton.next_power_of_2(h), GRAD_BLOCK)
     tile = rows_per_tile(1, dh.is_cuda)
-    meta = dict(BLOCK=block, CHUNKS=triton.cdiv(h, block), ROWS=tile, num_warps=warps_for(block, SILU_GRAD_WARPS))
+    meta = dict(BLOCK=block, CHUNKS=triton.cdiv(h, block), ROWS=tile, num_warps=warps_for(block, GRAD_WARPS))
     if m:
         _launch_grad.launch((triton.cdiv(m, tile),), (dh, gu, y, inv, m, h, dh.stride(0), gu.stride(0)), meta, meta_key(meta))
     return y, inv
@@ -166,7 +167,7 @@ class Float8SwiGLUFunction(torch.autograd.Function):
     docstring says; returns the MLP's output, and the three weights' gradients in their dtype."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, fast_accum_backward: bool = False) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         hidden = w_gate.shape[0]
         x8, x_inv = rowwise_e4m3(x2)
@@ -178,7 +179,7 @@ class Float8SwiGLUFunction(torch.autograd.Function):
         wd8, wd_inv = rowwise_e4m3(w_down)
         y = torch._scaled_mm(h8, wd8.t(), scale_a=h_inv, scale_b=wd_inv.view(1, -1), out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(xt8, xt_inv, gu, ht8, ht_inv, w13_8, w13_inv, w_down, wd_inv)
-        ctx.hidden, ctx.weight_dtype = hidden, w_gate.dtype
+        ctx.hidden, ctx.weight_dtype, ctx.fast_accum = hidden, w_gate.dtype, fast_accum_backward
         return y.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
@@ -187,15 +188,15 @@ class Float8SwiGLUFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dy8, dy_inv = rowwise_e4m3(dy2)
         dyt8, _, dyt_inv = transposed_e4m3(dy2, dy_inv, w8=dy8)
-        dw_down = torch._scaled_mm(dyt8, ht8.t(), scale_a=dyt_inv, scale_b=ht_inv, out_dtype=w_down.dtype, use_fast_accum=False)
+        dw_down = torch._scaled_mm(dyt8, ht8.t(), scale_a=dyt_inv, scale_b=ht_inv, out_dtype=w_down.dtype, use_fast_accum=ctx.fast_accum)
         wdt8, wdt_inv, _ = transposed_e4m3(w_down, wd_inv)
-        dh = torch._scaled_mm(dy8, wdt8.t(), scale_a=dy_inv, scale_b=wdt_inv, out_dtype=dy.dtype, use_fast_accum=False)
+        dh = torch._scaled_mm(dy8, wdt8.t(), scale_a=dy_inv, scale_b=wdt_inv, out_dtype=dy.dtype, use_fast_accum=ctx.fast_accum)
         dgu8, dgu_inv = swiglu_grad_e4m3(dh, gu)
         dgut8, _, dgut_inv = transposed_from_rowwise(dgu8, dgu_inv)
-        dw13 = torch._scaled_mm(dgut8, xt8.t(), scale_a=dgut_inv, scale_b=xt_inv, out_dtype=ctx.weight_dtype, use_fast_accum=False)
+        dw13 = torch._scaled_mm(dgut8, xt8.t(), scale_a=dgut_inv, scale_b=xt_inv, out_dtype=ctx.weight_dtype, use_fast_accum=ctx.fast_accum)
         w13t8, w13t_inv, _ = transposed_from_rowwise(w13_8, w13_inv)
-        dx = torch._scaled_mm(dgu8, w13t8.t(), scale_a=dgu_inv, scale_b=w13t_inv, out_dtype=dy.dtype, use_fast_accum=False)
-        return dx.view(*dy.shape[:-1], w13t8.shape[0]), dw13[: ctx.hidden], dw13[ctx.hidden:], dw_down
+        dx = torch._scaled_mm(dgu8, w13t8.t(), scale_a=dgu_inv, scale_b=w13t_inv, out_dtype=dy.dtype, use_fast_accum=ctx.fast_accum)
+        return dx.view(*dy.shape[:-1], w13t8.shape[0]), dw13[: ctx.hidden], dw13[ctx.hidden:], dw_down, None
 
 
 class Float8SwiGLUForward:
@@ -203,7 +204,7 @@ class Float8SwiGLUForward:
     gate, up and down weights through Float8SwiGLUFunction; the modules and parameters stay."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Float8SwiGLUFunction.apply(x, self.gate.weight, self.up.weight, self.down.weight)
+        return Float8SwiGLUFunction.apply(x, self.gate.weight, self.up.weight, self.down.weight, self.down.fast_accum_backward)
 
 
 _FOLDED: dict[type, type] = {}
@@ -214,6 +215,8 @@ def foldable(mlp: nn.Module) -> bool:
     (float8 grad weight, no bias, no activation of their own) of matching shapes."""
     linears = [getattr(mlp, name, None) for name in ("gate", "up", "down")]
     if not all(type(m) is Float8RowwiseLinear and m.float8_grad_weight and m.bias is None and m.act is None and m.act_out is None for m in linears):
+        return False
+    if len({m.fast_accum_backward for m in linears}) > 1:
         return False
     gate, up, down = linears
     return gate.weight.shape == up.weight.shape and down.weight.shape == gate.weight.shape[::-1]

@@ -119,7 +119,8 @@ def is_block_linear(module: nn.Module, fqn: str) -> bool:
 
 
 def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: bool, emulate: bool = False, impl: str = "torchao",
-                             module_filter: Callable[[nn.Module, str], bool] = is_block_linear, fold_activation: bool = False) -> int:
+                             module_filter: Callable[[nn.Module, str], bool] = is_block_linear, fold_activation: bool = False,
+                             fast_accum: bool = False) -> int:
     """Swap the blocks' nn.Linear for a float8 linear in place; returns how many were swapped.
     impl=torchao: torchao's Float8Linear, where `emulate` runs the float8 GEMMs as casts + a
     high-precision matmul (tests on a CPU only). impl=triton: kernels/triton/fp8_linear.py's
@@ -128,7 +129,8 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     linears: those under `layers.` of the model; kernels=auto's timed block takes all of its own.
     `fold_activation` (impl=triton): each SiLU MLP's activation then runs inside its down
     projection's casts (fp8_linear.fold_mlp_activation), and each SwiGLU MLP as one function
-    (fp8_swiglu.fold_swiglu); act_in_cast says when."""
+    (fp8_swiglu.fold_swiglu); act_in_cast says when. `fast_accum` (precision.fp8_fast_accum): the
+    grad-input and grad-weight GEMMs with fast accumulation too, not only the output GEMM."""
     if impl == "triton":
         from kernels.triton.fp8_linear import fold_mlp_activation, swap_to_float8
         from kernels.triton.fp8_swiglu import fold_swiglu
@@ -138,7 +140,7 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
             raise ValueError(f"precision.fp8_impl=triton casts for {' or '.join(TRITON_RECIPES)}, not {recipe}")
         linears = [m for fqn, m in model.named_modules() if module_filter(m, fqn)]
         for m in linears:
-            swap_to_float8(m, float8_grad_weight=TRITON_RECIPES[str(recipe)])
+            swap_to_float8(m, float8_grad_weight=TRITON_RECIPES[str(recipe)], fast_accum_backward=fast_accum)
         if fold_activation:
             for m in list(model.modules()):
                 if isinstance(m, SwiGLUFeedForward):
@@ -149,6 +151,7 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import Float8GemmConfig
     from torchao.float8.float8_linear import Float8Linear
 
     if recipe == "tensorwise":
@@ -158,6 +161,9 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
         # str(): torchao matches `type(name) == str`, so a StrEnum member fell through to "unknown recipe_name"
         # (the run sets Inductor's emulate_precision_casts for these recipes: src/speed/inductor.py)
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(str(recipe)), emulate=emulate)
+    if fast_accum:
+        config = dataclasses.replace(config, gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True),
+                                     gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))
     convert_to_float8_training(model, module_filter_fn=module_filter, config=config)
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 

@@ -184,10 +184,12 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         gather_fp8 = gathers_float8(cfg.precision, strategy)
         impl = str(cfg.precision.fp8_impl)
         fold = act_in_cast(cfg.precision, cfg.model.mlp)
-        n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8, impl=impl, fold_activation=fold)
+        n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8, impl=impl, fold_activation=fold,
+                                         fast_accum=bool(cfg.precision.fp8_fast_accum))
         after_optimizer = scale_precompute(model) if gather_fp8 else None
         if main:
-            log.info("float8 (%s scales, %s casts): %d block linears, weights all-gathered in %s%s", cfg.precision.fp8_recipe, impl, n_fp8,
+            log.info("float8 (%s scales, %s casts%s): %d block linears, weights all-gathered in %s%s", cfg.precision.fp8_recipe, impl,
+                     ", fast accumulation in every GEMM" if cfg.precision.fp8_fast_accum else "", n_fp8,
                      "float8" if gather_fp8 else "bf16", "" if not fold else ", the MLPs' SiLU inside the down projections' casts"
                      if str(cfg.model.mlp) == "silu" else ", each SwiGLU MLP one float8 function (fp8_swiglu)")
     if cfg.ac.mode != "none":  # torchtitan's order: float8, activation checkpointing, compile, FSDP2
@@ -255,7 +257,7 @@ def norm_in_copy_in(cfg: DictConfig, speed_on: list[str], mesh_ranks: int, main:
     wanted = asked(cfg, "norm_in_copy_in") != "off" and cfg.optim.grad_clip > 0
     SQUARES.on = (wanted and mesh_ranks == 1 and {"reduce_copy_in", "one_rank_copies"} <= set(speed_on)
                   and not (model is not None and divides_gradients(model)))
-    if wanted and not SQUARES.on and main:
+    if asked(cfg, "norm_in_copy_in") == "on" and not SQUARES.on and main:  # auto stays off without a word, as the recipes do
         log.info("speed.norm_in_copy_in: off in this run (it needs one rank, speed.reduce_copy_in and one_rank_copies running, and no "
                  "gradient divide factor); clipping sums the norm in a pass of its own")
     return SQUARES.on

@@ -327,7 +327,8 @@ def build_block(model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: 
         # not under FSDP2 here, so no float8 all-gather; every linear of the block is a block linear
         convert_blocks_to_float8(block, str(precision_cfg.fp8_recipe), False, impl=str(precision_cfg.fp8_impl),
                                  module_filter=lambda module, fqn: isinstance(module, torch.nn.Linear),
-                                 fold_activation=act_in_cast(precision_cfg, m.mlp))
+                                 fold_activation=act_in_cast(precision_cfg, m.mlp),
+                                 fast_accum=bool(precision_cfg.get("fp8_fast_accum", False)))
     return block
 
 
