@@ -198,7 +198,8 @@ class PrecisionConfig:
     fp8_fast_accum: bool = False
     """float8 GEMMs' accumulation: false gives the output GEMM fast accumulation (the tensor cores' own
     precision) and promotes the grad-input and grad-weight GEMMs' sums to fp32 along the way, as torchao
-    does by default; true gives every float8 GEMM fast accumulation (both fp8_impls)"""
+    does by default; true gives every float8 GEMM fast accumulation, the grad-weight GEMM where the recipe
+    runs it in float8 (both fp8_impls)"""
     fp8_act_in_cast: bool | None = None
     """fp8_impl=triton: the MLP's activation inside the float8 casts. model.mlp=silu: SiLU inside the down
     projection's casts and its gradient inside the up projection's (a pass fewer each way); unset: on.

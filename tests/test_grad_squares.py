@@ -151,3 +151,16 @@ def test_a_one_rank_run_clips_with_the_norm_from_the_copy_in(tmp_path, in_proces
     assert min(norms["on"]) > 0.1  # every step clipped
     assert norms["on"][0] == pytest.approx(norms["off"][0], rel=1e-6)
     assert norms["on"] == pytest.approx(norms["off"], rel=1e-3)
+
+
+def test_a_run_ending_leaves_the_copy_in_summing_nothing():
+    """restore_all (every run's end, src/train/worker.py) turns the summing off and forgets the sums,
+    so a later copy-in in the process (another run, a test) neither sums nor keeps its buffers."""
+    from src.speed import restore_all
+
+    out = torch.zeros(8)
+    SQUARES.on = True
+    SQUARES.record(out, torch.ones(2))
+    assert SQUARES._outputs
+    restore_all()
+    assert not SQUARES.on and not SQUARES._outputs

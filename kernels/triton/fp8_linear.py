@@ -579,8 +579,9 @@ class Float8RowwiseLinear(nn.Linear):
     applies to its input first; `act_out`, the activation applied to this layer's output, which is handed
     on as its input U (the next layer's `act` applies it); `act_grad_by_producer`, this layer's backward
     returns the gradient of act(x), and the layer that made x (its `act_out`) takes act's gradient.
-    `fast_accum_backward` (precision.fp8_fast_accum): the grad-input and grad-weight GEMMs accumulate as
-    the output GEMM does, in the tensor cores' own precision, not promoted to fp32 along the way."""
+    `fast_accum_backward` (precision.fp8_fast_accum): the grad-input GEMM, and the grad-weight GEMM where it
+    is float8, accumulate as the output GEMM does, in the tensor cores' own precision, not promoted to fp32
+    along the way."""
 
     float8_grad_weight = False
     fast_accum_backward = False

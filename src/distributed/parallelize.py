@@ -257,7 +257,7 @@ def norm_in_copy_in(cfg: DictConfig, speed_on: list[str], mesh_ranks: int, main:
     wanted = asked(cfg, "norm_in_copy_in") != "off" and cfg.optim.grad_clip > 0
     SQUARES.on = (wanted and mesh_ranks == 1 and {"reduce_copy_in", "one_rank_copies"} <= set(speed_on)
                   and not (model is not None and divides_gradients(model)))
-    if asked(cfg, "norm_in_copy_in") == "on" and not SQUARES.on and main:  # auto stays off without a word, as the recipes do
+    if asked(cfg, "norm_in_copy_in") == "on" and not SQUARES.on and main:  # auto where it does not apply: off without a word
         log.info("speed.norm_in_copy_in: off in this run (it needs one rank, speed.reduce_copy_in and one_rank_copies running, and no "
                  "gradient divide factor); clipping sums the norm in a pass of its own")
     return SQUARES.on

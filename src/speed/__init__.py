@@ -24,6 +24,11 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 
 
 def restore_all() -> None:
-    """torch's own functions back wherever a recipe's replacement is still in place."""
+    """torch's own functions back wherever a recipe's replacement is still in place, and the copy-in
+    summing no squares (speed.norm_in_copy_in) for whatever runs next in the process."""
+    from src.speed.grad_squares import SQUARES
+
     for recipe in RECIPES.values():
         recipe.restore()
+    SQUARES.on = False
+    SQUARES.clear()
