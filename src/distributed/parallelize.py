@@ -215,7 +215,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     speed_on: list[str] = []
     from src.speed.grad_squares import SQUARES
 
-    SQUARES.on = False  # a run before this one in the process may have left the copy-in summing (set below where it applies)
+    SQUARES.reset()  # a run before this one in the process may have left the copy-in summing (set below where it applies)
     if mesh is not None:
         from src.speed.apply import decide, install_fsdp
 

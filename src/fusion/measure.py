@@ -328,7 +328,7 @@ def build_block(model_cfg: DictConfig, precision_cfg: DictConfig | None, dtype: 
         convert_blocks_to_float8(block, str(precision_cfg.fp8_recipe), False, impl=str(precision_cfg.fp8_impl),
                                  module_filter=lambda module, fqn: isinstance(module, torch.nn.Linear),
                                  fold_activation=act_in_cast(precision_cfg, m.mlp),
-                                 fast_accum=bool(precision_cfg.get("fp8_fast_accum", False)))
+                                 fast_accum=bool(precision_cfg.fp8_fast_accum))
     return block
 
 

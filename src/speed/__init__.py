@@ -30,5 +30,4 @@ def restore_all() -> None:
 
     for recipe in RECIPES.values():
         recipe.restore()
-    SQUARES.on = False
-    SQUARES.clear()
+    SQUARES.reset()

@@ -39,6 +39,11 @@ class GradSquares:
     def clear(self) -> None:
         self._outputs.clear()
 
+    def reset(self) -> None:
+        """Off, nothing recorded, the fallback not yet told: as a run starts or ends (one process may run several)."""
+        self.on, self._told = False, False
+        self.clear()
+
     def local_squares(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """This rank's sum of the squares of `grads` from the recorded sums, or None where one was
         not written by a recorded copy this step, changed since, or is only part of a buffer whose
