@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +17,10 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
 from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
-from src.edge.runtime import IreeRunner, Readback, vulkan_devices  # noqa: E402
+from src.edge.runtime import LAVAPIPE_TRIES, IreeRunner, Readback, lavapipe_retry, vulkan_devices  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import REPO, run_cli  # noqa: E402
+from tests.lavapipe_process import in_own_process  # noqa: E402
 
 needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 TINY = {"name": "tiny", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_mult": 4, "causal": True,
@@ -39,13 +38,6 @@ def cache(tmp_path_factory) -> Path:
 
 def _cli(args: list[str], cwd: Path, cache: Path):
     return run_cli(["+exp=edge", f"edge.cache_dir={cache}", f"edge.prompt_len={PROMPT}", f"edge.decode_steps={STEPS}", "edge.repeats=2", "edge.warmup=1", *args], cwd=cwd)
-
-
-def in_own_process(fn, *args):
-    """fn(*args) in a spawned process, so its IREE context is the process's first on lavapipe
-    (later contexts of one process lose the device far more often: IreeRunner's docstring)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def _generates_torch_tokens(runner, ref, dtype: str):
@@ -291,6 +283,7 @@ def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp
         assert ran[key] > 0, key
     assert "llvmpipe" in ran["device_name"] and ran["cooperative_matrix"] in (False, None) and ran["readback"] in ("imported", "staging", "mapped")
     assert ran["h2d_import_ms"] is None or ran["h2d_import_ms"] > 0  # lavapipe imports page-aligned host memory
+    assert 1 <= ran["device_tries"] <= LAVAPIPE_TRIES  # more than 1 only where lavapipe lost the device mid-run
 
 
 def _compiled(tmp_path: Path, cache: Path) -> Path:
@@ -418,6 +411,62 @@ def test_the_gpu_campaign_compiles_and_runs_side_by_side_on_lavapipe(tmp_path, c
     assert all(r["decode_call_ms"] > 0 and r["token_read_ms"] > 0 for r in results)
     assert sorted(r["variant"] for r in results if r["backend"] == "vulkan") == ["llvmpipe-nocoop+vulkan_tracing=false"] * 2
     assert "Vulkan / torch eager decode p50" in (out / "table.md").read_text()
+
+
+def test_work_that_lost_the_device_runs_again_on_a_new_device_on_lavapipe_only():
+    """src/edge/runtime.py lavapipe_retry, its policy: work that raised lavapipe's lost device runs
+    again on a runner asked for a device of its own; off lavapipe, or with any other error, or a
+    context that could not be made at all (ModuleLoadFailed), the first error stands; the tries
+    stop at LAVAPIPE_TRIES."""
+    from src.edge.runtime import ModuleLoadFailed
+
+    lost = "Copying buffer on queue: queue.c:6000: DATA_LOSS; [vkWaitSemaphores] VK_ERROR_DEVICE_LOST"
+
+    def retried(failures: int, error: type = RuntimeError, text: str = lost, lavapipe: bool = True) -> tuple[object, list[bool]]:
+        """lavapipe_retry on work that raises `error(text)` on its first `failures` tries: its
+        result (or the error it raised) and each try's fresh_device."""
+        fresh: list[bool] = []
+
+        def work(runner: bool) -> str:
+            if len(fresh) <= failures:
+                raise error(text)
+            return "tokens"
+        try:
+            return lavapipe_retry(lambda f: fresh.append(f) or f, work, lavapipe), fresh
+        except RuntimeError as err:
+            return err, fresh
+
+    assert retried(2) == (("tokens", 3), [False, True, True])
+    # the first error stands: off lavapipe, another error, a context never made; and the last try's
+    for (got, tries), want in ((retried(1, lavapipe=False), 1), (retried(1, text="RESOURCE_EXHAUSTED; VK_ERROR_OUT_OF_DEVICE_MEMORY"), 1),
+                               (retried(1, error=ModuleLoadFailed), 1), (retried(LAVAPIPE_TRIES), LAVAPIPE_TRIES)):
+        assert isinstance(got, RuntimeError) and len(tries) == want, (got, tries)
+
+
+@needs_vulkan
+def test_a_run_that_lost_the_device_goes_on_on_a_device_of_its_own_with_torch_tokens(tmp_path, cache):
+    in_own_process(_retried_run_matches_torch, tmp_path, cache)
+
+
+def _retried_run_matches_torch(tmp_path: Path, cache: Path) -> None:
+    """task=infer's path through lavapipe_retry: the first try's runner on the process's shared
+    device, its work ended by the error lavapipe gives; the second's on a device of its own, a new
+    context, and its generation torch's."""
+    ref = reference_model(TINY, {"seed": 0}, PROMPT + STEPS, BATCH)
+    art = build(copy.deepcopy(ref), TINY, PROMPT, "fp32", "vulkan", "llvmpipe", "", tmp_path / "art", cache)
+    runners = []
+
+    def make(fresh: bool) -> IreeRunner:
+        runners.append(IreeRunner(art, "vulkan", fresh_device=fresh))
+        return runners[-1]
+
+    def work(runner: IreeRunner):
+        if len(runners) == 1:
+            raise RuntimeError("Copying buffer on queue: queue.c:6000: DATA_LOSS; [vkWaitSemaphores] VK_ERROR_DEVICE_LOST")
+        return _generates_torch_tokens(runner, ref, "fp32")
+
+    (_, gen), tries = lavapipe_retry(make, work, lavapipe=True)
+    assert tries == 2 and len(runners) == 2 and runners[1].device is not runners[0].device and len(gen.tokens) == STEPS + 1
 
 
 def test_an_iree_tool_that_lost_the_device_runs_again_on_lavapipe_only(tmp_path):

@@ -3,8 +3,6 @@ numbers as F.linear in torch, torch's tokens on lavapipe at batch 4, the refusal
 them for an NVIDIA-class target: tests/test_edge_configs.py)."""
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ from src.edge.quant import QuantLinear, quant_spec, quantize  # noqa: E402
 from src.edge.runtime import vulkan_devices  # noqa: E402
 from src.edge.task import deployed, quant_setting, reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
+from tests.lavapipe_process import in_own_process  # noqa: E402
 
 needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 PROMPT, STEPS, BATCH = 8, 16, 4
@@ -72,11 +71,6 @@ def test_quantized_linears_take_the_weights_first_form_with_the_same_numbers(fmt
     lm = quantize(reference_model(_tiny(), {"seed": 0}, PROMPT + STEPS, BATCH), fmt, 32)
     use_matvec(lm, 4)
     assert matvec_rows(lm) == 4 and quant_spec(lm)["format"] == fmt
-
-
-def in_own_process(fn, *args):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def _generates_at_batch_4(dtype: str, quant: str, tmp_path: Path) -> dict:

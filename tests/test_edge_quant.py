@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ from src.edge.quant import QuantLinear, fuse_dequantization, grouped_product, qu
 from src.edge.runtime import vulkan_devices  # noqa: E402
 from src.edge.task import deployed, quant_setting, reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
+from tests.lavapipe_process import in_own_process  # noqa: E402
 
 needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 # batch 1, as the CLI runs by default: its int8 decode is a matrix-vector product with the
@@ -40,12 +39,6 @@ def _tiny() -> dict:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("edge_quant_cache")
-
-
-def in_own_process(fn, *args):
-    """fn(*args) in a spawned process: its IREE context is the process's first on lavapipe."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def test_int8_and_int4_store_what_dequantizes_to_the_rounded_weights():

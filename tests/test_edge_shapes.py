@@ -4,8 +4,6 @@ prompt-128 prefill module against torch fp32 on Mesa's lavapipe, unquantized and
 from __future__ import annotations
 
 import copy
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ pytest.importorskip("iree.turbine")
 
 from src.edge.bench import TOLERANCE, agreement, generate, reference_logits, relative_errors, tolerance, torch_greedy  # noqa: E402
 from src.edge.runtime import vulkan_devices  # noqa: E402
+from tests.lavapipe_process import in_own_process  # noqa: E402
 
 needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 STEPS = 8
@@ -66,9 +65,7 @@ def cache(tmp_path_factory) -> Path:
     (1, 128, "fp32", "int8"),
 ])
 def test_batch_four_decode_and_prompt_128_prefill_match_torch_on_lavapipe(batch, prompt, dtype, quant, tmp_path, cache):
-    # a spawned process: its IREE context is the process's first on lavapipe
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        got = pool.submit(_generates, batch, prompt, dtype, quant, tmp_path / "art", cache).result()
+    got = in_own_process(_generates, batch, prompt, dtype, quant, tmp_path / "art", cache)
     assert (got["manifest_batch"], got["manifest_prompt"]) == (batch, prompt) and got["shape"] == (STEPS + 1, batch)
     assert got["rel_err"] <= tolerance(dtype, quant), got
     assert got["rel_err_vs_format"] <= TOLERANCE[dtype], got

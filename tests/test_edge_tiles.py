@@ -4,9 +4,7 @@ library for `pascal`: tests/test_edge_configs.py)."""
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from src.edge.bench import TOLERANCE, generate, reference_logits, relative_error
 from src.edge.runtime import vulkan_devices  # noqa: E402
 from src.edge.task import deployed, reference_model  # noqa: E402
 from src.edge.tiles import LIBRARY_FLAG, flag_name, library, prefill_tiles_flag  # noqa: E402
+from tests.lavapipe_process import in_own_process  # noqa: E402
 
 needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 PROMPT, STEPS = 32, 8
@@ -69,8 +68,7 @@ def _generates_tiled(dtype: str, tmp_path: Path) -> dict:
 
 @needs_vulkan
 def test_a_tiled_prefill_gives_torch_tokens_on_lavapipe(tmp_path):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        got = pool.submit(_generates_tiled, "fp32", tmp_path).result()
+    got = in_own_process(_generates_tiled, "fp32", tmp_path)
     assert got["variant"] == "llvmpipe-nocoop-tiles16x64" and got["rel_err"] <= TOLERANCE["fp32"], got
     assert got["tokens"] == got["argmax"], got
 

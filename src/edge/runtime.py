@@ -196,6 +196,23 @@ def run_tool(cmd: list[str], lavapipe: bool, timeout: float) -> subprocess.Compl
     return proc
 
 
+def lavapipe_retry(make_runner: Any, work: Any, lavapipe: bool) -> Any:
+    """work(make_runner(fresh_device)) once; on lavapipe, where the device was lost during the work
+    (IreeRunner's docstring: the Mesa fault surfaces at any later wait too), again on a runner with
+    a new device, LAVAPIPE_TRIES in all, each retry logged. Any other error, or a loss on any other
+    driver, is raised at once. Returns (work's result, the tries it took)."""
+    tries = 1
+    while True:
+        try:
+            return work(make_runner(tries > 1)), tries
+        except RuntimeError as err:
+            if isinstance(err, ModuleLoadFailed) or not (lavapipe and lost_device(str(err))) or tries == LAVAPIPE_TRIES:
+                raise
+            log.warning("lavapipe lost the device during the run (try %d of %d: %s); again on a new device", tries, LAVAPIPE_TRIES,
+                        one_line(err, 160))
+            tries += 1
+
+
 _KEPT_DEVICES: list[Any] = []
 
 
@@ -228,10 +245,14 @@ class IreeRunner:
     steps of any of the 1383 contexts that got there, each giving the first context's tokens, and
     100 prefill + decode loops give identical tokens. So on lavapipe a lost device is made anew and
     the context tried again (LAVAPIPE_TRIES in all, each retry logged); on any other driver the
-    first error ends the run. The campaign runs each module in a process of its own."""
+    first error ends the run. The campaign runs each module in a process of its own.
+
+    Rarer, a loss past the first upload: one in a CI run of the whole suite (two workers), at a
+    token's readback in the third decode step of a generation. `lavapipe_retry` below runs such
+    work again on a runner with a device of its own."""
 
     def __init__(self, artifacts: Artifacts, driver: str, readback: tuple[str, ...] = READBACK_MODES, flags: tuple[str, ...] = (),
-                 host_wait: str = "auto", token_out: str = "caller"):
+                 host_wait: str = "auto", token_out: str = "caller", fresh_device: bool = False):
         import iree.runtime as rt
 
         self.rt = rt
@@ -240,8 +261,10 @@ class IreeRunner:
         # by name only: vulkan_devices() would run `vulkaninfo` again, which the task already ran
         lavapipe = driver == "vulkan" and on_lavapipe()
         for attempt in range(LAVAPIPE_TRIES if lavapipe else 1):
-            # the process's shared device first; after a loss, a device of this runner's own
-            self.config = rt.Config(driver) if attempt == 0 else rt.Config(device=_new_device(rt, driver))
+            # the process's shared device first; after a loss (or with fresh_device: the shared one
+            # was lost under an earlier runner, and a lost device stays lost), a device of its own
+            own = attempt > 0 or fresh_device
+            self.config = rt.Config(device=_new_device(rt, driver)) if own else rt.Config(driver)
             self.device = self.config.device
             try:
                 modules = self._load(artifacts)

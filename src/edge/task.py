@@ -213,34 +213,51 @@ def _metrics(summary: dict[str, Any]) -> dict[str, Any]:
 
 def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings: dict, e: DictConfig, summary: dict[str, Any]) -> None:
     """Time and check the model on `backend`; raises EdgeRunFailed with the one line that ends the run."""
-    from src.edge.runtime import IreeRunner, ModuleLoadFailed, TorchRunner, one_line, vulkan_devices
+    from src.edge.runtime import (
+        IreeRunner,
+        ModuleLoadFailed,
+        TorchRunner,
+        lavapipe_retry,
+        on_lavapipe,
+        one_line,
+        vulkan_devices,
+    )
 
     dtype = settings["dtype"]
+    rng = np.random.default_rng(e.seed)
+    tokens = rng.integers(0, settings["model"]["vocab_size"], (settings["batch"], settings["prompt_len"]), dtype=np.int64).astype(np.int32)
+    quant = settings.get("quant") or {"format": "none"}
+    quantized = quantized_copy(reference, quant) if quant["format"] != "none" else None
+
+    def measured(runner: Any) -> dict[str, Any]:
+        return measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats, quantized)
+
     if backend == "vulkan":
         devices = vulkan_devices()
         summary["device_name"] = devices[0]["name"] if devices else "vulkan"
         summary["cooperative_matrix"] = devices[0]["cooperative_matrix"] if devices else None
         summary.update(check_device(artifacts.manifest, summary["device_name"]))
+        cache_bytes = 2 * reference.k_cache.numel() * torch_dtype(dtype).itemsize  # keys and values
+
+        def make_runner(fresh_device: bool) -> Any:
+            return IreeRunner(artifacts, "vulkan", flags=tuple(e.runtime_flags), host_wait=str(e.host_wait), token_out=str(e.token_out),
+                              fresh_device=fresh_device)
+
+        def transfers_and_figures(runner: Any) -> tuple[Any, dict[str, Any]]:
+            return runner, {**runner.transfer_times(cache_bytes), **measured(runner)}
+
         try:
-            runner = IreeRunner(artifacts, "vulkan", flags=tuple(e.runtime_flags), host_wait=str(e.host_wait), token_out=str(e.token_out))
+            (runner, figures), tries = lavapipe_retry(make_runner, transfers_and_figures, on_lavapipe())
         except ModuleLoadFailed as err:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
-        cache_bytes = 2 * reference.k_cache.numel() * torch_dtype(dtype).itemsize  # keys and values
-        summary.update(runner.transfer_times(cache_bytes))
+        except RuntimeError as err:  # the driver took the module but failed a dispatch
+            raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], one_line(err))) from None
+        summary.update(figures, device_tries=tries)
     else:  # quantized the same way: the weights dequantized in torch's forward, before each matmul
         runner = TorchRunner(deployed(reference, settings), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype, settings["batch"],
                              compiled=bool(getattr(e, "torch_compile", False)))
         summary["device_name"] = torch.cuda.get_device_name(0) if backend == "cuda" else backend
-    rng = np.random.default_rng(e.seed)
-    tokens = rng.integers(0, settings["model"]["vocab_size"], (settings["batch"], settings["prompt_len"]), dtype=np.int64).astype(np.int32)
-    try:
-        quant = settings.get("quant") or {"format": "none"}
-        quantized = quantized_copy(reference, quant) if quant["format"] != "none" else None
-        summary.update(measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats, quantized))
-    except RuntimeError as err:  # the driver took the module but failed a dispatch
-        if backend != "vulkan":
-            raise
-        raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], one_line(err))) from None
+        summary.update(measured(runner))
     summary["readback"] = getattr(getattr(runner, "readback", None), "mode", None)
     if hasattr(runner, "poll"):
         summary["host_wait"] = "poll" if runner.poll else "block"
