@@ -9,7 +9,7 @@ LATEST=2.15.0   # the newest release pyproject.toml's range admits
 VENV=.venv-torch-latest
 FILES=(tests/test_speed.py tests/test_grad_upcast.py tests/test_reduce_copy_in.py tests/test_grad_squares.py tests/test_copy_in.py tests/test_one_rank.py
        tests/test_kept_unshard.py tests/test_kernel_adamw.py tests/test_fsdp_parity.py tests/test_compile_optim.py
-       tests/test_kernel_device.py tests/test_startup.py)
+       tests/test_kernel_device.py tests/test_startup.py tests/test_tied_embedding_grad.py)
 if [ "${1:-install}" = install ] || [ $# = 0 ]; then
   python3 -m venv "$VENV"
   # PIP_CONFIG_FILE=/dev/null: no pip config, so no local cap on torch's version (a CI machine's pip

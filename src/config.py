@@ -286,6 +286,10 @@ class SpeedConfig:
     """one rank with speed.reduce_copy_in and one_rank_copies running and optim.grad_clip > 0: the copy-in kernel that writes
     the fp32 gradients also sums their squares, and clipping takes the norm from those sums instead of a pass over every
     gradient (the same sum in another order; auto under speed=copies and graphs)"""
+    tied_embedding_grad: Use = Use.off
+    """a head tied to the embedding (model.tie_embeddings): the embedding's gradient added into the head's in place,
+    only the rows the batch touched, instead of a full-size gradient zero-filled and then added (kernels/triton/embedding_grad.py;
+    torch's CUDA sums bit for bit above 3072 tokens a rank; auto: CUDA runs on a torch it was verified on)"""
     force_unverified: bool = False
     """run the recipes asked for on a torch or Triton release they were not verified on"""
 

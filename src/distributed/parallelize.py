@@ -213,6 +213,10 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
 
     autocast_dtype = None
     speed_on: list[str] = []
+    from src.speed.tied_embedding import tie_embedding_gradient
+
+    if tie_embedding_gradient(cfg, model, device, main):  # before sharding: the embedding's class, its Parameter kept
+        speed_on.append("tied_embedding_grad")
     from src.speed.grad_squares import SQUARES
 
     SQUARES.reset()  # a run before this one in the process may have left the copy-in summing (set below where it applies)
@@ -228,7 +232,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
             cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root, cfg.speed.symm_mem,
             cfg.speed.forward_prefetch, cfg.speed.backward_prefetch,
         )
-        speed_on = install_fsdp(model, verdicts, cfg.precision.param_dtype, main)
+        speed_on += install_fsdp(model, verdicts, cfg.precision.param_dtype, main)
         if norm_in_copy_in(cfg, speed_on, mesh.size(), main, model):
             speed_on.append("norm_in_copy_in")  # taken by the Trainer's clipping (src/speed/grad_squares.py)
         if verdicts["cast_in_step"].on:

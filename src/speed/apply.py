@@ -96,6 +96,9 @@ def refusal(cfg: DictConfig) -> str | None:
         if cfg.optim.grad_clip <= 0:
             return ("speed.norm_in_copy_in=on gives clipping its norm, and optim.grad_clip=0 clips nothing; "
                     "set optim.grad_clip > 0 or speed.norm_in_copy_in=off")
+    if asked(cfg, "tied_embedding_grad") == "on" and not cfg.model.tie_embeddings:
+        return (f"speed.tied_embedding_grad=on adds a tied embedding's gradient into the head's, and model={cfg.model.name} does not tie "
+                "them (model.tie_embeddings=false); set model.tie_embeddings=true or drop the override")
     if asked(cfg, "cast_in_step") == "on":
         if asked(cfg, "one_rank_copies") == "off":
             return ("speed.cast_in_step=on writes the casts into the storage speed.one_rank_copies keeps, and speed.one_rank_copies=off; "

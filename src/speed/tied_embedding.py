@@ -1,0 +1,57 @@
+"""speed.tied_embedding_grad: a tied embedding's gradient added into the head's where the batch's rows are.
+
+The model's embedding becomes kernels/triton/embedding_grad.py's TiedEmbedding (a class swap: the
+same Parameter, state dict and sharding) before compile and sharding. It applies where the head's
+weight is the embedding's; not under DDP, whose reducer reads each gradient from a hook of its own
+that may run before the one that adds the rows.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from src.speed.versions import TORCH_TESTED, release, torch_version
+
+log = logging.getLogger("src.train")
+
+
+def why_off(cfg: DictConfig, model: nn.Module, device: torch.device, ddp: bool) -> str | None:
+    """Why speed.tied_embedding_grad does not run in this run (None: it runs). `auto` runs on CUDA on a
+    torch whose embedding backward it was checked against; `on` also on a CPU under Triton's interpreter."""
+    from kernels.triton.device import interpreted
+
+    embed, head = getattr(model, "embed", None), getattr(model, "head", None)
+    if not isinstance(embed, nn.Embedding) or getattr(head, "weight", None) is not embed.weight:
+        return "the head's weight is not the embedding's"
+    if ddp:
+        return "DDP's reducer reads the gradient before the rows are added"
+    use = str(cfg.speed.tied_embedding_grad)
+    if device.type != "cuda" and not (use == "on" and device.type == "cpu" and interpreted()):
+        return "its kernels run on CUDA (on a CPU with speed.tied_embedding_grad=on, under Triton's interpreter)"
+    if use == "auto" and release(torch_version()) not in TORCH_TESTED and not cfg.speed.force_unverified:
+        return f"torch's embedding backward it sums as was checked on torch {', '.join(TORCH_TESTED)}, not {torch_version()}"
+    return None
+
+
+def tie_embedding_gradient(cfg: DictConfig, model: nn.Module, device: torch.device, main: bool) -> bool:
+    """Swap the model's embedding to TiedEmbedding where speed.tied_embedding_grad runs; True where it does."""
+    if str(cfg.speed.tied_embedding_grad) == "off":
+        return False
+    ddp = cfg.sharding.strategy == "none" and dist.is_initialized() and dist.get_world_size() > 1
+    why = why_off(cfg, model, device, ddp)
+    if why is None:
+        from kernels.triton.embedding_grad import tie_gradient
+
+        if tie_gradient(model.embed):
+            if main:
+                log.info("speed.tied_embedding_grad: the embedding's rows added into the tied head's gradient in place "
+                         "(kernels/triton/embedding_grad.py), no full-size embedding gradient")
+            return True
+        why = "the embedding has padding_idx, max_norm, scale_grad_by_freq or sparse, which torch sums otherwise"
+    if main:
+        log.info("speed.tied_embedding_grad: off in this run (%s); autograd adds the embedding's full-size gradient", why)
+    return False
