@@ -5,7 +5,9 @@ Mesa 22.3's lavapipe loses the device now and then past the context's first uplo
 a CI run of the whole suite, at a token's readback in the third decode step). The runtime's own
 answer is a new device and the work again (src/edge/runtime.py, lavapipe_retry); here the work
 runs again in a new process, a new Vulkan instance, LAVAPIPE_TRIES in all, each retry a warning
-in the test's output. Any other error fails at once, and so does a loss on any other driver."""
+in the test's output; a context IreeRunner could not make in its own tries (ModuleLoadFailed, a lost
+device each time) is tried again too, in the new process. Any other error fails at once, and so does
+a loss on any other driver."""
 from __future__ import annotations
 
 import multiprocessing

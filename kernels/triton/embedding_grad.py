@@ -16,12 +16,15 @@ The sums are torch's, bit for bit, on its CUDA path for more than 3072 ids
 each id's rows split into partial segments of NROWS_PER_THREAD = 10 rows in that order, each
 summed in fp32 from zero; each id's partials summed in fp32 from zero, in order; that sum rounded
 to the gradient's dtype; then the head's gradient plus it, computed in fp32 and rounded (torch's
-add). Two kernels, each program one sorted position: `_partial_sums` where a partial segment
+add). Bit for bit where the weight's `.grad` is empty when backward starts (a training step's
+zero_grad(set_to_none=True)); onto a gradient already there, torch adds the head's and the
+embedding's first and then the sum, where the hook adds the embedding's last: the same values,
+rounded once more apart. Two kernels, each program one sorted position: `_partial_sums` where a partial segment
 starts, `_segment_fold` where an id's rows start. The positions come from a sort, cumulative max
 and min, no host sync. One difference: where the head's gradient holds -0.0 in a row the batch did
 not touch, torch's add of the zero-filled row gives +0.0; this leaves -0.0. For 3072 ids or fewer,
-torch sums in another order (a kernel per feature): there the backward returns torch's own
-gradient, so that path is torch's.
+torch sums in another order (a kernel per feature), and fp64 it sums in fp64: there the backward
+returns torch's own gradient, so that path is torch's.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/
 
 NROWS = 10  # torch's NROWS_PER_THREAD: rows in a partial segment
 TORCH_SORT_PATH_ABOVE = 3072  # torch's CUDA embedding backward sorts the ids above this many (below: another order)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # torch sums these in fp32, as the kernels do
 # 1024 columns and 4 warps a program: LLaMA's 2048-wide rows in two programs, each row read as 8 B a thread
 BLOCK_D, NUM_WARPS = 1024, 4
 
@@ -143,7 +147,7 @@ class _FoldedEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        if ids.numel() <= TORCH_SORT_PATH_ABOVE:  # torch sums these in another order: its own gradient
+        if ids.numel() <= TORCH_SORT_PATH_ABOVE or gy.dtype not in DTYPES:  # torch sums these otherwise: its own gradient
             return None, torch.ops.aten.embedding_dense_backward(gy, ids, ctx.num_weights, -1, False)
         getattr(ctx.weight, _PENDING).append((ids, gy))
         return None, None

@@ -214,11 +214,11 @@ def _metrics(summary: dict[str, Any]) -> dict[str, Any]:
 def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings: dict, e: DictConfig, summary: dict[str, Any]) -> None:
     """Time and check the model on `backend`; raises EdgeRunFailed with the one line that ends the run."""
     from src.edge.runtime import (
+        LAVAPIPE,
         IreeRunner,
         ModuleLoadFailed,
         TorchRunner,
         lavapipe_retry,
-        on_lavapipe,
         one_line,
         vulkan_devices,
     )
@@ -247,10 +247,11 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
             return runner, {**runner.transfer_times(cache_bytes), **measured(runner)}
 
         try:
-            (runner, figures), tries = lavapipe_retry(make_runner, transfers_and_figures, on_lavapipe())
+            # the run's own device (the first IREE lists, whose name the summary reports) decides, not any lavapipe installed beside it
+            (runner, figures), tries = lavapipe_retry(make_runner, transfers_and_figures, LAVAPIPE in summary["device_name"])
         except ModuleLoadFailed as err:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
-        except RuntimeError as err:  # the driver took the module but failed a dispatch
+        except RuntimeError as err:  # the driver took the module but failed a dispatch or a transfer
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], one_line(err))) from None
         summary.update(figures, device_tries=tries)
     else:  # quantized the same way: the weights dequantized in torch's forward, before each matmul
