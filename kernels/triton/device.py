@@ -25,6 +25,11 @@ def interpreted() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def kernels_run_on(t: torch.Tensor) -> bool:
+    """Whether the kernels run where `t` lives: CUDA, or a CPU under Triton's interpreter."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreted())
+
+
 # Rows a tile for the row kernels off CUDA, where Triton's interpreter runs them (the CPU tests): there
 # each op of each program costs tens of microseconds of Python over numpy whatever the tile's size,
 # so a program a row made 3 float8 steps of a tiny model on a CPU take 116 s, 16 rows a tile 7.3 s,

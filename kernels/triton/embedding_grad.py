@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.triton.device import interpreted
+from kernels.triton.device import kernels_run_on
 from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 
 NROWS = 10  # torch's NROWS_PER_THREAD: rows in a partial segment
@@ -153,11 +153,6 @@ class _FoldedEmbedding(torch.autograd.Function):
         return None, None
 
 
-def foldable(weight: torch.Tensor) -> bool:
-    """Whether the kernels run where `weight` lives: CUDA, or a CPU under Triton's interpreter."""
-    return weight.is_cuda or (weight.device.type == "cpu" and interpreted())
-
-
 class TiedEmbedding(nn.Embedding):
     """An nn.Embedding whose weight another module's backward also reaches first (a tied head): its
     gradient is added into the weight's `.grad` by the weight's hook rather than handed to autograd
@@ -168,7 +163,7 @@ class TiedEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and w.requires_grad and foldable(w)):
+        if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and w.requires_grad and kernels_run_on(w)):
             return super().forward(ids)
         if getattr(w, _HOOK, None) is None:  # FSDP2's unsharded parameter, the first time it is seen
             setattr(w, _PENDING, [])

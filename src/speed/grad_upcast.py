@@ -17,16 +17,12 @@ from src.speed.recipe import FSDP, Recipe
 from src.speed.versions import TRITON_TESTED
 
 _CAST = None  # kernels.triton.cast, imported when installed (Triton may be missing)
-_INTERPRETED = None  # kernels.triton.device.interpreted
-
-
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda or (tensor.device.type == "cpu" and _INTERPRETED())
+_RUNS_ON = None  # kernels.triton.device.kernels_run_on
 
 
 def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if (dtype == torch.float32 and tensor.dtype in _CAST.UPCAST_DTYPES and tensor.is_contiguous()
-            and not torch.compiler.is_compiling() and _kernel_runs_on(tensor)):
+            and not torch.compiler.is_compiling() and _RUNS_ON(tensor)):
         return _CAST.upcast_fp32(tensor)
     return PATCH.fsdp2["_to_dtype_if_needed"](tensor, dtype)
 
@@ -39,13 +35,13 @@ def install() -> bool:
     """Route FSDP2's post-reduce upcast through the Triton kernel; False (and nothing changed)
     where this torch's FSDP2 has no `_to_dtype_if_needed`, Triton is missing, or other code has
     replaced the function since an earlier install. Installing twice keeps the first install's original."""
-    global _CAST, _INTERPRETED
+    global _CAST, _RUNS_ON
     try:
         import kernels.triton.cast as cast
-        from kernels.triton.device import interpreted
+        from kernels.triton.device import kernels_run_on
     except ImportError:
         return False
-    _CAST, _INTERPRETED = cast, interpreted
+    _CAST, _RUNS_ON = cast, kernels_run_on
     return PATCH.install()
 
 

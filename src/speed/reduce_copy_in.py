@@ -18,12 +18,11 @@ from src.speed.recipe import FSDP, Recipe
 from src.speed.versions import TRITON_TESTED
 
 _KERNEL = None  # kernels.triton.chunk_cat, imported when installed (Triton may be missing)
-_INTERPRETED = None  # kernels.triton.device.interpreted
+_RUNS_ON = None  # kernels.triton.device.kernels_run_on
 
 
 def foreach_reduce_scatter_copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
-    here = reduce_scatter_input.is_cuda or (reduce_scatter_input.device.type == "cpu" and _INTERPRETED())
-    if here and not torch.compiler.is_compiling() and _KERNEL.takes(unsharded_grads, world_size, reduce_scatter_input):
+    if _RUNS_ON(reduce_scatter_input) and not torch.compiler.is_compiling() and _KERNEL.takes(unsharded_grads, world_size, reduce_scatter_input):
         if SQUARES.on and world_size == 1:  # speed.norm_in_copy_in: the squares summed as written (src/speed/grad_squares.py)
             # FSDP2 then copies the one-rank input onto the reduce output (`reduce_output.copy_(reduce_scatter_input)`),
             # which speed.one_rank_copies makes the same tensor: the same values, one more version (torch 2.11-2.15)
@@ -43,13 +42,13 @@ def install() -> bool:
     """Route FSDP2's reduce-scatter copy-in through the Triton kernel; False (and nothing changed)
     where this torch's FSDP2 has no `foreach_reduce_scatter_copy_in`, Triton is missing, or other
     code has replaced the function since an earlier install."""
-    global _KERNEL, _INTERPRETED
+    global _KERNEL, _RUNS_ON
     try:
         import kernels.triton.chunk_cat as chunk_cat
-        from kernels.triton.device import interpreted
+        from kernels.triton.device import kernels_run_on
     except ImportError:
         return False
-    _KERNEL, _INTERPRETED = chunk_cat, interpreted
+    _KERNEL, _RUNS_ON = chunk_cat, kernels_run_on
     return PATCH.install()
 
 
