@@ -178,6 +178,23 @@ def slurm_cluster():
         yield cluster
 
 
+def train_on_and_off(tmp_path: Path, overrides: list[str], knob: str) -> dict[str, tuple[dict, list[dict]]]:
+    """The same run in this process (train(), as a rank runs it) with `knob`=on and then =off: for each,
+    its summary.json and its metrics.jsonl's lines. Tests that call it take the in_process_runs fixture."""
+    from src.compose import compose_config
+    from src.runtime import RunContext
+    from src.train.worker import train
+
+    runs = {}
+    for use in ("on", "off"):
+        run_dir = tmp_path / use
+        run_dir.mkdir()
+        train(compose_config([*overrides, f"{knob}={use}"]), RunContext(run_dir=str(run_dir), cwd=str(tmp_path)))
+        runs[use] = (json.loads((run_dir / "summary.json").read_text()),
+                     [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    return runs
+
+
 @pytest.fixture
 def in_process_runs():
     """train() sets up a rank's logging (handlers on the root logger) and Dynamo keeps what it

@@ -3,8 +3,6 @@ one-rank copy-in leaves, against get_total_norm; what it refuses to count, and w
 The copy-in kernel's own sums: tests/test_reduce_copy_in.py."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -125,8 +123,7 @@ def test_a_one_rank_run_clips_with_the_norm_from_the_copy_in(tmp_path, in_proces
     fp32's rounding at the first step, the same gradients; after it a clipping factor a unit of fp32's
     last place apart can flip a bf16 rounding of the weights, and the runs drift as such runs do)."""
     import kernels.triton.chunk_cat as chunk_cat
-    from src.runtime import RunContext
-    from src.train.worker import train
+    from tests.conftest import train_on_and_off
 
     taken, took = [], []
     local, takes = GradSquares.local_squares, chunk_cat.takes
@@ -135,13 +132,9 @@ def test_a_one_rank_run_clips_with_the_norm_from_the_copy_in(tmp_path, in_proces
     one = ["dist.nproc=1", "train.steps=3", "data.seq_len=32", "data.batch_size=2", "tracking=none", "train.progress=false",
            "speed.reduce_copy_in=on", "speed.one_rank_copies=on", "optim.grad_clip=0.1"]
     norms = {}
-    for use in ("on", "off"):
-        run_dir = tmp_path / use
-        run_dir.mkdir()
-        train(compose_config([*one, f"speed.norm_in_copy_in={use}"]), RunContext(run_dir=str(run_dir), cwd=str(tmp_path)))
-        summary = json.loads((run_dir / "summary.json").read_text())
+    for use, (summary, metrics) in train_on_and_off(tmp_path, one, "speed.norm_in_copy_in").items():
         assert ("norm_in_copy_in" in summary["speed_recipes"]) is (use == "on")
-        norms[use] = [json.loads(line)["grad_norm"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        norms[use] = [m["grad_norm"] for m in metrics]
     assert len(taken) == 3 and took
     if all(took):
         assert all(t is not None for t in taken)  # no step fell back to a pass of its own

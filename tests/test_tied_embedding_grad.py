@@ -5,7 +5,6 @@ and a one-rank FSDP2 run with it against the same without, and where it refuses 
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -193,18 +192,13 @@ def test_a_one_rank_fsdp2_run_with_it_trains_as_without(tmp_path, in_process_run
     are the same to fp32's rounding (torch's CPU kernels sum the embedding's rows in another order).
     fp32 parameters: in bf16 torch's CPU kernel sums each id's rows in bf16 (3% off the gradient norm
     at this batch, where the fold and torch's CUDA kernel sum in fp32)."""
-    from src.runtime import RunContext
-    from src.train.worker import train
+    from tests.conftest import train_on_and_off
 
     one = ["model=llama3_tiny", "dist.nproc=1", "train.steps=3", "data.seq_len=1600", "data.batch_size=2", "tracking=none",
            "train.progress=false", "optim.grad_clip=1.0", "precision.param_dtype=float32"]
-    metrics = {}
-    for use in ("on", "off"):
-        run_dir = tmp_path / use
-        run_dir.mkdir()
-        train(compose_config([*one, f"speed.tied_embedding_grad={use}"]), RunContext(run_dir=str(run_dir), cwd=str(tmp_path)))
-        summary = json.loads((run_dir / "summary.json").read_text())
+    runs = train_on_and_off(tmp_path, one, "speed.tied_embedding_grad")
+    for use, (summary, _) in runs.items():
         assert ("tied_embedding_grad" in summary["speed_recipes"]) is (use == "on")
-        metrics[use] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = {use: lines for use, (_, lines) in runs.items()}
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in metrics["on"]] == pytest.approx([m[key] for m in metrics["off"]], rel=1e-5), key
