@@ -166,15 +166,23 @@ def test_an_untied_model_is_refused_in_one_line(overrides, line):
     assert refusal(compose_config(["model=llama3_tiny", "speed.tied_embedding_grad=on"])) is None
 
 
-def test_where_it_stays_off():
+def test_where_it_stays_off(monkeypatch):
     from src.models import build_model
+    from src.speed import tied_embedding
     from src.speed.tied_embedding import why_off
+    from src.speed.versions import release, torch_version
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     auto = compose_config(["model=llama3_tiny", "speed.tied_embedding_grad=auto"])
     on = compose_config(["model=llama3_tiny", "speed.tied_embedding_grad=on"])
     model = build_model(auto.model)
-    assert "on no torch yet" in why_off(auto, model, cuda, ddp=False)  # no GPU has matched its bits yet: auto is off
+    here = release(torch_version())
+    monkeypatch.setattr(tied_embedding, "VERIFIED", (here,))
+    assert why_off(auto, model, cuda, ddp=False) is None  # a release its GPU tests matched: auto runs
+    monkeypatch.setattr(tied_embedding, "VERIFIED", ("2.11",) if here != "2.11" else ("2.13",))
+    assert f"not on {torch_version()}" in why_off(auto, model, cuda, ddp=False)  # any other: off, naming this torch
+    monkeypatch.setattr(tied_embedding, "VERIFIED", ())
+    assert "on no torch yet" in why_off(auto, model, cuda, ddp=False)
     assert why_off(compose_config(["model=llama3_tiny", "speed.tied_embedding_grad=auto", "speed.force_unverified=true"]), model, cuda,
                    ddp=False) is None
     assert why_off(on, model, cuda, ddp=False) is None
