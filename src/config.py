@@ -289,7 +289,8 @@ class SpeedConfig:
     tied_embedding_grad: Use = Use.off
     """a head tied to the embedding (model.tie_embeddings): the embedding's gradient added into the head's in place,
     only the rows the batch touched, instead of a full-size gradient zero-filled and then added (kernels/triton/embedding_grad.py;
-    torch's CUDA sums bit for bit above 3072 tokens a rank; auto: CUDA runs on a torch its GPU tests matched, none yet)"""
+    torch's CUDA sums bit for bit above 3072 tokens a rank; auto under speed=copies and graphs: CUDA runs on a torch its GPU tests
+    matched, src/speed/tied_embedding.py's VERIFIED)"""
     force_unverified: bool = False
     """run the recipes asked for on a torch or Triton release they were not verified on"""
 
