@@ -141,6 +141,7 @@ def test_float8_plumbing_trains_on_a_cpu_rank_with_emulated_gemms():
     assert fp8[-1] < fp8[0] and fp8 == pytest.approx(bf16, abs=0.02)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter on a CPU rank, which a process on a GPU machine does not use")
 @pytest.mark.parametrize("recipe,fold", [("rowwise_with_gw_hp", True), ("rowwise_with_gw_tensorwise", True), ("rowwise_with_gw_tensorwise", False)],
                          ids=["gw_hp", "gw_tensorwise", "gw_tensorwise-silu-apart"])
 def test_triton_float8_linears_train_on_a_cpu_rank_with_real_float8_gemms(recipe, fold):

@@ -24,7 +24,10 @@ starts, `_segment_fold` where an id's rows start. The positions come from a sort
 and min, no host sync. One difference: where the head's gradient holds -0.0 in a row the batch did
 not touch, torch's add of the zero-filled row gives +0.0; this leaves -0.0. For 3072 ids or fewer,
 torch sums in another order (a kernel per feature), and fp64 it sums in fp64: there the backward
-returns torch's own gradient, so that path is torch's.
+returns torch's own gradient, so that path is torch's. It does the same where torch's sort path adds
+each partial into the gradient with atomics (`torch_sums_atomically`: few rows in the table and narrow
+ones, as a 64-token vocabulary): an order that changes from run to run, so no fold could match it, and
+a table so small that its full-size gradient costs nothing.
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/
 NROWS = 10  # torch's NROWS_PER_THREAD: rows in a partial segment
 TORCH_SORT_PATH_ABOVE = 3072  # torch's CUDA embedding backward sorts the ids above this many (below: another order)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # torch sums these in fp32, as the kernels do
+# torch's heuristic for its fused atomic kernel (EmbeddingBackwardKernel.cu): its threads per block at
+# most, the blocks an SM takes below which a kernel per id is "poor parallelism", and a warp's threads
+MAX_BLOCK_SIZE, MAX_ATOMIC_ACCUM_BLOCKS_PER_SM, WARP = 1024, 4, 32
 # 1024 columns and 4 warps a program: LLaMA's 2048-wide rows in two programs, each row read as 8 B a thread
 BLOCK_D, NUM_WARPS = 1024, 4
 
@@ -102,6 +108,30 @@ def segments(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return sorted_ids, order, plen, slen
 
 
+def torch_sums_atomically(numel: int, num_weights: int, dim: int, sms: int) -> bool:
+    """Whether torch's CUDA sort path, for `numel` ids into a (num_weights, dim) table on a GPU of
+    `sms` SMs, takes its fused kernel, which adds each partial sum into the gradient with atomics
+    instead of summing an id's partials in order: where a kernel per id would fill fewer than 4
+    blocks an SM and the partials outnumber its blocks 4 to 1, unless deterministic algorithms are
+    asked for. Measured on an H100 (torch 2.11): a 64 x 24 table's gradient from 3200 ids differed
+    between two runs of the same backward in 89 to 371 of its 1536 values."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    max_segments = min(numel, num_weights)
+    stride_warped = triton.cdiv(dim, WARP) * WARP
+    grid = triton.cdiv(max_segments * stride_warped, min(stride_warped, MAX_BLOCK_SIZE))
+    return grid < sms * MAX_ATOMIC_ACCUM_BLOCKS_PER_SM and numel // NROWS + max_segments > grid * 4
+
+
+def _sums_atomically(ids: torch.Tensor, num_weights: int, gy: torch.Tensor) -> bool:
+    """torch_sums_atomically for this backward; never on a CPU (Triton's interpreter), which has no SMs
+    and whose tests check the fold against torch's sort path written out."""
+    if gy.device.type != "cuda":
+        return False
+    sms = torch.cuda.get_device_properties(gy.device).multi_processor_count
+    return torch_sums_atomically(ids.numel(), num_weights, gy.shape[-1], sms)
+
+
 def fold_rows_(grad: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     """grad (V, D) += the embedding gradient of `ids` (any shape) given `grad_output` (ids' shape + (D,)),
     in place, summed as torch's CUDA sort path sums it (the module docstring). Returns grad."""
@@ -147,7 +177,8 @@ class _FoldedEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        if ids.numel() <= TORCH_SORT_PATH_ABOVE or gy.dtype not in DTYPES:  # torch sums these otherwise: its own gradient
+        if ids.numel() <= TORCH_SORT_PATH_ABOVE or gy.dtype not in DTYPES or _sums_atomically(ids, ctx.num_weights, gy):
+            # torch sums these otherwise: its own gradient
             return None, torch.ops.aten.embedding_dense_backward(gy, ids, ctx.num_weights, -1, False)
         getattr(ctx.weight, _PENDING).append((ids, gy))
         return None, None
