@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.triton.device import kernels_run_on
+from kernels.triton.device import device_index, kernels_run_on, sm_count
 from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 
 NROWS = 10  # torch's NROWS_PER_THREAD: rows in a partial segment
@@ -126,10 +126,8 @@ def torch_sums_atomically(numel: int, num_weights: int, dim: int, sms: int) -> b
 def _sums_atomically(ids: torch.Tensor, num_weights: int, gy: torch.Tensor) -> bool:
     """torch_sums_atomically for this backward; never on a CPU (Triton's interpreter), which has no SMs
     and whose tests check the fold against torch's sort path written out."""
-    if gy.device.type != "cuda":
-        return False
-    sms = torch.cuda.get_device_properties(gy.device).multi_processor_count
-    return torch_sums_atomically(ids.numel(), num_weights, gy.shape[-1], sms)
+    index = device_index(gy)
+    return index >= 0 and torch_sums_atomically(ids.numel(), num_weights, gy.shape[-1], sm_count(index))
 
 
 def fold_rows_(grad: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
