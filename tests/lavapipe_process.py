@@ -14,7 +14,11 @@ import multiprocessing
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 
-from src.edge.runtime import LAVAPIPE_TRIES, lost_device, on_lavapipe
+import pytest
+
+from src.edge.runtime import LAVAPIPE_TRIES, lost_device, on_lavapipe, vulkan_device_names
+
+needs_vulkan = pytest.mark.skipif(not vulkan_device_names(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 
 
 def in_own_process(fn, *args):

@@ -17,12 +17,11 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
 from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
-from src.edge.runtime import LAVAPIPE_TRIES, IreeRunner, Readback, lavapipe_retry, vulkan_devices  # noqa: E402
+from src.edge.runtime import LAVAPIPE_TRIES, IreeRunner, Readback, lavapipe_retry  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import REPO, run_cli  # noqa: E402
-from tests.lavapipe_process import in_own_process  # noqa: E402
+from tests.lavapipe_process import in_own_process, needs_vulkan  # noqa: E402
 
-needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 TINY = {"name": "tiny", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_mult": 4, "causal": True,
         "norm_eps": 1e-6, "init_std": 0.02, "mlp": "silu", "ffn_hidden": 0}
 # fp32: lavapipe's SPIR-V against torch's CPU kernels, summed in another order. fp16: every

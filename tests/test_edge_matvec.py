@@ -15,12 +15,10 @@ pytest.importorskip("iree.turbine")
 from src.edge.bench import TOLERANCE, generate, reference_logits, relative_errors  # noqa: E402
 from src.edge.matvec import MatvecLinear, matvec_rows, use_matvec, weights_first  # noqa: E402
 from src.edge.quant import QuantLinear, quant_spec, quantize  # noqa: E402
-from src.edge.runtime import vulkan_devices  # noqa: E402
 from src.edge.task import deployed, quant_setting, reference_model  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
-from tests.lavapipe_process import in_own_process  # noqa: E402
+from tests.lavapipe_process import in_own_process, needs_vulkan  # noqa: E402
 
-needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 PROMPT, STEPS, BATCH = 8, 16, 4
 
 

@@ -12,10 +12,8 @@ import pytest
 pytest.importorskip("iree.turbine")
 
 from src.edge.bench import TOLERANCE, agreement, generate, reference_logits, relative_errors, tolerance, torch_greedy  # noqa: E402
-from src.edge.runtime import vulkan_devices  # noqa: E402
-from tests.lavapipe_process import in_own_process  # noqa: E402
+from tests.lavapipe_process import in_own_process, needs_vulkan  # noqa: E402
 
-needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 STEPS = 8
 
 

@@ -13,11 +13,10 @@ pytest.importorskip("iree.turbine")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import tolerance  # noqa: E402
-from src.edge.runtime import vulkan_devices  # noqa: E402
 from src.tracking.ui_view import VIEW_TAG, read_state  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
+from tests.lavapipe_process import needs_vulkan  # noqa: E402
 
-needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 QUANTS, BATCHES = ("none", "int8"), (1, 4)
 # what a job compares on: speed, the logits' error against torch fp32, the greedy tokens' agreement, sizes
 FIGURES = ("decode_tokens_per_s", "decode_p50_ms", "decode_p90_ms", "ttft_p50_ms", "prefill_tokens_per_s", "rel_err", "rel_err_prefill",

@@ -13,12 +13,10 @@ import pytest
 pytest.importorskip("iree.turbine")
 
 from src.edge.bench import TOLERANCE, generate, reference_logits, relative_errors  # noqa: E402
-from src.edge.runtime import vulkan_devices  # noqa: E402
 from src.edge.task import deployed, reference_model  # noqa: E402
 from src.edge.tiles import LIBRARY_FLAG, flag_name, library, prefill_tiles_flag  # noqa: E402
-from tests.lavapipe_process import in_own_process  # noqa: E402
+from tests.lavapipe_process import in_own_process, needs_vulkan  # noqa: E402
 
-needs_vulkan = pytest.mark.skipif(not vulkan_devices(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 PROMPT, STEPS = 32, 8
 
 

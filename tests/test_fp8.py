@@ -13,7 +13,7 @@ import torch
 from src.compose import ConfigError, compose_config
 from src.config import Fp8Recipe
 from src.validate import validate
-from tests.conftest import run_cli
+from tests.conftest import needs_capability, run_cli
 
 H200 = ((9, 0), "NVIDIA H200")
 
@@ -167,7 +167,7 @@ def _train(cwd: Path, args: list[str], env: dict[str, str] | None = None) -> tup
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
+@needs_capability(8, 9, "needs a GPU of compute capability 8.9+")
 @pytest.mark.parametrize("impl", ["torchao", "triton", "triton_gw_tensorwise", "triton_swiglu"])
 def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
     """model=small on data=text, 12 steps under FSDP2 with compiled blocks (torchao: tensorwise,
@@ -196,7 +196,7 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a GPU of compute capability 8.9+")
+@needs_capability(8, 9, "needs a GPU of compute capability 8.9+")
 @pytest.mark.parametrize("precision,unshard", [("bf16", "on"), ("fp8", "on"), ("fp8", "off")])
 def test_blocks_replayed_from_cuda_graphs_train_as_launched_ones(tmp_path: Path, precision: str, unshard: str):
     """speed.cudagraphs=true: the compiled blocks' forward and backward replayed from CUDA graphs

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, read_summary, run_cli
+from tests.conftest import REPO, needs_capability, needs_gpu, read_summary, run_cli
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+pytestmark = [pytest.mark.gpu, needs_gpu]
 
 
 def test_fsdp2_bf16_on_cuda_reports_mfu_and_device_memory(tmp_path: Path):
@@ -46,7 +46,7 @@ def test_triton_kernels_give_eager_fp32_losses_on_the_seed_step(tmp_path: Path):
         assert abs(eager - fused) <= 1e-5 * max(1.0, abs(eager)), losses
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="float8 GEMMs need compute capability 9")
+@needs_capability(9, 0, "float8 GEMMs need compute capability 9")
 def test_the_float8_preset_for_two_gpus_runs_as_rank_0_on_one(tmp_path: Path):
     """`+exp=fsdp4_fp8 dist.nproc=2` with dist.fake on one GPU: FSDP2's two-rank path (bf16 weights gathered
     for the float8 blocks, gradients reduce-scattered, the optimizer on half of each parameter) compiles, records its
@@ -107,7 +107,7 @@ def _fused_fwd_bwd(op: str, case) -> tuple[list[torch.Tensor], list[torch.Tensor
     return [o.detach().float() for o in out] + [g.float() for g in grads], [r.detach().float() for r in ref]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs compute capability 9")
+@needs_capability(9, 0, "PDL needs compute capability 9")
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "softmax", "cross_entropy"])
 def test_kernels_launched_with_pdl_match_torch(op, monkeypatch):
     """With programmatic dependent launch on (kernels/triton/pdl.py) each kernel waits for the one
@@ -128,7 +128,7 @@ def test_kernels_launched_with_pdl_match_torch(op, monkeypatch):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs compute capability 9")
+@needs_capability(9, 0, "PDL needs compute capability 9")
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
 @pytest.mark.parametrize("width", [2048, 4096])
 def test_rms_norm_dw_as_a_dependent_launch_gives_the_same_bits(op, width, monkeypatch):

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from src.profiling.gpu_clocks import FIGURES, HW_THERMAL, SW_POWER_CAP, ClockSampler, Sample, describe, summarize
-
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+from tests.conftest import needs_gpu
 
 
 def test_the_figures_are_medians_and_shares_of_the_samples():
@@ -42,7 +41,7 @@ def test_no_sampler_where_there_is_no_gpu_to_sample():
 
 
 @pytest.mark.gpu
-@GPU
+@needs_gpu
 def test_the_sampler_reads_a_busy_gpu_from_the_step_it_is_told():
     sampler = ClockSampler.for_device(torch.device("cuda", torch.cuda.current_device()), 0.02)
     assert sampler is not None and sampler.max_sm_mhz > 0 and sampler.power_limit_w > 0
@@ -64,7 +63,7 @@ def test_the_sampler_reads_a_busy_gpu_from_the_step_it_is_told():
 
 
 @pytest.mark.gpu
-@GPU
+@needs_gpu
 def test_a_run_reports_its_clock_over_the_timed_steps_read_every_tenth(tmp_path):
     """+exp=fsdp4_tuned reads every 10th step: with 10 untimed steps, the sampler starts when step 9 is read
     (counting reads instead, it waited for a 10th read that a 30-step run never makes)."""

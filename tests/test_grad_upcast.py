@@ -10,6 +10,7 @@ triton = pytest.importorskip("triton")
 
 from kernels.triton.cast import upcast_fp32  # noqa: E402
 from src.speed import grad_upcast  # noqa: E402
+from tests.conftest import needs_gpu  # noqa: E402
 from tests.spawned_ranks import spawn_ranks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,7 +131,7 @@ def test_speed_grad_upcast_decides_the_route(use, device, reduce_dtype, runs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@needs_gpu
 def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
     """One NCCL rank, a bf16 reduce under fp32 parameters: the sharded fp32 gradients after one
     backward are the same bits with either upcast, and the Triton kernel ran once a unit."""

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.speed import one_rank
+from tests.conftest import needs_gpu
 
 aten = torch.ops.aten
 
@@ -233,7 +234,7 @@ def test_install_and_restore_leave_others_alone():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@needs_gpu
 def test_direct_copies_on_one_nccl_rank():
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -285,7 +286,7 @@ def _slow_reduce_grads(choice: str, reduce_dtype, accumulate: bool, offload: boo
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@needs_gpu
 @pytest.mark.parametrize("reduce_dtype, accumulate, offload", [(torch.bfloat16, False, False), (torch.float32, True, False), (torch.float32, False, True)],
                          ids=["bf16-reduce", "fp32-accumulated", "fp32-cpu-offload"])
 def test_an_aliased_reduce_buffer_is_not_reused_while_the_reduce_stream_reads_it(reduce_dtype, accumulate, offload):

@@ -10,6 +10,7 @@ triton = pytest.importorskip("triton")
 
 from kernels.triton.chunk_cat import SLOTS, chunk_cat, takes  # noqa: E402
 from src.speed import reduce_copy_in  # noqa: E402
+from tests.conftest import needs_gpu  # noqa: E402
 from tests.spawned_ranks import spawn_ranks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,7 +145,7 @@ def test_speed_reduce_copy_in_decides_the_route(use, device, routed):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@needs_gpu
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fsdp2_gradients_copied_by_triton_equal_torchs(monkeypatch, reduce_dtype):
     """One NCCL rank, bf16 compute: the sharded fp32 gradients after one backward are the same bits

@@ -23,9 +23,9 @@ from kernels.triton.embedding_grad import (  # noqa: E402
     torch_sums_atomically,
 )
 from src.compose import compose_config  # noqa: E402
+from tests.conftest import needs_gpu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 def torch_cuda_sum(grad: torch.Tensor, ids: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
