@@ -200,11 +200,12 @@ def lavapipe_retry(make_runner: Any, work: Any, lavapipe: bool) -> Any:
     """work(make_runner(fresh_device)) once; on lavapipe, where the device was lost during the work
     (IreeRunner's docstring: the Mesa fault surfaces at any later wait too), again on a runner with
     a new device, LAVAPIPE_TRIES in all, each retry logged. Any other error, or a loss on any other
-    driver, is raised at once. Returns (work's result, the tries it took)."""
+    driver, is raised at once. Returns work's result; make_runner is called once a try, so it can
+    count them, a failed run's included."""
     tries = 1
     while True:
         try:
-            return work(make_runner(tries > 1)), tries
+            return work(make_runner(tries > 1))
         except RuntimeError as err:
             if isinstance(err, ModuleLoadFailed) or not (lavapipe and lost_device(str(err))) or tries == LAVAPIPE_TRIES:
                 raise
@@ -472,8 +473,13 @@ def vulkan_device_names() -> list[str]:
 
 
 def on_lavapipe() -> bool:
-    """Whether IREE's Vulkan devices include Mesa's lavapipe (LAVAPIPE in the name)."""
-    return any(LAVAPIPE in name for name in vulkan_device_names())
+    """Whether IREE's default Vulkan device is Mesa's lavapipe (LAVAPIPE in its name): the device
+    `rt.Config("vulkan")` and `create_default_device()` make, the first visible one IREE lists
+    (iree_hal_vulkan_driver_create_device_by_id takes index 0 of the list query_available_devices
+    gives). A lavapipe installed beside a GPU the runs use does not count: the lost-device retries
+    are for lavapipe's fault alone."""
+    names = vulkan_device_names()
+    return bool(names) and LAVAPIPE in names[0]
 
 
 def vulkan_devices() -> list[dict[str, Any]]:

@@ -240,6 +240,8 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
         cache_bytes = 2 * reference.k_cache.numel() * torch_dtype(dtype).itemsize  # keys and values
 
         def make_runner(fresh_device: bool) -> Any:
+            # counted as each try starts, so a run whose last try failed says how many it took too
+            summary["device_tries"] = summary.get("device_tries", 0) + 1
             return IreeRunner(artifacts, "vulkan", flags=tuple(e.runtime_flags), host_wait=str(e.host_wait), token_out=str(e.token_out),
                               fresh_device=fresh_device)
 
@@ -248,12 +250,12 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
 
         try:
             # the run's own device (the first IREE lists, whose name the summary reports) decides, not any lavapipe installed beside it
-            (runner, figures), tries = lavapipe_retry(make_runner, transfers_and_figures, LAVAPIPE in summary["device_name"])
+            runner, figures = lavapipe_retry(make_runner, transfers_and_figures, LAVAPIPE in summary["device_name"])
         except ModuleLoadFailed as err:
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], str(err))) from None
         except RuntimeError as err:  # the driver took the module but failed a dispatch or a transfer
             raise EdgeRunFailed(load_failure(artifacts.manifest, summary["device_name"], one_line(err))) from None
-        summary.update(figures, device_tries=tries)
+        summary.update(figures)
     else:  # quantized the same way: the weights dequantized in torch's forward, before each matmul
         runner = TorchRunner(deployed(reference, settings), {"cpu": "cpu", "cuda": "cuda", "mps": "mps"}[backend], dtype, settings["batch"],
                              compiled=bool(getattr(e, "torch_compile", False)))
