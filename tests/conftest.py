@@ -22,18 +22,16 @@ except ImportError:
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _gpu_capability() -> tuple[int, int] | None:
-    return _torch.cuda.get_device_capability() if _torch.cuda.is_available() else None
-
-
-# What a test needs of the machine, said once for the suite.
-needs_gpu = pytest.mark.skipif(_gpu_capability() is None, reason="needs an NVIDIA GPU")
+# What a test needs of the machine, said once for the suite. needs_gpu asks is_available() alone:
+# reading the capability runs torch.cuda's lazy init, after which a forked child of this process
+# refuses CUDA, so only the files that ask for a capability read it.
+needs_gpu = pytest.mark.skipif(not _torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 def needs_capability(major: int, minor: int, reason: str) -> pytest.MarkDecorator:
     """Skips unless GPU 0 is of compute capability (major, minor) or newer; `reason` says what needs it."""
-    capability = _gpu_capability()
-    return pytest.mark.skipif(capability is None or capability < (major, minor), reason=reason)
+    ok = _torch.cuda.is_available() and _torch.cuda.get_device_capability() >= (major, minor)
+    return pytest.mark.skipif(not ok, reason=reason)
 
 # The longest test files first (seconds on one worker of a 2-core machine, the 120 slowest of
 # `--durations`, 2026-12-05; test_fp8.py after its float8 cases shrank):
