@@ -44,6 +44,15 @@ LONGEST_FIRST = {"test_edge.py": 380, "test_slurm.py": 338, "test_checkpoint.py"
                  "test_cluster_postgres.py": 96, "test_multinode.py": 92, "test_edge_shapes.py": 90}
 
 
+def pytest_configure(config):
+    # pytest-xdist's file scheduler sorts the files by their number of tests, most first, unless told
+    # not to (xdist 3.8, LoadScopeScheduling.schedule), which undid the order below: test_edge_sweep.py,
+    # one test and about 90 s of IREE compiles, ran last and alone in two clean-clone runs of .ci/run,
+    # the other worker idle. --no-loadscope-reorder, set here so README's command keeps it.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # a stable sort: each file's own order kept
 
