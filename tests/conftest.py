@@ -8,16 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch as _torch
 
 # Triton kernels run in Triton's interpreter where there is no GPU; the variable must be set
 # before any @triton.jit is applied, so before kernels/triton is imported.
-try:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-except ImportError:
-    pass
+if not _torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
