@@ -99,7 +99,7 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     from src.train.preempt import ForwardToRanks, stop_signals
 
     try:
-        with ForwardToRanks(stop_signals(cfg.checkpoint.on_signal, job is not None), run_dir):
+        with ForwardToRanks(stop_signals(cfg.checkpoint.on_signal, job is not None), run_dir) as forward:
             results = launch_ranks(
                 elastic_entry,
                 (OmegaConf.to_container(cfg, resolve=True), asdict(ctx)),
@@ -111,10 +111,12 @@ def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 log_name=node_log_name(job),
                 run_id=f"perflab-job{job.job_id}" if job is not None and job.num_nodes > 1 else "",
                 forkserver=cfg.backend.name == "cpu",
+                kept_signals=forward.handled,
             )
     except SignalException:
-        # torch's agent took a SIGTERM, forwarded it to the ranks and waited for them (30 s, then
-        # SIGKILL): if they saved and rank 0 recorded the stop, that record is the run's
+        # torch's agent took a signal (SIGINT, or a stop signal sent twice), sent it to the ranks and
+        # waited for them (30 s, then SIGKILL): if they saved and rank 0 recorded the stop, that
+        # record is the run's
         summary = _read_summary(run_dir)
         if summary.get("status") != "preempted":
             raise

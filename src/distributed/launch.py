@@ -14,7 +14,7 @@ import os
 import re
 import signal
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -149,15 +149,31 @@ def restore_rank_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+# The signals torch's agent turns into a shutdown (LaunchConfig.signals_to_handle's default; the
+# field and the wait below read the same in torch 2.11, 2.13, 2.14.1 and 2.15.0): it raises
+# SignalException, sends the signal to the ranks, waits up to 30 s for them to exit and SIGKILLs them. A rank that returns meanwhile waits for the agent to read its result
+# (queue_finished_reading_event in torch's _wrap), which an agent shutting down never does: a
+# 2-rank CPU run stopped by SIGTERM saved in 2 s, then sat out the other 28.
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def agent_signals(kept: Collection[signal.Signals]) -> str:
+    """LaunchConfig.signals_to_handle without the signals the caller handles itself (a stop signal
+    forwarded through a file, src/train/preempt.py's ForwardToRanks)."""
+    return ",".join(sig.name for sig in AGENT_SIGNALS if sig not in kept)
+
+
 def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int = 1, max_restarts: int = 0, rdzv_endpoint: str = "",
                  log_dir: str | None = None, notes_dir: str | None = None, log_name: str = "run.log", run_id: str = "",
-                 forkserver: bool = False) -> dict[int, Any]:
+                 forkserver: bool = False, kept_signals: Collection[signal.Signals] = ()) -> dict[int, Any]:
     """Run `entry(*args)` on `nproc` local ranks of `nnodes` nodes, this one among them (an agent
     per node, meeting at `rdzv_endpoint` under the same `run_id`); returns {global rank: return
     value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`. `forkserver`:
     fork the ranks from a fresh forkserver that imported the entry's module (FORKSERVER above),
     else, or where that server cannot be restarted, spawn them. For GPU ranks it holds only while
-    importing that module leaves CUDA uninitialised (tests/test_gpu.py checks the trainer's)."""
+    importing that module leaves CUDA uninitialised (tests/test_gpu.py checks the trainer's).
+    `kept_signals`: signals whose handlers the caller installed, left out of the agent's
+    (AGENT_SIGNALS): the ranks stop on them and return, and the agent reads what they return."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core
     # CPU run several times slower than it need be.
     # The cores are this process's (a SLURM task is bound to the CPUs it asked for), not the host's.
@@ -176,6 +192,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
         start_method="spawn",
         monitor_interval=0.5,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        signals_to_handle=agent_signals(kept_signals),
     )
     if nnodes > 1:
         # A fresh store for the ranks each attempt, on the node of group rank 0. By default the

@@ -10,8 +10,11 @@ that step and ends; the run ends KILLED with the tag `preempted`, and the proces
 the same kind seconds later stops at once, as if no handler were there.
 
 The launching process (the elastic agent's) forwards what it receives through a file the ranks
-look for at every step (`STOP_FILE` in the run directory): torch's agent forwards SIGTERM itself,
-not SIGUSR1 or SIGUSR2, and a rank's pid is the agent's to know, not ours.
+look for at every step (`STOP_FILE` in the run directory): a rank's pid is the agent's to know, not
+ours, and torch's agent, left to handle SIGTERM or SIGHUP itself, shuts the ranks down without
+reading what they return (src/distributed/launch.py's AGENT_SIGNALS), so it is handed none of the
+stop signals. A second signal seconds later reaches the agent as torch's SignalException: it sends
+the signal to the ranks, which stop at once.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("src.train")
 
-# A SIGTERM to the process group reaches a rank twice within milliseconds: from the kernel, and
-# forwarded by torch's agent. Both are one request; a second one later than this stops at once.
+# One request may reach a process twice within moments (a signal to its process group, and the same
+# signal sent to each process by a scheduler): one request. The same signal later than this stops at once.
 SAME_REQUEST_S = 2.0
 
 STOP_FILE = ".stop_signal"
@@ -49,6 +52,16 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
+def _mark(holder: StopRequest | ForwardToRanks, signum: int) -> bool:
+    """Whether `holder` already holds a request (its `received`, `received_at`). The same signal again,
+    later than SAME_REQUEST_S, raises torch's SignalException: stop now, as without a handler."""
+    if holder.received == signum and time.monotonic() - holder.received_at > SAME_REQUEST_S:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"{signal.Signals(signum).name} received twice", sigval=signal.Signals(signum))
+    return bool(holder.received)
+
+
 class StopRequest:
     """The signals of `sigs` marked as they arrive; `agreed()`, called once a step on every rank,
     says the signal all ranks stop on (0: go on)."""
@@ -65,19 +78,14 @@ class StopRequest:
                 self.previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
-        now = time.monotonic()
-        if self.received == signum and now - self.received_at > SAME_REQUEST_S:
-            # asked again, later: stop now, as without the handler
-            from torch.distributed.elastic.multiprocessing.api import SignalException
-
-            raise SignalException(f"{signal.Signals(signum).name} received twice", sigval=signal.Signals(signum))
-        if not self.received:
-            self.received, self.received_at = signum, now
+        if not _mark(self, signum):
+            self.received, self.received_at = signum, time.monotonic()
 
     def local(self) -> int:
         if not self.received and self.stop_file is not None and self.stop_file.exists():
             name = self.stop_file.read_text().strip()
             self.received = int(signal.Signals[name]) if name in signal.Signals.__members__ else int(signal.SIGTERM)
+            self.received_at = time.monotonic()
         return self.received
 
     def agreed(self) -> int:
@@ -102,27 +110,31 @@ class StopRequest:
 
 
 class ForwardToRanks:
-    """In the launching process, while the ranks run: a stop signal writes STOP_FILE for them. The
-    handlers before it (submitit's) are put back on exit, for the caller to hand over to after the save."""
+    """In the launching process, while the ranks run: a stop signal writes STOP_FILE for them.
+    `handled` names the signals it took, for the agent to leave alone (launch_ranks' kept_signals).
+    The handlers before it (submitit's) are put back on exit, for the caller to hand over to after the save."""
 
     def __init__(self, sigs: list[signal.Signals], run_dir: Path | None):
         self.sigs, self.stop_file = sigs, (run_dir / STOP_FILE if run_dir is not None else None)
         self.previous: dict[signal.Signals, object] = {}
-        self.received = 0
+        self.received, self.received_at = 0, 0.0
+
+    @property
+    def handled(self) -> tuple[signal.Signals, ...]:
+        return tuple(self.previous)
 
     def __enter__(self) -> ForwardToRanks:
         if self.stop_file is None or threading.current_thread() is not threading.main_thread():
             return self
         self.stop_file.unlink(missing_ok=True)  # a previous attempt's (a requeued job's) request is done
         for sig in self.sigs:
-            if sig in (signal.SIGTERM, signal.SIGHUP):
-                continue  # torch's agent forwards these to the ranks itself
             self.previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def _on_signal(self, signum: int, frame) -> None:
-        self.received = self.received or signum
-        self.stop_file.write_text(signal.Signals(signum).name)
+        if not _mark(self, signum):
+            self.received, self.received_at = signum, time.monotonic()
+            self.stop_file.write_text(signal.Signals(signum).name)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
