@@ -107,3 +107,33 @@ def test_no_stop_signals_leaves_sigusr1_to_end_the_process(tmp_path: Path):
     _signal_mid_run(proc, tmp_path, signal.SIGUSR1, False)
     assert proc.returncode == -signal.SIGUSR1
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_launcher_takes_the_stop_signals_from_torchs_agent_and_a_later_repeat_stops_at_once(tmp_path: Path):
+    """In the launching process: the stop signals write the ranks' stop file and are left out of the
+    agent's (it would shut the ranks down without reading what they return); the same signal again
+    within SAME_REQUEST_S is the same request, later it raises torch's SignalException, as the agent's
+    own handler would; on exit the handlers before it come back and the file goes."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from src.distributed.launch import agent_signals
+    from src.train.preempt import SAME_REQUEST_S, STOP_FILE, ForwardToRanks
+
+    before = signal.getsignal(signal.SIGHUP)
+    stop_file = tmp_path / STOP_FILE
+    with ForwardToRanks([signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1], tmp_path) as forward:
+        assert set(forward.handled) == {signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1}
+        assert agent_signals(forward.handled) == "SIGINT,SIGQUIT"  # Ctrl-C stays torch's: stop now
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.05)  # Python runs the handler in this thread at its next instruction
+        assert stop_file.read_text() == "SIGHUP"
+        os.kill(os.getpid(), signal.SIGUSR1)  # another signal meanwhile: the request stands
+        os.kill(os.getpid(), signal.SIGHUP)  # the same again at once: the same request
+        time.sleep(0.05)
+        assert stop_file.read_text() == "SIGHUP"
+        forward.received_at -= SAME_REQUEST_S + 1
+        with pytest.raises(SignalException, match="SIGHUP received twice"):
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)
+    assert signal.getsignal(signal.SIGHUP) == before and not stop_file.exists()
+    assert agent_signals(()) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's own list, where no run directory takes them
