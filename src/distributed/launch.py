@@ -151,7 +151,8 @@ def restore_rank_signals() -> None:
 
 # The signals torch's agent turns into a shutdown (LaunchConfig.signals_to_handle's default; the
 # field and the wait below read the same in torch 2.11, 2.13, 2.14.1 and 2.15.0): it raises
-# SignalException, sends the signal to the ranks, waits up to 30 s for them to exit and SIGKILLs them. A rank that returns meanwhile waits for the agent to read its result
+# SignalException, sends the signal to the ranks, waits up to 30 s for them to exit and SIGKILLs
+# them. A rank that returns meanwhile waits for the agent to read its result
 # (queue_finished_reading_event in torch's _wrap), which an agent shutting down never does: a
 # 2-rank CPU run stopped by SIGTERM saved in 2 s, then sat out the other 28.
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
