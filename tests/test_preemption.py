@@ -131,7 +131,7 @@ def test_the_launcher_takes_the_stop_signals_from_torchs_agent_and_a_later_repea
         os.kill(os.getpid(), signal.SIGHUP)  # the same again at once: the same request
         time.sleep(0.05)
         assert stop_file.read_text() == "SIGHUP"
-        forward.received_at -= SAME_REQUEST_S + 1
+        forward.request.at -= SAME_REQUEST_S + 1
         with pytest.raises(SignalException, match="SIGHUP received twice"):
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(0.05)

@@ -8,6 +8,7 @@ collective) and surfaces here as one line: the rank and its error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -155,7 +156,8 @@ def restore_rank_signals() -> None:
 # them. A rank that returns meanwhile waits for the agent to read its result
 # (queue_finished_reading_event in torch's _wrap), which an agent shutting down never does: a
 # 2-rank CPU run stopped by SIGTERM saved in 2 s, then sat out the other 28.
-AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+AGENT_SIGNALS = tuple(signal.Signals[name] for name in
+                      next(f for f in dataclasses.fields(LaunchConfig) if f.name == "signals_to_handle").default.split(","))
 
 
 def agent_signals(kept: Collection[signal.Signals]) -> str:

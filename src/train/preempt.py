@@ -52,14 +52,23 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
-def _mark(holder: StopRequest | ForwardToRanks, signum: int) -> bool:
-    """Whether `holder` already holds a request (its `received`, `received_at`). The same signal again,
-    later than SAME_REQUEST_S, raises torch's SignalException: stop now, as without a handler."""
-    if holder.received == signum and time.monotonic() - holder.received_at > SAME_REQUEST_S:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
+class _Request:
+    """A process's stop request: the first stop signal it received (0: none) and when."""
 
-        raise SignalException(f"{signal.Signals(signum).name} received twice", sigval=signal.Signals(signum))
-    return bool(holder.received)
+    def __init__(self) -> None:
+        self.signum, self.at = 0, 0.0
+
+    def take(self, signum: int) -> bool:
+        """Record `signum`; True where it is the first request. The same signal again, later than
+        SAME_REQUEST_S, raises torch's SignalException: stop now, as without a handler."""
+        if self.signum == signum and time.monotonic() - self.at > SAME_REQUEST_S:
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            raise SignalException(f"{signal.Signals(signum).name} received twice", sigval=signal.Signals(signum))
+        if self.signum:
+            return False
+        self.signum, self.at = signum, time.monotonic()
+        return True
 
 
 class StopRequest:
@@ -67,7 +76,7 @@ class StopRequest:
     says the signal all ranks stop on (0: go on)."""
 
     def __init__(self, sigs: list[signal.Signals], stop_file: Path | None, group: dist.ProcessGroup | None = None):
-        self.received, self.received_at = 0, 0.0
+        self.request = _Request()
         self.stop_file = stop_file
         self.group = group
         self.work = None
@@ -78,15 +87,13 @@ class StopRequest:
                 self.previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
-        if not _mark(self, signum):
-            self.received, self.received_at = signum, time.monotonic()
+        self.request.take(signum)
 
     def local(self) -> int:
-        if not self.received and self.stop_file is not None and self.stop_file.exists():
+        if not self.request.signum and self.stop_file is not None and self.stop_file.exists():
             name = self.stop_file.read_text().strip()
-            self.received = int(signal.Signals[name]) if name in signal.Signals.__members__ else int(signal.SIGTERM)
-            self.received_at = time.monotonic()
-        return self.received
+            self.request.take(int(signal.Signals[name]) if name in signal.Signals.__members__ else int(signal.SIGTERM))
+        return self.request.signum
 
     def agreed(self) -> int:
         if self.group is None:
@@ -117,7 +124,7 @@ class ForwardToRanks:
     def __init__(self, sigs: list[signal.Signals], run_dir: Path | None):
         self.sigs, self.stop_file = sigs, (run_dir / STOP_FILE if run_dir is not None else None)
         self.previous: dict[signal.Signals, object] = {}
-        self.received, self.received_at = 0, 0.0
+        self.request = _Request()
 
     @property
     def handled(self) -> tuple[signal.Signals, ...]:
@@ -132,8 +139,7 @@ class ForwardToRanks:
         return self
 
     def _on_signal(self, signum: int, frame) -> None:
-        if not _mark(self, signum):
-            self.received, self.received_at = signum, time.monotonic()
+        if self.request.take(signum):
             self.stop_file.write_text(signal.Signals(signum).name)
 
     def __exit__(self, *exc) -> None:
