@@ -205,6 +205,10 @@ class PrecisionConfig:
     projection's casts and its gradient inside the up projection's (a pass fewer each way); unset: on.
     model.mlp=swiglu (fp8_recipe=rowwise_with_gw_tensorwise): gate and up one GEMM, silu(gate) * up inside
     the down projection's cast, its gradient inside the cast of gate's and up's dY; unset: on"""
+    fp8_head: bool = False
+    """fp8_impl=triton with the fused head (kernels.fused has linear_cross_entropy): the loss's logits GEMM in
+    float8 too, rowwise scales and fast accumulation as the blocks' output GEMMs; its backward GEMMs stay in
+    param_dtype. torchtitan and torchao leave the head in bf16"""
 
 
 @dataclass

@@ -168,17 +168,18 @@ def _train(cwd: Path, args: list[str], env: dict[str, str] | None = None) -> tup
 
 @pytest.mark.gpu
 @needs_capability(8, 9, "needs a GPU of compute capability 8.9+")
-@pytest.mark.parametrize("impl", ["torchao", "triton", "triton_gw_tensorwise", "triton_swiglu"])
+@pytest.mark.parametrize("impl", ["torchao", "triton", "triton_gw_tensorwise", "triton_swiglu", "triton_head"])
 def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
     """model=small on data=text, 12 steps under FSDP2 with compiled blocks (torchao: tensorwise,
     float8 all-gather; triton: rowwise_with_gw_hp, its Triton casts traced into the compiled
-    blocks; triton_swiglu: a SwiGLU MLP folded into kernels/triton/fp8_swiglu.py's one function):
+    blocks; triton_swiglu: a SwiGLU MLP folded into kernels/triton/fp8_swiglu.py's one function;
+    triton_head: the fused head's logits GEMM in float8 too, precision.fp8_head):
     the loss falls and stays within 0.1 of bf16's at every step (same seed, same batches)."""
     n = min(torch.cuda.device_count(), 2)
     triton = ["precision=fp8", "precision.fp8_impl=triton"]
     gw_tensorwise = [*triton, "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
     fp8 = {"torchao": ["precision=fp8"], "triton": [*triton, "precision.fp8_recipe=rowwise_with_gw_hp"], "triton_gw_tensorwise": gw_tensorwise,
-           "triton_swiglu": gw_tensorwise}[impl]
+           "triton_swiglu": gw_tensorwise, "triton_head": [*gw_tensorwise, "precision.fp8_head=true", "kernels.fused=[linear_cross_entropy]"]}[impl]
     model = ["model=small"] + (["model.mlp=swiglu"] if impl == "triton_swiglu" else [])
     losses = {}
     for precision, overrides in (("bf16", ["precision=bf16"]), ("fp8", fp8)):
@@ -189,7 +190,9 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
                         "triton": "float8 (rowwise_with_gw_hp scales, triton casts): 16 block linears, weights all-gathered in bf16",
                         "triton_gw_tensorwise": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 16 block linears, weights all-gathered in bf16",
                         "triton_swiglu": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 20 block linears, weights all-gathered in bf16, "
-                                         "each SwiGLU MLP one float8 function (fp8_swiglu)"}[impl]
+                                         "each SwiGLU MLP one float8 function (fp8_swiglu)",
+                        "triton_head": "float8 (rowwise_with_gw_tensorwise scales, triton casts): 16 block linears and the head's logits GEMM, "
+                                       "weights all-gathered in bf16"}[impl]
             assert expected in stdout
     assert losses["fp8"][-1] < losses["fp8"][0] - 0.5
     assert losses["fp8"] == pytest.approx(losses["bf16"], abs=0.1)
@@ -303,3 +306,33 @@ def test_the_activation_in_the_casts_is_refused_where_it_cannot_apply(overrides,
     assert str(err.value) == message
     with pytest.raises(ConfigError, match="fp8_act_in_cast"):
         compose_config(["precision=fp8", "precision.fp8_act_in_cast=sometimes"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["precision=bf16"], "precision.fp8_head=true runs the head's logits GEMM in float8, and precision=bf16 trains none: set precision=fp8 "
+     "precision.fp8_impl=triton, or precision.fp8_head=false"),
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=rowwise"], "precision.fp8_head=true casts the head with kernels/triton's float8 casts; "
+     "precision.fp8_impl=torchao casts elsewhere: set precision.fp8_impl=triton, or precision.fp8_head=false"),
+    (["kernels.fused=[]"], "precision.fp8_head=true runs in the fused head and loss, and kernels.fused=[] leaves them apart: add linear_cross_entropy "
+     "to kernels.fused, or set precision.fp8_head=false"),
+    (["model.vocab_size=1000"], "precision.fp8_head=true: model.vocab_size is 1000, not a multiple of 16 (float8 GEMMs need every dimension a "
+     "multiple of 16); set precision.fp8_head=false"),
+])
+def test_a_float8_head_is_refused_in_one_line_where_it_cannot_run(overrides, message):
+    cfg = compose_config(["+exp=llama3_1b_fp8", "model=llama3_tiny", "precision.fp8_head=true", "tracking=none", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
+    assert str(err.value) == message
+
+
+def test_a_float8_head_composes_with_the_preset_and_sets_the_fused_head():
+    from src.distributed.float8 import float8_head
+    from src.fusion.registry import apply_fused
+    from src.models import meta_model
+
+    cfg = compose_config(["+exp=llama3_1b_fp8", "model=llama3_tiny", "precision.fp8_head=true", "tracking=none"])
+    validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
+    model = meta_model(cfg.model)
+    assert not float8_head(model)  # the plain nn.Linear head: nothing to set
+    apply_fused(model, ["linear_cross_entropy"])
+    assert float8_head(model) and model.head.float8

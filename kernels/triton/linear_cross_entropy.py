@@ -24,6 +24,14 @@ grad_W accumulates in the GEMMs' dtype through addmm_ (cuBLAS adds into it in fp
 once per chunk), as Liger-Kernel does: an fp32 accumulator fed by `(dlogits^T @ h).float()` costs
 three extra passes over the V x D weight per chunk, 21 GB of traffic and 4.3 ms a step at the
 seed's shapes on an H200 (docs/lab/PERFORMANCE.md section 5).
+
+`float8=True` runs the logits GEMM in float8 e4m3 with rowwise scales, as the blocks' float8 linears run
+their output GEMMs (kernels/triton/fp8_linear.py: a scale a token of the hidden input, a scale a vocabulary
+row of W, fast accumulation): W is cast once a step, the hidden input once, each chunk's logits come from
+`torch._scaled_mm`. The cross-entropy and the two backward GEMMs read the bf16 logits' gradient, W and the
+hidden input as before, so only the loss's forward value sees float8 (the gradients are those of the
+float8 logits). At LLaMA 3.2 1B's shape the logits GEMM is 4.3 of the step's TFLOPs, the largest bf16 GEMM
+left in a float8 step.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from kernels.triton.cross_entropy import count_valid, cross_entropy_grad_, scale
 
 LOGITS_CHUNK_BYTES = 128 * 2**20
 MIN_CHUNK_ROWS = 2048
+FLOAT8_ALIGN = 16  # torch._scaled_mm: the inner dimension and the output's columns multiples of 16
 
 
 def chunk_rows(tokens: int, vocab: int, element_size: int) -> int:
@@ -48,7 +57,8 @@ def chunk_rows(tokens: int, vocab: int, element_size: int) -> int:
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, chunk: int) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, chunk: int,
+                float8: bool = False) -> torch.Tensor:
         hidden = hidden.contiguous()
         tokens, dim = hidden.shape
         vocab = weight.shape[0]
@@ -62,10 +72,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # the first chunk's GEMM writes grad_W, later ones add to it: no zero-fill pass
         grad_weight = torch.empty(vocab, dim, dtype=dtype, device=h.device) if weight.requires_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        if float8:
+            h8, h_inv, w8, w_inv = _float8_operands(h, w)
         with torch.autocast(h.device.type, enabled=False):
             for start in range(0, tokens, chunk):
                 h_c = h[start : start + chunk]
-                logits = h_c @ w.t()  # (chunk, V): the only logits there ever are
+                if float8:
+                    logits = torch._scaled_mm(h8[start : start + chunk], w8.t(), scale_a=h_inv[start : start + chunk], scale_b=w_inv, out_dtype=dtype,
+                                              use_fast_accum=True)
+                else:
+                    logits = h_c @ w.t()  # (chunk, V): the only logits there ever are
                 loss += cross_entropy_grad_(logits, targets[start : start + chunk], n_valid, ignore_index, label_smoothing).sum()
                 torch.mm(logits, w, out=grad_hidden[start : start + chunk])
                 if grad_weight is not None:
@@ -85,18 +101,36 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # in place, skipped on the device when the incoming gradient is 1 (loss.backward())
         dh = scale_unless_one_(grad_hidden, scale).to(hidden_dtype)
         dw = scale_unless_one_(grad_weight, scale).to(weight_dtype) if ctx.needs_input_grad[1] and grad_weight.numel() else None
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, chunk: int = 0) -> torch.Tensor:
+def _float8_operands(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h8, h_inv, w8, w_inv): the hidden input and W in e4m3, a scale a row each (fp8_linear's rowwise
+    cast), w_inv viewed (1, V) as _scaled_mm's scale_b."""
+    from kernels.triton.fp8_linear import rowwise_e4m3
+
+    dim, vocab = h.shape[1], w.shape[0]
+    if dim % FLOAT8_ALIGN or vocab % FLOAT8_ALIGN:
+        raise ValueError(f"a float8 head needs its width and vocabulary multiples of {FLOAT8_ALIGN} (torch._scaled_mm's terms), got dim {dim}, vocab {vocab}")
+    h8, h_inv = rowwise_e4m3(h)
+    w8, w_inv = rowwise_e4m3(w)
+    return h8, h_inv, w8, w_inv.view(1, -1)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+                               chunk: int = 0, float8: bool = False) -> torch.Tensor:
     """F.cross_entropy(hidden @ weight.T, targets) for (N, D) hidden, (V, D) weight, (N,) targets,
-    never holding more than `chunk` rows of logits (0: the size rule above)."""
-    return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, label_smoothing, chunk)
+    never holding more than `chunk` rows of logits (0: the size rule above); `float8`, the logits GEMM in
+    float8 (above)."""
+    return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, label_smoothing, chunk, float8)
 
 
 class LinearCrossEntropyHead(nn.Module):
     """Drop-in for the model's bias-free nn.Linear head: forward still gives logits (inference,
-    evaluation); `loss(hidden, targets)` gives the training loss without them."""
+    evaluation); `loss(hidden, targets)` gives the training loss without them. `float8` (set by
+    precision.fp8_head): the loss's logits GEMM in float8; forward's logits stay the bf16 GEMM's."""
+
+    float8 = False
 
     def __init__(self, weight: nn.Parameter, ignore_index: int = -100, label_smoothing: float = 0.0):
         super().__init__()
@@ -113,4 +147,8 @@ class LinearCrossEntropyHead(nn.Module):
         return F.linear(x, self.weight)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight, targets.reshape(-1), self.ignore_index, self.label_smoothing)
+        return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight, targets.reshape(-1), self.ignore_index, self.label_smoothing,
+                                          float8=self.float8)
+
+    def extra_repr(self) -> str:
+        return "float8 logits GEMM" if self.float8 else ""

@@ -104,6 +104,38 @@ def act_in_cast_refusal(precision, mlp: str) -> str | None:
     return None
 
 
+def head_refusal(precision, fused: list[str], model_cfg) -> str | None:
+    """Why precision.fp8_head=true cannot apply, in one line naming the fix; None when it can (or is not
+    asked for). The float8 logits GEMM lives in kernels/triton's fused head and casts with fp8_linear's casts."""
+    if not precision.fp8_head:
+        return None
+    if not precision.float8:
+        return (f"precision.fp8_head=true runs the head's logits GEMM in float8, and precision={precision.name} trains none: set precision=fp8 "
+                "precision.fp8_impl=triton, or precision.fp8_head=false")
+    if str(precision.fp8_impl) != "triton":
+        return (f"precision.fp8_head=true casts the head with kernels/triton's float8 casts; precision.fp8_impl={precision.fp8_impl} casts "
+                "elsewhere: set precision.fp8_impl=triton, or precision.fp8_head=false")
+    if "linear_cross_entropy" not in fused:
+        return (f"precision.fp8_head=true runs in the fused head and loss, and kernels.fused={list(fused)} leaves them apart: add "
+                "linear_cross_entropy to kernels.fused, or set precision.fp8_head=false")
+    for what, size in (("model.dim", model_cfg.dim), ("model.vocab_size", model_cfg.vocab_size)):
+        if size % _ALIGN:
+            return (f"precision.fp8_head=true: {what} is {size}, not a multiple of {_ALIGN} (float8 GEMMs need every dimension a multiple of 16); "
+                    "set precision.fp8_head=false")
+    return None
+
+
+def float8_head(model: nn.Module) -> bool:
+    """Set the fused head's logits GEMM to float8 (precision.fp8_head); whether the model has that head."""
+    from kernels.triton.linear_cross_entropy import LinearCrossEntropyHead
+
+    head = getattr(model, "head", None)
+    if not isinstance(head, LinearCrossEntropyHead):
+        return False
+    head.float8 = True
+    return True
+
+
 def gathers_float8(precision, strategy: str) -> bool:
     """Whether the weights are torchao's float8 wrapper tensors, all-gathered in float8: tensorwise
     scales under FSDP2 (or HSDP) with precision.fp8_all_gather. Otherwise they stay plain bf16

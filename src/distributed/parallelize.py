@@ -179,7 +179,13 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     main = not dist.is_initialized() or dist.get_rank() == 0
     after_optimizer = None
     if cfg.precision.float8:  # torchtitan's order: float8 swap, then compile, then fully_shard
-        from src.distributed.float8 import act_in_cast, convert_blocks_to_float8, gathers_float8, scale_precompute
+        from src.distributed.float8 import (
+            act_in_cast,
+            convert_blocks_to_float8,
+            float8_head,
+            gathers_float8,
+            scale_precompute,
+        )
 
         gather_fp8 = gathers_float8(cfg.precision, strategy)
         impl = str(cfg.precision.fp8_impl)
@@ -187,9 +193,12 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         n_fp8 = convert_blocks_to_float8(model, cfg.precision.fp8_recipe, gather_fp8, impl=impl, fold_activation=fold,
                                          fast_accum=bool(cfg.precision.fp8_fast_accum))
         after_optimizer = scale_precompute(model) if gather_fp8 else None
+        if cfg.precision.fp8_head and not float8_head(model):
+            raise ValueError("precision.fp8_head=true: the model's head is not the fused linear + cross-entropy (kernels.fused=[linear_cross_entropy])")
         if main:
-            log.info("float8 (%s scales, %s casts%s): %d block linears, weights all-gathered in %s%s", cfg.precision.fp8_recipe, impl,
+            log.info("float8 (%s scales, %s casts%s): %d block linears%s, weights all-gathered in %s%s", cfg.precision.fp8_recipe, impl,
                      ", fast accumulation in every GEMM" if cfg.precision.fp8_fast_accum else "", n_fp8,
+                     " and the head's logits GEMM" if cfg.precision.fp8_head else "",
                      "float8" if gather_fp8 else "bf16", "" if not fold else ", the MLPs' SiLU inside the down projections' casts"
                      if str(cfg.model.mlp) == "silu" else ", each SwiGLU MLP one float8 function (fp8_swiglu)")
     if cfg.ac.mode != "none":  # torchtitan's order: float8, activation checkpointing, compile, FSDP2

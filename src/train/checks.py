@@ -203,6 +203,12 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
             raise ConfigError(f"kernels={cfg.kernels.name}: {why_not}; or {fix}")
         if "rms_norm" in fused and cfg.model.dim > REGISTRY["rms_norm"].max_dim:
             raise ConfigError(f"model.dim={cfg.model.dim}: the fused RMSNorm holds a row in registers, at most {REGISTRY['rms_norm'].max_dim}")
+    if cfg.precision.fp8_head and task in TRAINING_TASKS:
+        from src.distributed.float8 import head_refusal
+
+        why_not = head_refusal(cfg.precision, fused, cfg.model)
+        if why_not:
+            raise ConfigError(why_not)
     from src.fusion.compiled import COMPILABLE
 
     not_compilable = [op for op in cfg.kernels.compiled if op not in COMPILABLE]
