@@ -155,7 +155,10 @@ def _activation_bytes(cfg: DictConfig, shape: _Shape, act_bytes: int) -> float:
     if "linear_cross_entropy" in fused:
         from kernels.triton.linear_cross_entropy import chunk_rows  # only where the fused head runs: it needs Triton
 
-        return tokens * kept * act_bytes + chunk_rows(tokens, shape.vocab, act_bytes) * shape.vocab * act_bytes
+        logits = chunk_rows(tokens, shape.vocab, act_bytes) * shape.vocab * act_bytes
+        # precision.fp8_head: W and the hidden input in e4m3 (a byte an element) beside them
+        float8 = (shape.vocab + tokens) * shape.dim if cfg.precision.get("fp8_head") else 0
+        return tokens * kept * act_bytes + logits + float8
     elif "cross_entropy" in fused:
         per_logit = 2 * act_bytes
     else:

@@ -27,11 +27,14 @@ seed's shapes on an H200 (docs/lab/PERFORMANCE.md section 5).
 
 `float8=True` runs the logits GEMM in float8 e4m3 with rowwise scales, as the blocks' float8 linears run
 their output GEMMs (kernels/triton/fp8_linear.py: a scale a token of the hidden input, a scale a vocabulary
-row of W, fast accumulation): W is cast once a step, the hidden input once, each chunk's logits come from
-`torch._scaled_mm`. The cross-entropy and the two backward GEMMs read the bf16 logits' gradient, W and the
-hidden input as before, so only the loss's forward value sees float8 (the gradients are those of the
-float8 logits). At LLaMA 3.2 1B's shape the logits GEMM is 4.3 of the step's TFLOPs, the largest bf16 GEMM
-left in a float8 step.
+row of W, fast accumulation): W and the hidden input are cast once a forward (0.28 GB of e4m3 at LLaMA 3.2
+1B's shape), each chunk's logits come from `torch._scaled_mm`. The cross-entropy and the two backward GEMMs
+are as before, in the input's dtype: the logits' gradient (the softmax of the float8 logits) times the
+unquantized W and hidden input, the straight-through gradient of the float8 GEMM. That gradient is left out of
+e4m3: scaled to its row's largest value, e4m3 reaches down 2**17.8 (448 to the subnormal 2**-9), and at a
+128256-token vocabulary a uniform softmax's entries are already 2**-17 of the target's -1, a trained one's tail lower. At
+LLaMA 3.2 1B's shape the logits GEMM is 4.3 TFLOP a step, the largest bf16 GEMM left in a float8 step: in
+float8 the step is 2.9-3.3 ms shorter on an H200 (docs/RESULTS.md, precision.fp8_head).
 """
 from __future__ import annotations
 
