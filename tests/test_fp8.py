@@ -336,3 +336,23 @@ def test_a_float8_head_composes_with_the_preset_and_sets_the_fused_head():
     assert not float8_head(model)  # the plain nn.Linear head: nothing to set
     apply_fused(model, ["linear_cross_entropy"])
     assert float8_head(model) and model.head.float8
+
+
+def test_kernels_auto_keeps_the_fused_head_that_a_float8_head_runs_in(caplog):
+    """A diagnosis that never names the fused head (the seed's, timed before it existed) does not refuse or drop
+    precision.fp8_head under kernels=auto: the float8 logits GEMM is the precision setting's, so auto's choice
+    keeps the fused head beside what it picked, and says so."""
+    from src.fusion.choice import apply_auto_choice
+
+    fixture = str(Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json")
+    base = ["+exp=fsdp4_fp8", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={fixture}", "precision.fp8_impl=triton",
+            "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
+    for head, kept in ((True, True), (False, False)):
+        cfg = compose_config([*base, f"precision.fp8_head={str(head).lower()}"])
+        validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
+        with caplog.at_level("INFO", logger="src.run"):
+            caplog.clear()
+            apply_auto_choice(cfg, Path.cwd(), measure=False)
+        assert ("linear_cross_entropy" in cfg.kernels.fused) is kept
+        assert ("precision.fp8_head=true runs in the fused head and loss" in caplog.text) is kept
+        assert "rms_norm" in cfg.kernels.fused  # the diagnosis's own picks stay

@@ -28,6 +28,7 @@ from src.profiling.diagnosis import fusable_ops
 
 SEARCH_ROOTS = ("outputs", "multirun")
 OPTIMIZER = "adamw"
+FP8_HEAD_OP = "linear_cross_entropy"  # the fused head whose logits GEMM precision.fp8_head runs in float8
 """the diagnosis's op for AdamW's kernels: not a module swap, optim.impl (src/fusion/measure.py)"""
 log = logging.getLogger("src.run")
 
@@ -154,6 +155,10 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         why = "no GPU here" if measure else "under an external launcher each rank would time on its own"
         log.info("kernels=auto: %s to time the candidates on; the diagnosis alone decides: %s%s", why, ", ".join(module_ops) or "nothing",
                  " (AdamW's kernels are swapped only where they are timed)" if OPTIMIZER in choice.ops else "")
+    kept = with_float8_head(cfg, fused)
+    if kept != fused:
+        log.info("kernels=auto: precision.fp8_head=true runs in the fused head and loss (%s): kept beside the choice", FP8_HEAD_OP)
+    fused = kept
     if cfg.speed.cudagraphs and not compile_blocks and not compiled:
         log.info("kernels=auto: speed.cudagraphs=true replays compiled graphs, and auto compiled nothing; the step launches its kernels one by one")
     with open_dict(cfg):
@@ -166,6 +171,14 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         cfg.kernels.reasons = reasons
         cfg.kernels.diagnosis = choice.diagnosis
     return choice
+
+
+def with_float8_head(cfg: DictConfig, fused: list[str]) -> list[str]:
+    """auto's fused ops, with the fused head + loss kept where precision.fp8_head asks for it: the float8
+    logits GEMM runs only there, so it is the precision setting's to decide, not the timing of the bf16 head."""
+    if not cfg.precision.get("fp8_head") or FP8_HEAD_OP in fused:
+        return list(fused)
+    return [*fused, FP8_HEAD_OP]
 
 
 def _gpu_present() -> bool:

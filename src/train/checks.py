@@ -186,9 +186,9 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
         raise ConfigError(f"kernels.compile_backend={cfg.kernels.compile_backend}: one of {', '.join(COMPILE_BACKENDS)} (inductor generates the kernels)")
     fused = selected_ops(cfg.kernels.fused)
     if cfg.kernels.auto:
-        from src.fusion.choice import auto_choice
+        from src.fusion.choice import auto_choice, with_float8_head
 
-        fused = [op for op in auto_choice(cfg, os.getcwd()).ops if op in REGISTRY]  # AdamW's pick is optim.impl, checked with it
+        fused = with_float8_head(cfg, [op for op in auto_choice(cfg, os.getcwd()).ops if op in REGISTRY])  # AdamW's pick is optim.impl, checked with it
     if fused:
         unknown = [op for op in fused if op not in REGISTRY]  # a misspelt op first: the same line on every machine
         if unknown:
