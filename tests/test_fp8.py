@@ -300,10 +300,7 @@ def test_the_mlps_activation_goes_into_the_casts_where_it_applies(overrides, fol
      "precision.fp8_act_in_cast unset"),
 ])
 def test_the_activation_in_the_casts_is_refused_where_it_cannot_apply(overrides, message):
-    cfg = compose_config(["precision=fp8", "backend=cuda", "dist.nproc=1", "tracking=none", *overrides])
-    with pytest.raises(ConfigError) as err:
-        validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
-    assert str(err.value) == message
+    assert _refusal_on_an_h200(["precision=fp8", "backend=cuda", "dist.nproc=1", "tracking=none", *overrides]) == message
     with pytest.raises(ConfigError, match="fp8_act_in_cast"):
         compose_config(["precision=fp8", "precision.fp8_act_in_cast=sometimes"])
 
@@ -319,10 +316,15 @@ def test_the_activation_in_the_casts_is_refused_where_it_cannot_apply(overrides,
      "multiple of 16); set precision.fp8_head=false"),
 ])
 def test_a_float8_head_is_refused_in_one_line_where_it_cannot_run(overrides, message):
-    cfg = compose_config(["+exp=llama3_1b_fp8", "model=llama3_tiny", "precision.fp8_head=true", "tracking=none", *overrides])
+    assert _refusal_on_an_h200(["+exp=llama3_1b_fp8", "model=llama3_tiny", "precision.fp8_head=true", "tracking=none", *overrides]) == message
+
+
+def _refusal_on_an_h200(overrides: list[str]) -> str:
+    """The one line validate refuses these overrides with, on one H200 (it must refuse)."""
+    cfg = compose_config(overrides)
     with pytest.raises(ConfigError) as err:
         validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
-    assert str(err.value) == message
+    return str(err.value)
 
 
 def test_a_float8_head_composes_with_the_preset_and_sets_the_fused_head():

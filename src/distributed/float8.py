@@ -67,10 +67,15 @@ def float8_refusal(backend: str, capability: tuple[int, int] | None, device_name
     if impl == "torchao" and importlib.util.find_spec("torchao") is None:
         return (f"precision=fp8 trains through torchao's float8, which is not installed: {TORCHAO_INSTALL} "
                 "(or precision.fp8_impl=triton precision.fp8_recipe=rowwise_with_gw_hp)")
+    why_not = _misaligned(dims)
+    return f"precision=fp8: {why_not}; pick a size that is, or use precision=bf16" if why_not else None
+
+
+def _misaligned(dims: dict[str, int]) -> str | None:
+    """The first of `dims` (name -> size) that a float8 GEMM cannot take, as the start of a refusal; None when all can."""
     for what, size in dims.items():
         if size % _ALIGN:
-            return (f"precision=fp8: {what} is {size}, not a multiple of {_ALIGN} (float8 GEMMs need every dimension a multiple of 16); "
-                    f"pick a size that is, or use precision=bf16")
+            return f"{what} is {size}, not a multiple of {_ALIGN} (float8 GEMMs need every dimension a multiple of 16)"
     return None
 
 
@@ -118,11 +123,8 @@ def head_refusal(precision, fused: list[str], model_cfg) -> str | None:
     if "linear_cross_entropy" not in fused:
         return (f"precision.fp8_head=true runs in the fused head and loss, and kernels.fused={list(fused)} leaves them apart: add "
                 "linear_cross_entropy to kernels.fused, or set precision.fp8_head=false")
-    for what, size in (("model.dim", model_cfg.dim), ("model.vocab_size", model_cfg.vocab_size)):
-        if size % _ALIGN:
-            return (f"precision.fp8_head=true: {what} is {size}, not a multiple of {_ALIGN} (float8 GEMMs need every dimension a multiple of 16); "
-                    "set precision.fp8_head=false")
-    return None
+    why_not = _misaligned({"model.dim": model_cfg.dim, "model.vocab_size": model_cfg.vocab_size})
+    return f"precision.fp8_head=true: {why_not}; set precision.fp8_head=false" if why_not else None
 
 
 def float8_head(model: nn.Module) -> bool:

@@ -28,8 +28,9 @@ from src.profiling.diagnosis import fusable_ops
 
 SEARCH_ROOTS = ("outputs", "multirun")
 OPTIMIZER = "adamw"
-FP8_HEAD_OP = "linear_cross_entropy"  # the fused head whose logits GEMM precision.fp8_head runs in float8
 """the diagnosis's op for AdamW's kernels: not a module swap, optim.impl (src/fusion/measure.py)"""
+FP8_HEAD_OP = "linear_cross_entropy"
+"""the fused head whose logits GEMM precision.fp8_head runs in float8"""
 log = logging.getLogger("src.run")
 
 
