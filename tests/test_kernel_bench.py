@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 SHAPES = "kernel_bench.shapes={rms_norm:[[33,65]],add_rms_norm:[[9,130]],swiglu:[[17,100]],softmax:[[9,77]],cross_entropy:[[9,300],[3,1000]],linear_cross_entropy:[[40,16,300]]}"
 FAST = ["kernel_bench.copy_mb=8", "kernel_bench.rep_ms=5", "kernel_bench.warmup_ms=1"]
 # What a machine without a GPU sees: +exp=kernels refused, the table's device "cpu" and no Liger-Kernel
-# rows. On a GPU machine +exp=kernels runs for real instead (docs/lab/PERFORMANCE.md's kernel tables).
+# rows. On a GPU machine +exp=kernels runs for real instead (benchmarks/notes/PERFORMANCE.md's kernel tables).
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU sees")
 
 
@@ -115,30 +115,3 @@ def test_a_chain_outgrows_l2_four_times_over_in_4_to_32_calls(l2_mb, call_mb, ca
     assert chain_calls(l2_mb * 2**20, call_mb * 2**20) == calls
 
 
-def test_streaming_floors_compute_what_they_move():
-    """src/bench/row_floors.py's floors read every input and write every output they claim (a floor
-    that skipped one would stream fewer bytes than it is charged with): each against torch, in
-    Triton's interpreter on odd shapes, a last block shorter than the rest."""
-    triton = pytest.importorskip("triton")
-    import torch
-
-    from src.bench.row_floors import _stream_persistent, _stream_rows, _stream_rows2
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    M, N, block = 11, 100, 128
-    x, dy = (torch.randn(M, N, device=device) for _ in range(2))
-    w = torch.randn(N, device=device)
-    y, dx = torch.empty_like(x), torch.empty_like(x)
-    _stream_rows[(M,)](x, w, y, N, BLOCK=block)
-    torch.testing.assert_close(y, x * w)
-    _stream_rows2[(M,)](x, dy, w, dx, N, BLOCK=block)
-    torch.testing.assert_close(dx, x * dy * w)
-    for programs in (1, 3, 4):  # 11 rows in shares of 11, 4 and 3, or dealt round-robin
-        for dealt in (False, True):
-            per = triton.cdiv(M, programs)
-            dx.zero_()
-            partial = torch.zeros(programs, N, device=device)
-            _stream_persistent[(programs,)](x, dy, w, dx, partial, M, N, per, BLOCK=block, STAGES=2, DW=True, DEALT=dealt)
-            torch.testing.assert_close(dx, x * dy * w)
-            torch.testing.assert_close(partial.sum(0), (dy * x).sum(0))

@@ -2,7 +2,7 @@
 
 torch's fused AdamW (`_fused_adamw_`) updates mini_llm's 735M fp32 parameters on an H200 in 6.07 ms
 inside the step (3.39 TB/s at 28 bytes a parameter: read parameter, gradient and both moments, write
-three; docs/lab/PERFORMANCE.md 5c), in 37 multi_tensor_apply launches. A step that logs its gradient
+three; benchmarks/notes/PERFORMANCE.md 5c), in 37 multi_tensor_apply launches. A step that logs its gradient
 norm then reads every gradient again for it: `get_total_norm`, 2.9 GB more and about 1.1 ms a step
 on one GPU. Here one launch walks every tensor's tiles (a tile table built once for the parameter
 shapes; the tensors' offsets in a table per step, since FSDP2 hands out new gradient buffers),
@@ -30,7 +30,7 @@ stochastically each stored value is unbiased. The random bits are an integer has
 element's index in the whole (unsharded) parameter: the same bits however FSDP2 shards it. On an
 H200 inside the seed's step the update takes 4.04 ms this way (512 elements a pass, BLOCKS) against
 5.63 with fp32 moments; Philox4x32-10 (tl.randint4x) for the bits made it compute-bound, 5.76 ms
-(docs/lab/PERFORMANCE.md 7).
+(benchmarks/notes/PERFORMANCE.md 7).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/
 TILE, NUM_WARPS = 16384, 4
 # Elements a pass (BLOCK; ITERS = TILE // BLOCK passes) by whether the moments are bf16 (STATE_BF16).
 # bf16 moments add the rounding's integer work to each element, and fewer elements a thread keep
-# more programs resident: inside the seed's step on an H200 (docs/lab/PERFORMANCE.md 7, calls 8 and a1,
+# more programs resident: inside the seed's step on an H200 (benchmarks/notes/PERFORMANCE.md 7, calls 8 and a1,
 # two machines) their update took 4.80 ms at 2048, 4.31 at 1024 and 4.03-4.04 at 512 (4.0 TB/s);
 # fp32 moments' 5.63, 5.49 and 5.56, so they keep 2048.
 BLOCKS = {False: 2048, True: 512}
@@ -307,7 +307,7 @@ def _compile_other_variant(device: torch.device, head: tuple, tail: tuple, spec:
     """Compile, without running, the variant of this launch that the next step may want. A run that
     reads the gradient norm only at its logging steps (train.log_every; no clipping, as the float8
     preset runs) would compile the summing variant at the first of them, mid-run: 521 ms of idle
-    inside a 3-step trace of the seed's float8 step on an H200 (docs/lab/PERFORMANCE.md 7). Compiled here,
+    inside a 3-step trace of the seed's float8 step on an H200 (benchmarks/notes/PERFORMANCE.md 7). Compiled here,
     at the launch's first step, it joins the run's other first-step compiles."""
     if device.type != "cuda" or interpreted():
         return
@@ -355,7 +355,7 @@ def global_norm_from_squares(squares: list[torch.Tensor], sharded, device: torch
         for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already
             # a dimension of one rank holds the whole sum already: no collective, which on one
             # GPU would be the run's first and start NCCL there (0.34-0.58 s at the first logged
-            # step on an H200: docs/lab/PERFORMANCE.md section 7, "The first logged step's half second")
+            # step on an H200: benchmarks/notes/PERFORMANCE.md section 7, "The first logged step's half second")
             if mesh.size(d) > 1:
                 dist.all_reduce(total, group=mesh.get_group(d))
     return total.sqrt()

@@ -4,7 +4,7 @@ FSDP2 builds each unit's reduce-scatter input this way after backward: every uns
 split into W chunks along dim 0 and row r of `out` (W x N/W) is the concatenation of each gradient's
 chunk r, in `out`'s dtype (reduce_dtype). It runs on the compute stream, so it is on the step's
 critical path. On an H200 with torch 2.11, at one mini_llm block's gradients (50.3M bf16 elements,
-graph-replayed; docs/lab/PERFORMANCE.md 7): bf16 -> fp32 (the seed's fp32 reduce) 166-178 us, 1.70-1.82
+graph-replayed; benchmarks/notes/PERFORMANCE.md 7): bf16 -> fp32 (the seed's fp32 reduce) 166-178 us, 1.70-1.82
 TB/s, and bf16 -> bf16 77-82 us, 2.45-2.61 TB/s; this kernel 79-80 and 53-54 us, 3.7-3.8 TB/s.
 
 One launch takes up to SLOTS gradients: a program copies BLOCK elements of one gradient's chunk

@@ -25,7 +25,7 @@ from kernels.triton.device import device_index, sm_count
 from kernels.triton.launch import Launcher
 from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
 
-# Launch settings at 8192 x 32000 bf16 on an H200 (src/bench/kernel_configs.py sweeps them): the
+# Launch settings at 8192 x 32000 bf16 on an H200 (benchmarks/kernel_configs.py sweeps them): the
 # row in blocks of BLOCK, two passes, the second served from L2 (a 64 KB row; 132 SMs hold a few
 # rows each, well inside the 50 MB L2); or the whole row in registers, one read (ROW_IN_REGISTERS).
 # 8192 x 16 warps: 0.359 ms fwd+bwd against 0.390 for 4096 x 8 in the same sweep, once the second

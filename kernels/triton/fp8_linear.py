@@ -22,7 +22,7 @@ own kernel would store it. The seed's MLP, down(silu(up(x))), loses SiLU's pass 
 activations (read U, write X: 0.27 GB a block at 8192 tokens x 8192, 1.15 ms of kernels a float8
 step on an H200), since X's rowwise cast reads U in its place (and X^T is cast from its bytes); the
 cast's extra arithmetic took back about as much while the casts rounded by the bits; since they round
-by the GPU's conversion the step is 1.6-3.6 ms faster with it, in one call (docs/lab/PERFORMANCE.md 7).
+by the GPU's conversion the step is 1.6-3.6 ms faster with it, in one call (benchmarks/notes/PERFORMANCE.md 7).
 Backward returns dU = dX * silu'(U) from the U it keeps, which the separate SiLU kept too; or, where
 up is a float8 linear as well (`fold_mlp_activation` pairs them: up's `act_out`, down's
 `act_grad_by_producer`), down returns dX and up's cast of dY takes SiLU's gradient from U as it reads it
@@ -32,7 +32,7 @@ dY is cast where autograd leaves it. A linear whose output is handed on in piece
 attention's in_proj, whose q, k and v are chunks of one GEMM) gets their gradients apart, and the cast
 reads them side by side (`rowwise_e4m3_pieces`) instead of after a copy stacking them; with a bias the
 same pass sums dY's columns for its gradient. On an H200 these took 2.45 ms a step of separate kernels
-away (docs/lab/PERFORMANCE.md section 7).
+away (benchmarks/notes/PERFORMANCE.md section 7).
 
 Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
 scaling is exact and the inverse handed to _scaled_mm is exact too. The cast rounds to nearest,
@@ -40,10 +40,10 @@ ties to even: on a GPU by the conversion itself (cvt.rn), under Triton's interpr
 arithmetic first (`e4m3_rne`), because the interpreter converts float32 to e4m3 with ties away from
 zero and a wrong carry (-124.5 became -64 on Triton 3.6). Both give the same bits.
 
-On an H200 (src/bench/fp8_gemms.py, docs/lab/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
+On an H200 (benchmarks/fp8_gemms.py, benchmarks/notes/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
 this way against 3.48 in bf16 (11.6 ms a step). torchao's casts for the same recipe, compiled by
 Inductor, gave back all but 1.7 ms of it; with these, in +exp=fsdp4_fp8, the seed's step takes 50-53
-ms on one H200 against 67-69 for the same step in bf16 (docs/lab/PERFORMANCE.md section 7). Eager blocks
+ms on one H200 against 67-69 for the same step in bf16 (benchmarks/notes/PERFORMANCE.md section 7). Eager blocks
 launch the casts from Python, about 12 launches a linear, and are host-bound: use compiled ones
 (kernels=compile; kernels=auto times the float8 block both ways and compiles it).
 """
@@ -67,7 +67,7 @@ E4M3_MAX = 448.0  # e4m3's largest finite value; pow2_scale's bit constants enco
 # A row of more than this many elements is cast in chunks (two passes: its amax, then the cast)
 # instead of held in registers; 8192 (mini_llm's MLP width) is one pass.
 MAX_BLOCK = 8192
-# Launch settings, swept at a mini_llm block's shapes by src/bench/fp8_casts.py on a GPU.
+# Launch settings, swept at a mini_llm block's shapes by benchmarks/fp8_casts.py on a GPU.
 # Rowwise: rows a program (a (ROWS, BLOCK) tile, loads in flight together) and warps by block width.
 ROWWISE_ROWS = 1
 ROWWISE_WARPS = {4096: 8}  # below the smallest width listed: 4
@@ -77,7 +77,7 @@ ROWWISE_WARPS = {4096: 8}  # below the smallest width listed: 4
 # cast, "input" the one as loaded (bf16); the same bits every way, each element is cast on its own.
 # TRANSPOSE_TMA moves the tiles by Hopper's tensor memory accelerator (host-made descriptors; where
 # the shapes allow it, sm90+) instead of per-thread loads and stores, for casts that read the bf16 operand.
-# Swept on two H200s (docs/lab/PERFORMANCE.md section 7, "The float8 casts against the copy ceiling"): a
+# Swept on two H200s (benchmarks/notes/PERFORMANCE.md section 7, "The float8 casts against the copy ceiling"): a
 # step's casts 7.37-7.49 ms this way against 7.78-7.83 for 4 warps walking down the columns; other
 # tiles 7.47-8.71, the transpose's point within 0.1 ms, TMA 0.2 ms slower.
 TRANSPOSE_TILE = (64, 64)
@@ -103,7 +103,7 @@ TRANSPOSE_FROM = "e4m3"
 TRANSPOSE_FROMS = ("input", "e4m3")
 # The cast from e4m3 bytes takes its own tile and warps (TRANSPOSE_OF and the walk are shared): with the
 # bf16 cast's 64 x 64 tile and 8 warps (rows of 64 bytes) a step's casts took 8.20 ms, with 128 x 128
-# and 4 warps 7.43, the fastest of 32 settings on an H200 (docs/lab/PERFORMANCE.md section 7, TRANSPOSE_FROM).
+# and 4 warps 7.43, the fastest of 32 settings on an H200 (benchmarks/notes/PERFORMANCE.md section 7, TRANSPOSE_FROM).
 FROM_E4M3_TILE = (128, 128)
 FROM_E4M3_WARPS = 4
 # What the rowwise cast may apply first (ACT, the index): none, SiLU (`act="silu"`, the casts of X),
@@ -121,7 +121,7 @@ ACTS = (None, "silu", "silu_grad", "swiglu")
 # Inductor had stacked them into one 8192 x 6144 tensor (47 us a block) and read them a third time for
 # the bias (51 us), 1.2 ms a step, and summed out_proj's dY for its bias (13 us a block). The row loop
 # reads slower than one program a row (qkv's dY 68 us, 2.2 TB/s, against 50 for the plain cast of one
-# tensor); of 36 settings (src/bench/fp8_casts.py --sweep dy, one H200) these were within 0.2% of the best,
+# tensor); of 36 settings (benchmarks/fp8_casts.py --sweep dy, one H200) these were within 0.2% of the best,
 # one stage (the loop as written) 8-20% slower.
 SUM_PROGRAMS_PER_SM = 2
 SUM_STAGES = 4

@@ -1,7 +1,7 @@
 """A cheaper host path for launching a Triton kernel whose launches repeat with the same arguments.
 
 `kernel[grid](*args, **meta)` costs 23-25 us of CPU a launch on Triton 3.6 on an H200's host
-(docs/lab/PERFORMANCE.md 5b), where calling the compiled kernel's launcher directly costs 10:
+(benchmarks/notes/PERFORMANCE.md 5b), where calling the compiled kernel's launcher directly costs 10:
 JITFunction.run binds the arguments, works out each one's specialisation (dtype, 16-byte alignment,
 integers equal to 1 or divisible by 16) and hashes them into its cache key before the C launcher
 runs. A training step launches the same kernel with the same shapes over and over, so `Launcher`
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
-# False sends every launch through `kernel[grid]` (src/bench/kernel_configs.py's launch group
+# False sends every launch through `kernel[grid]` (benchmarks/kernel_configs.py's launch group
 # alternates the two to measure what the cache saves).
 ENABLED = True
 

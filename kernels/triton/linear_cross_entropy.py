@@ -19,11 +19,11 @@ gradient read and written, rows / element-size FLOPs a byte: at 2048 rows 1024 i
 H200's ridge point (989 TFLOP/s over 4.8 TB/s, 206; fp32's 512 against TF32's half-rate 103 too), so
 the gradient's traffic stays a fifth of the GEMM's time or less. At LLaMA 3's 128256-token
 vocabulary the byte budget alone gave 512 rows: 16 chunks at 4 x 2048 tokens, 16.8 GB of grad_W
-traffic a step (src/bench/lce_chunks.py measures the chunk sizes side by side).
+traffic a step (benchmarks/lce_chunks.py measures the chunk sizes side by side).
 grad_W accumulates in the GEMMs' dtype through addmm_ (cuBLAS adds into it in fp32 and rounds
 once per chunk), as Liger-Kernel does: an fp32 accumulator fed by `(dlogits^T @ h).float()` costs
 three extra passes over the V x D weight per chunk, 21 GB of traffic and 4.3 ms a step at the
-seed's shapes on an H200 (docs/lab/PERFORMANCE.md section 5).
+seed's shapes on an H200 (benchmarks/notes/PERFORMANCE.md section 5).
 
 `float8=True` runs the logits GEMM in float8 e4m3 with rowwise scales, as the blocks' float8 linears run
 their output GEMMs (kernels/triton/fp8_linear.py: a scale a token of the hidden input, a scale a vocabulary

@@ -99,7 +99,7 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
     tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cols < N)
 
 
-# Launch settings (src/bench/kernel_configs.py sweeps them on a GPU): warps per row program by the
+# Launch settings (benchmarks/kernel_configs.py sweeps them on a GPU): warps per row program by the
 # row's block width, and backward programs per SM. Forward rows up to 4096 wide take 4 warps (16-32
 # elements a thread, more loads in flight each): chained at 8192 x 4096 bf16 34.8-35.1 us against
 # 35.9-36.4 for 8 warps and 40.5-40.9 for 16 (3.85 TB/s against a copy's 3.96; four H200s), at
@@ -109,12 +109,12 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
 FWD_WARPS = {2048: 4, 8192: 16}
 FWD_RESIDUAL_WARPS = {2048: 8, 8192: 16}
 # Backward programs per SM, with BWD_STAGES below: 2 per SM with a 4-stage row loop was the best
-# of src/bench/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against
+# of benchmarks/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against
 # 65.0 for 4 per SM unpipelined, add+RMSNorm 80.8 against 90.9, 8192x4096 100 against 118); the dw
 # partials stay small (programs x N fp32). The rows are dealt round-robin, last first, where each
 # program once took a consecutive share: the backward alone, chained, 28.5 us against 30.1-30.4 at
 # 8192 x 2048 (4 warps), 53.9 against 57.4-57.5 at 8192 x 4096 (3 stages, 8 warps), 36.2-36.3
-# against 38.0-38.1 with the residual, in two rounds of one call on an H200 (docs/lab/PERFORMANCE.md
+# against 38.0-38.1 with the residual, in two rounds of one call on an H200 (benchmarks/notes/PERFORMANCE.md
 # 5k). Last first because a backward that straight follows its forward (the kernel bench's
 # fwd+bwd; no step of a model) then reads first the rows whose x the forward left in L2: 44.8 us
 # against 49.1 dealt first-first at 2048, 83.5 against 90.1 at 4096; the backward alone is the
@@ -122,7 +122,7 @@ FWD_RESIDUAL_WARPS = {2048: 8, 8192: 16}
 BWD_WARPS = {2048: 4, 4096: 8, 8192: 16}
 BWD_PROGRAMS_PER_SM = 2
 # Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
-# flight per program; src/bench/kernel_configs.py sweeps 2 and 4 against it.
+# flight per program; benchmarks/kernel_configs.py sweeps 2 and 4 against it.
 FWD_ROWS = 1
 BWD_ROWS = 1
 # Forward programs: 0 launches one program a tile (8192 at 8192 rows, each loading w again); N > 0
@@ -141,7 +141,7 @@ DW_BLOCK_P, DW_BLOCK_N = 512, 16
 # The dw launch as a PDL dependent of the backward launch before it, whatever pdl.ENABLED says: the
 # two are always adjacent in the stream, so dw's programs can be placed while backward runs and
 # start summing as soon as its partials land (chained fwd + bwd at 8192 x 2048 48.9-49.1 -> 48.2-48.6
-# us, add + norm 72.4-72.9 -> 71.6-72.0, level at 4096; docs/lab/PERFORMANCE.md 5j). Only dw is launched
+# us, add + norm 72.4-72.9 -> 71.6-72.0, level at 4096; benchmarks/notes/PERFORMANCE.md 5j). Only dw is launched
 # early: with every launch a dependent (pdl.ENABLED) the same row took 56.7 us, the backward's
 # persistent grid then placed among the forward's last programs, likely unevenly.
 DW_DEPENDENT = True
@@ -160,8 +160,8 @@ def _block(n: int) -> int:
 # Launch plans: everything a launch needs besides its tensors, worked out once per shape, dtype,
 # device and setting. Working it out each call (block, warps, pipeline stages, grid, the launch's
 # keyword dict and its share of the cache key) took ~5 us of host a launch on an H200's host
-# (docs/lab/PERFORMANCE.md 5g), against ~9 us for the C launch itself. The key holds every module
-# setting above by value, the warps tables too (tests and src/bench/kernel_configs.py replace
+# (benchmarks/notes/PERFORMANCE.md 5g), against ~9 us for the C launch itself. The key holds every module
+# setting above by value, the warps tables too (tests and benchmarks/kernel_configs.py replace
 # them; by value, not id(), which Dynamo cannot trace on a dict: a graph break in a compiled block).
 _plans: dict[tuple, tuple] = {}
 MAX_PLANS = 256

@@ -12,7 +12,7 @@ from kernels.triton.device import interpreted
 # Whether this process runs Triton's interpreter (read at import, as triton.jit reads it). A rounding
 # that a GPU's conversion does by itself, to nearest even, is done by the bits only there: on an H200
 # the integer rounding before each e4m3 conversion (~8 instructions an element) held the float8 casts
-# at 1.7-3.1 TB/s; without it they take 6.55 ms a step against 9.02 (docs/lab/PERFORMANCE.md section 7).
+# at 1.7-3.1 TB/s; without it they take 6.55 ms a step against 9.02 (benchmarks/notes/PERFORMANCE.md section 7).
 INTERPRETED = tl.constexpr(interpreted())
 
 

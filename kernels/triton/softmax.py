@@ -23,7 +23,7 @@ from kernels.triton.rows import as_rows, as_shape
 
 MAX_COLS = 65536
 # Programs: 0 launches one a row; N > 0 launches N per SM, each looping over rows with STAGES
-# rows' loads in flight (tl.range num_stages). src/bench/kernel_configs.py's softmax group sweeps them.
+# rows' loads in flight (tl.range num_stages). benchmarks/kernel_configs.py's softmax group sweeps them.
 PROGRAMS_PER_SM = 0
 STAGES = 1
 

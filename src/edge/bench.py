@@ -32,7 +32,7 @@ from src.edge.model import EdgeLM
 # still fails the adreno-compiled module on lavapipe (1.09 in issue 13, 2.0 now) 30-60 times over.
 # int8 (per output channel) and int4 (groups of 32 to 128): about 2x the quantization's own largest
 # error in torch fp32, prefill + 64 greedy steps of 32-token prompts (3 seeds): int8 0.012 on tiny,
-# 0.024 on small; int4 g32 0.14 / 0.27, g64 0.19 / 0.33 (`python -m src.bench.edge_quant_error
+# 0.024 on small; int4 g32 0.14 / 0.27, g64 0.19 / 0.33 (`python -m benchmarks.edge_quant_error
 # --groups 32,64 --seeds 0,1,2`). A wrong scale or a transposed weight is 0.5-2. The seeded models'
 # logits are nearly flat (a random initialisation), so int4's 15 levels a group move them by a
 # quarter of their largest value; their greedy tokens part from fp32's within 1-10 steps (small:

@@ -64,7 +64,7 @@ FORMATS = ("none", "int8", "int4")
 # what llama.cpp's Q4_0 takes; scales cost 0.5 bit a weight in fp16 (1 in fp32) against 0.125 at
 # 128, and buy accuracy: the logits' largest relative error over 32-token prompts and 64 greedy
 # steps in torch fp32, model=small 0.26-0.27 at 32 against 0.29-0.33 at 64; model=tiny 0.12-0.14
-# against 0.14-0.19 (`python -m src.bench.edge_quant_error --groups 32,64 --seeds 0,1,2`).
+# against 0.14-0.19 (`python -m benchmarks.edge_quant_error --groups 32,64 --seeds 0,1,2`).
 DEFAULT_GROUP = 32
 INT8_MAX, INT4_MAX = 127, 7
 

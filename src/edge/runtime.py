@@ -231,7 +231,7 @@ class IreeRunner:
     a context runs the module's initializer (`DATA_LOSS` / `VK_ERROR_DEVICE_LOST` at
     `hal.fence.await`): measured 1 in 16 first contexts of a fresh process, and 9 to 39 in 40 when
     one process makes context after context on the device; for tiny's fp16 module, 3 in 30 fresh
-    processes and 42 in 640 contexts, 0 to 10 in each process's 80 (docs/lab/2026-12-05-edge-quant.md).
+    processes and 42 in 640 contexts, 0 to 10 in each process's 80 (benchmarks/notes/2026-12-05-edge-quant.md).
     Mesa declares the loss in vkSignalSemaphore, called from a thread of IREE's own while the caller
     waits (4 of 4 losses stopped there under gdb with MESA_VK_ABORT_ON_DEVICE_LOSS=1): lavapipe has
     no timeline semaphores of its own, and Mesa's emulation of them (vk_sync_timeline.c) answers a

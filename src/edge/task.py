@@ -39,7 +39,7 @@ def load_hint(manifest: dict) -> str:
     """What to try when the driver refuses a module."""
     if manifest.get("cooperative_matrix"):
         return ("the variant without cooperative matrices: edge.target=pascal for NVIDIA (the same code without "
-                "VK_KHR_cooperative_matrix), or variant nocoop in `python -m src.bench.edge_vs_torch`")
+                "VK_KHR_cooperative_matrix), or variant nocoop in `python -m benchmarks.edge_vs_torch`")
     if manifest.get("dtype") != "fp32":
         return "edge.dtype=fp32, or a driver that computes in " + manifest.get("dtype", "this dtype")
     return "edge.target matching the device, and the driver's own `vulkaninfo` for what it supports"

@@ -4,7 +4,7 @@ Triton kernel; the fastest is used. A diagnosis says where time goes, not which 
 
 What is timed is what a training step pays: GPU time with the host ahead of the device. The
 training loop never syncs inside a run of steps (src/train/loop.py's Readback), so on the seed's
-step the host queues a step in 55-61 ms while the H200 runs it in 72 (docs/lab/PERFORMANCE.md section
+step the host queues a step in 55-61 ms while the H200 runs it in 72 (benchmarks/notes/PERFORMANCE.md section
 5c), and an op's host path costs the step nothing while it stays under its share of that margin.
 Each candidate is therefore called back to back behind a queued spin and timed by CUDA events
 (src/fusion/timing.py queued_ms), and its host microseconds per call are recorded beside it. As
@@ -37,7 +37,7 @@ ms a step against eager's 5.2, so the picks that save GPU time cost a host-bound
 The blocks are most of the step, so a block is charged the larger of its GPU time and its host time:
 where queuing a block takes longer than running it, the GPU waits on the host whatever the kernels
 cost. At the seed's shapes in bf16 the blocks queue in about what they run (48 ms of GPU a step on
-an H200, 26-57 of host whichever candidate, docs/lab/PERFORMANCE.md section 7's "kernels=auto with
+an H200, 26-57 of host whichever candidate, benchmarks/notes/PERFORMANCE.md section 7's "kernels=auto with
 float8" and "kernels=auto's loss spike"), and the per-op picks stay. Float8 blocks are compiled
 whenever they compile (FLOAT8_EAGER_BLOCKS): each eager float8 linear launches about 12 kernels from
 Python, and the step pays more for that than a block timed alone shows.
@@ -205,7 +205,7 @@ def graphs_hint(timing: OpTiming, cfg: DictConfig) -> str | None:
     the noise) and speed.cudagraphs is off: replayed from graphs, a compiled block's host is a graph launch
     and the trees' input checks. At data=text's 8 x 128 tokens on an H200 the chosen blocks took 20-25 ms of
     host a step against 7.3 of GPU, and the device sat idle 74-77% of the step waiting on the host; with graphs
-    auto compiled the blocks there and the step ran 1.48-2.58x eager's (docs/lab/PERFORMANCE.md section 7)."""
+    auto compiled the blocks there and the step ran 1.48-2.58x eager's (benchmarks/notes/PERFORMANCE.md section 7)."""
     gpu, host = timing.ms.get(timing.pick), timing.host_ms.get(timing.pick)
     if cfg.speed.cudagraphs or gpu is None or host is None or host <= gpu * (1 + NOISE):
         return None
@@ -223,7 +223,7 @@ FLOAT8_EAGER_BLOCKS = ("float8 blocks are compiled whenever they compile: eager 
 """Why auto compiles float8 blocks whatever the block's timings say. In the seed's step on an H200,
 eager float8 blocks were host-bound in every run (74.3 ms a step with 70.7 of host, 77.5 with
 76.1) where compiled ones ran 59.2-65.6 ms; alone, the eager float8 block's host read 37.5-86 ms a
-step on four machines, once under its 42.7 ms of GPU (docs/lab/PERFORMANCE.md section 7): inside the
+step on four machines, once under its 42.7 ms of GPU (benchmarks/notes/PERFORMANCE.md section 7): inside the
 step its host cost is higher than alone, by more than the timings can be trusted to show."""
 
 

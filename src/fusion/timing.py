@@ -6,7 +6,7 @@ On CUDA, triton.testing.do_bench: CUDA events around each call, the L2 flushed b
 
 do_bench's flush is a write, so each timed call starts with L2 full of the flush's dirty lines and
 pays for writing some of them back beside its own bytes: copies of 168 MB read 3.0 TB/s that way on
-an H200 and 3.2-3.3 chained (docs/lab/PERFORMANCE.md 5i). `chain_ms` times the case a step has: the op
+an H200 and 3.2-3.3 chained (benchmarks/notes/PERFORMANCE.md 5i). `chain_ms` times the case a step has: the op
 called on distinct inputs back to back, each call finding L2 as the previous call left it.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 auto picks each candidate from timings of that op alone (src/fusion/measure.py). The fused
 cross-entropy measured 0.5 ms faster than eager's alone at the seed's shape, yet the seed's step
-with it was 0.3-2.3 ms slower than eager's in three calls on three H200s (docs/lab/PERFORMANCE.md 5c):
+with it was 0.3-2.3 ms slower than eager's in three calls on three H200s (benchmarks/notes/PERFORMANCE.md 5c):
 its kernels save GPU time, and its Python forward and backward cost host time in a step whose host
 path is already 70-85% of the GPU's. Which of the two wins depends on the step around the op, so the
 run measures it: the loss is the one pick that can change from step to step (the loss function is
@@ -10,7 +10,7 @@ read at each step; modules and compiled blocks are fixed once sharded).
 
 Step `first` runs eager's loss once, untimed: a loss's first step carries one-time costs (on an
 H200 the eager loss's first step took 113 ms against 79 after it, the allocator growing for the
-fp32 logits the fused loss never holds; docs/lab/PERFORMANCE.md 5c), and the run's first step has
+fp32 logits the fused loss never holds; benchmarks/notes/PERFORMANCE.md 5c), and the run's first step has
 already run the pick. Then `pairs` pairs of steps run the picked loss and eager's in ABBA order, so
 a drift over the trial weighs on both alike; each step is timed on the GPU by CUDA events around
 it, so the time a host-bound step leaves the GPU waiting counts. Once the last trial step is queued

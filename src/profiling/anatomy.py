@@ -54,7 +54,7 @@ LABELS = {
 _FSDP_KERNELS = re.compile(r"chunk_cat|split_with_sizes_copy|RegisterPostBackwardFunction", re.I)
 # torch.cat / torch.stack: FSDP2's inside its ranges, the model's outside them (eager attention's
 # dq, dk, dv stacked into in_proj's gradient: 2.3 ms a step of mini_llm on an H200 that this table
-# once counted as FSDP2's, docs/lab/PERFORMANCE.md 7)
+# once counted as FSDP2's, benchmarks/notes/PERFORMANCE.md 7)
 _CAT = re.compile(r"CatArrayBatchedCopy|^aten::(cat|stack)$")
 _COMM_OPS = re.compile(r"_c10d_functional::|wait_tensor")
 # aten's pointwise ops by name on a CPU trace (categories.py names kernels, whose names differ)
@@ -280,7 +280,7 @@ def steps_work(kernels: list[Kernel], in_steps: list[tuple[float, float]]) -> li
     the span of the first set on the device. A device behind its host (blocks replayed from CUDA
     graphs, where the host queues well ahead) runs the tail of the step before the window inside it,
     and the last step's tail after it: counting every kernel in the trace, +exp=fsdp4_fp8's profile
-    on an H200 read 4 AdamW updates in 3 steps and a 61 ms step (docs/lab/PERFORMANCE.md section 7, the
+    on an H200 read 4 AdamW updates in 3 steps and a 61 ms step (benchmarks/notes/PERFORMANCE.md section 7, the
     last subsection)."""
     inside = [k.launched is not None and _inside(in_steps, k.launched) for k in kernels]
     ours = [k for k, mine in zip(kernels, inside) if mine]

@@ -14,7 +14,7 @@ With one rank FSDP2 gathers and reduce-scatters nothing, but it still copies as 
   FSDP groups only: HSDP's all-reduce and an all-reduce hook read the output on another stream.
 
 For mini_llm on one H200 these are the profile's 207 DtoD memcpys, 2.8 ms of the seed's eager step
-(docs/lab/PERFORMANCE.md 7, the one-GPU anatomy). The parameters and gradients are the same
+(benchmarks/notes/PERFORMANCE.md 7, the one-GPU anatomy). The parameters and gradients are the same
 bits: the cast is the same fp32 -> bf16 copy (round to nearest even), and the gradients are read
 from the buffer they were copied into rather than a copy of it.
 

@@ -1,7 +1,7 @@
 """AdamW as optim.impl asks: fused, foreach, for_loop or triton kernels (the same update, other launches).
 
 AdamW took 7% of device kernel time in the seed's step on 2 H200s and 9.5% of one H200's in its
-diagnosis (docs/lab/PERFORMANCE.md section 2): for_loop launches each elementwise op of the update per
+diagnosis (benchmarks/notes/PERFORMANCE.md section 2): for_loop launches each elementwise op of the update per
 parameter, foreach per batch of parameters (multi_tensor_apply), fused the whole update in one
 kernel per batch, triton the whole update of every parameter in one launch with the gradients'
 sum of squares on the way (kernels/triton/adamw.py), so a logged step's gradient norm needs no

@@ -9,7 +9,7 @@ to do, instead of after all of backward on the compute stream. The next unit's r
 queues behind it on the same stream, so an update takes the place of nothing but that stream's
 idle time when it is shorter than a unit's backward. On the seed's step over 2 H200s the fused
 AdamW of 367M fp32 parameters a GPU is 3.1 ms of kernels at the end of the step
-(docs/lab/PERFORMANCE.md 7); in backward only the units reduced last (the embedding, and the root's
+(benchmarks/notes/PERFORMANCE.md 7); in backward only the units reduced last (the embedding, and the root's
 group) are left there.
 
 One optimizer keeps every parameter's state, so checkpoints, the learning-rate schedule and
