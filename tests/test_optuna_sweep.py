@@ -10,6 +10,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from src.compare import main as compare_main
 from src.compose import ConfigError
 from src.run import preflight
 from tests.conftest import run_cli
@@ -21,7 +22,7 @@ SEARCH = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sam
           "sweep.objective=final_loss", "optim.lr=interval(1e-4,1e-2)"]
 
 
-def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best(workdir: Path):
+def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best(workdir: Path, capsys, monkeypatch):
     proc = run_cli(["-m", *SEARCH, *FAST], cwd=workdir, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
@@ -51,6 +52,13 @@ def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best
         assert f"#{n} : optim.lr=" in proc.stdout + proc.stderr
     assert "objective final_loss = " in proc.stdout + proc.stderr
     assert "Optuna: minimize final_loss (sweep.objective's better side)" in proc.stdout + proc.stderr
+    # src.compare ranks the sweep by its objective, and stars the job Optuna and the parent name
+    monkeypatch.chdir(workdir)
+    assert compare_main(["--sweep", "latest", "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "3 train runs by final_loss (lower is better, sweep objective)" in out
+    (starred,) = [line for line in out.splitlines() if "★" in line]
+    assert [c.info.run_name for c in children if c.info.run_id == best_id][0] in starred
 
 
 def test_a_failed_trial_is_a_failed_optuna_trial_and_the_study_goes_on(workdir: Path):
