@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ def test_every_op_has_a_kernel_a_case_a_diagnosis_and_a_default(op):
         assert all(len(shape) == len(b.dims) for shape in b.shapes)
     # every named piece of code is there (the Liger factories import Liger-Kernel only when called)
     for ref in _refs(op):
+        if ref.startswith("kernels.") and importlib.util.find_spec("triton") is None:
+            continue  # the kernels import triton (tests/test_kernel_*.py skip without it too)
         assert callable(load(ref)), ref
 
 
