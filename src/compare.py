@@ -162,7 +162,7 @@ def render(rows: list[dict[str, Any]], metric: str | None, console: Console, ran
     labels = _labels(rows)
     # a setting that varies but is not in the run names (runs started one by one) joins the names
     for p in PARAMS:
-        if len({str(r.get(p)) for r in rows}) > 1 and not all(f"{p}=" in lab or f".{p}=" in lab for lab in labels):
+        if len({str(r.get(p)) for r in rows}) > 1 and not all(f"{p}=" in lab or str(r.get(p)) in lab.split() for lab, r in zip(labels, rows)):
             labels = [f"{lab} {p}={r.get(p)}".strip() for lab, r in zip(labels, rows)]
     same = [f"{p}={rows[0][p]}" for p in PARAMS if len({str(r.get(p)) for r in rows}) == 1 and rows[0].get(p) is not None]
     with_status = any(r["status"] != "finished" for r in rows)

@@ -93,7 +93,7 @@ def test_a_parallel_joblib_sweep_logs_parent_and_children_to_the_server(tmp_path
     runs = client.search_runs([exp.experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(children) == {"precision=fp32", "precision=bf16"}  # what varies, no tracking.uri
+    assert set(children) == {"fp32", "bf16"}  # what varies, no tracking.uri
     assert all(c.info.status == "FINISHED" and c.data.params["dist.nproc"] == "2" for c in children.values())
     assert parent.info.run_name == "sweep precision=fp32,bf16 train.steps=2"
     assert parent.data.params["precision.name"] == "fp32,bf16"

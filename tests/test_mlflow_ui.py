@@ -82,12 +82,12 @@ def test_the_sweep_url_shows_its_jobs_side_by_side_with_their_figures(sweep):
     assert set(rows.values()) == {c.info.run_id for c in children}  # the jobs, and not their parent
     assert rows["0"] == best.info.run_id  # best first by the headline
     text = _text(dom)
-    assert "precision=fp32" in text and "precision=bf16" in text
+    assert {c.info.run_name for c in children} == {"fp32", "bf16"} and all(name in text for name in ("fp32", "bf16"))
     assert "Sort: summary.tokens_per_s_per_device" in text
 
     charts = _text(_dom(url + "&compareRunsMode=CHART", tmp / "profile-charts"))
     assert "sweep: tokens_per_s_per_device" in charts  # the view's own section, first
-    assert "precision=fp32 (loss)" in charts and "precision=bf16 (loss)" in charts  # both loss curves' legends
+    assert "fp32 (loss)" in charts and "bf16 (loss)" in charts  # both loss curves' legends
 
 
 def test_a_view_round_trips_through_its_tag_plain_and_deflated():

@@ -37,8 +37,9 @@ def test_a_2x2_sweep_is_one_parent_with_four_finished_children(sweep: Path):
     assert all(c.info.status == "FINISHED" for c in children)
     combos = {(c.data.params["precision.name"], c.data.params["sharding.name"]) for c in children}
     assert combos == {("fp32", "none"), ("fp32", "fsdp2"), ("bf16", "none"), ("bf16", "fsdp2")}
-    # named by what varies, whole: two fp32 jobs can be told apart where the UI cuts long names
-    assert {c.info.run_name for c in children} == {f"precision={p} sharding={s}" for p, s in combos}
+    # named by what varies, shortest first: a group's option by itself, so that the four are told
+    # apart within the 25 characters MLflow's runs table shows of a name
+    assert {c.info.run_name for c in children} == {f"{p} {s}" for p, s in combos}
     assert parent.data.params["precision.name"] == "fp32,bf16" and parent.data.params["sharding.name"] == "none,fsdp2"
     assert parent.data.metrics["summary.tokens_per_s_per_device"] == max(c.data.metrics["summary.tokens_per_s_per_device"] for c in children)
     assert parent.info.status == "FINISHED" and parent.data.tags["jobs"] == "4 finished, 0 failed"
@@ -60,9 +61,9 @@ def test_compare_prints_the_sweep_with_the_best_run_marked(sweep: Path, capsys, 
     assert max(len(line) for line in out.splitlines()) <= 80 and "…" not in out
     header = next(line for line in out.splitlines() if "tok/s/dev" in line)
     assert header.index("tok/s/dev") < header.index("loss") < header.index("run")  # the figures first
-    lines = [line for line in out.splitlines() if "precision=" in line]
+    lines = [line for line in out.splitlines() if "fp32 " in line or "bf16 " in line]
     assert len(lines) == 4 and "★" in lines[0] and sum("★" in line for line in lines) == 1
-    for combo in ("precision=fp32 sharding=none", "precision=bf16 sharding=fsdp2"):
+    for combo in ("fp32 none", "bf16 fsdp2"):
         assert any(combo in line for line in lines)
     # with no argument: the newest task's runs, the same four
     assert compare_main(["--width", "80"]) == 0
@@ -216,8 +217,8 @@ def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     fp32 = first["fp32"].info.run_id
-    assert f"job 0 (precision=fp32): skipped, it finished before as MLflow run {fp32[:8]} (config_hash {first['fp32'].data.tags['config_hash']})" in out
-    assert "job 1 (precision=bf16): skipped" not in out and "sweep.resume: 1 job(s) skipped, finished before: job 0 (precision=fp32)" in out
+    assert f"job 0 (fp32): skipped, it finished before as MLflow run {fp32[:8]} (config_hash {first['fp32'].data.tags['config_hash']})" in out
+    assert "job 1 (bf16): skipped" not in out and "sweep.resume: 1 job(s) skipped, finished before: job 0 (fp32)" in out
     client, runs = _runs(workdir)
     (again,) = [r for r in runs if r.data.tags.get("sweep") == "true"]
     assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED" and again.data.tags["resumes"] == "1"
@@ -237,7 +238,7 @@ def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path):
     proc = run_cli([*args, "sweep.resume=true"], cwd=workdir, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "job 1 (precision=bf16): skipped" in out and "job 0 (precision=fp32): skipped" not in out
+    assert "job 1 (bf16): skipped" in out and "job 0 (fp32): skipped" not in out
     third = _children(client, parent.info.run_id)
     assert {k: r.info.status for k, r in third.items()} == {"fp32": "FINISHED", "bf16": "FINISHED"}
     assert third["bf16"].info.run_id == second["bf16"].info.run_id and third["fp32"].info.run_id != fp32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import subprocess
@@ -17,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from src.tracking.writer import MetricWriter
 
@@ -157,15 +160,35 @@ def _is_plumbing(override: str) -> bool:
     return override.lstrip("+~").startswith(("hydra", "tracking."))
 
 
+def _rounded(value: str) -> str:
+    """A float as 4 significant digits (Optuna's 0.0012520653814999472 as 0.001252); anything else as given."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return value if value.lstrip("+-").isdigit() or not math.isfinite(number) else f"{number:.4g}"
+
+
+def _name_part(cfg: Any, override: str) -> tuple[int, str]:
+    """(order, text) of one override in a run's name: a config group's option by itself (`fp32`,
+    `fsdp2`, `edge`: the option names its group), before settings as `key=value`."""
+    key, _, value = override.lstrip("+~").partition("=")
+    is_group = key == "exp" or ("." not in key and "," not in value and OmegaConf.is_dict(OmegaConf.select(cfg, key, default=None)))
+    if is_group:
+        return 0, value
+    return 1, f"{key}={_rounded(value) if ',' not in value else value}"
+
+
 def default_run_name(cfg: Any, overrides: list[str], sweep_keys: list[str] | None = None) -> str:
-    """The overrides that tell this run apart: in a sweep, only the ones it varies (`precision=fp32
-    sharding=none`; two fp32 jobs must not both read `precision=fp32 ...` where the UI cuts a
-    long name), never tracking.* or hydra.*."""
+    """What tells this run apart, shortest first: MLflow's runs table cuts a name at about 25
+    characters, so a 2 x 2 sweep's jobs read `fp32 none` and `bf16 fsdp2`, not four names that
+    all start `precision=`. In a sweep, only the overrides it varies; never tracking.* or hydra.*."""
     shown = [o.lstrip("+~") for o in overrides if not _is_plumbing(o)]
     if sweep_keys:
         shown = [o for o in shown if o.split("=", 1)[0] in sweep_keys] or shown
     if shown:
-        return " ".join(shown)[:250]
+        parts = sorted((_name_part(cfg, o) for o in shown), key=lambda part: part[0])  # stable: the command's order within each
+        return " ".join(text for _, text in parts)[:250]
     return f"{cfg.task.name}-{cfg.model.name}-{cfg.sharding.name}-{cfg.precision.name}"
 
 

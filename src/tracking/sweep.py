@@ -42,8 +42,9 @@ SETTING_COLUMNS = ("model", "sharding", "precision", "backend", "kernels", "data
 
 
 def collect_jobs(sweep_dir: Path, sweep_keys: list[str] | None = None) -> list[dict[str, Any]]:
-    """One row per job directory (multirun/DATE/TIME/N/): its name, settings, figures, status."""
+    """One row per job directory (multirun/DATE/TIME/N/): its name (its MLflow run's), settings, figures, status."""
     from src.tracking.figures import figures_of
+    from src.tracking.mlflow_run import default_run_name
 
     rows = []
     for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
@@ -52,7 +53,9 @@ def collect_jobs(sweep_dir: Path, sweep_keys: list[str] | None = None) -> list[d
         overrides_path = job_dir / ".hydra" / "overrides.yaml"
         overrides = [line[2:].strip() for line in overrides_path.read_text().splitlines() if line.startswith("- ")] if overrides_path.exists() else []
         varying = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=", 1)[0] in (sweep_keys or ())]
-        row = {"job": int(job_dir.name), "run": " ".join(varying) or f"job {job_dir.name}", "status": summary.get("status", "failed"), "task": summary.get("task", "")}
+        config_path = job_dir / ".hydra" / "config.yaml"
+        name = default_run_name(OmegaConf.load(config_path), varying) if varying and config_path.exists() else " ".join(varying)
+        row = {"job": int(job_dir.name), "run": name or f"job {job_dir.name}", "overrides": varying, "status": summary.get("status", "failed"), "task": summary.get("task", "")}
         row.update({k: summary.get("settings", {}).get(k) for k in SETTING_COLUMNS})
         row["world_size"] = world_label(row["world_size"], summary.get("settings", {}).get("dist_fake", False))
         task = row["task"] or "train"
@@ -72,7 +75,7 @@ def write_table(rows: list[dict[str, Any]], path: Path) -> Path:
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
-    columns = [k for k in columns if k not in SETTING_COLUMNS or any(r.get(k) is not None for r in rows)]
+    columns = [k for k in columns if k != "overrides" and (k not in SETTING_COLUMNS or any(r.get(k) is not None for r in rows))]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -89,7 +92,7 @@ def parent_params(rows: list[dict[str, Any]], sweep_keys: list[str]) -> dict[str
     for key in sweep_keys:
         values = []
         for r in rows:
-            for part in r["run"].split():
+            for part in r["overrides"]:
                 k, _, v = part.partition("=")
                 if k == key and v not in values:
                     values.append(v)
