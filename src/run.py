@@ -34,7 +34,7 @@ from src.distributed.env import launched_as_worker  # noqa: E402
 from src.fusion.choice import apply_auto_choice  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
 from src.tasks import run_task  # noqa: E402
-from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri  # noqa: E402
+from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri, shown_uri, store_refusal  # noqa: E402
 from src.train.checks import TRAINING_TASKS  # noqa: E402
 from src.train.resume_check import check_checkpoints  # noqa: E402
 from src.validate import validate  # noqa: E402
@@ -149,6 +149,7 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
             )
         jobs.append(cfg)
     check_launcher(launcher, overrides, jobs, config_dir)
+    _check_tracking_stores(jobs)
     hydra_cfg = _hydra_settings(overrides, config_dir)  # composed once for both (0.4 s each on a 2-core machine)
     _check_output_dir(overrides, multirun, hydra_cfg)
     # the checkpoint each job resumes from (its files, its model) and the folder it saves in; a
@@ -158,6 +159,16 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
         check_checkpoints(cfg, run_dir)
     if launcher != "submitit_slurm":  # the jobs' ranks run on this machine
         _warn_ranks_over_cores(jobs)
+
+
+def _check_tracking_stores(jobs: list[DictConfig]) -> None:
+    """Each job's tracking store opened for a moment, in seconds (src/tracking/mlflow_run.py
+    store_refusal): a store that cannot be opened is refused here, named, before any rank or MLflow
+    run exists, where MLflow's client would retry it for minutes."""
+    for uri in dict.fromkeys(cfg.tracking.uri for cfg in jobs if cfg.tracking.enabled):
+        refusal = store_refusal(resolve_tracking_uri(uri, Path.cwd()))
+        if refusal:
+            raise ConfigError(f"tracking.uri={shown_uri(uri)}: {refusal}; or track here: tracking.uri=sqlite:///mlflow.db")
 
 
 def _warn_ranks_over_cores(jobs: list[DictConfig]) -> None:

@@ -241,3 +241,34 @@ def test_a_visible_gpus_memory_is_read_from_torch(monkeypatch):
     validate(compose_config(["model=llama3_1b", "backend=cuda", "dist.nproc=2", "data=random"]), **gpus)
     with pytest.raises(ConfigError, match=r"and the GPU \(GPU0\) has 80\.0 GB; use model\.n_layers=\d+, more GPUs"):
         validate(compose_config(["model=llama3_8b", "backend=cuda", "dist.nproc=1", "data=random"]), **gpus)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port of this machine that nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("uri, line", [
+    ("sqlite:///afolder", "tracking.uri=sqlite:///afolder: {cwd}/afolder is a folder, not a database file; name a file in it, "
+                          "e.g. sqlite:///{cwd}/afolder/mlflow.db; or track here: tracking.uri=sqlite:///mlflow.db"),
+    ("postgresql://me:secret@127.0.0.1:{port}/runs", "tracking.uri=postgresql://me:***@127.0.0.1:{port}/runs: the postgresql server at "
+                                                     "127.0.0.1:{port} does not accept a connection (Connection refused within 3 s)"),
+    ("http://127.0.0.1:99999", "tracking.uri=http://127.0.0.1:99999: port 99999 is not a port (1-65535)"),
+])
+def test_a_tracking_store_that_cannot_be_opened_is_refused_in_seconds(uri: str, line: str, tmp_path: Path, monkeypatch):
+    """MLflow's client retries such a store for minutes and names neither the URI nor the setting;
+    preflight opens it for a moment, and the password never reaches the line."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afolder").mkdir()
+    port = _closed_port()
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        preflight([f"tracking.uri={uri.format(port=port)}"], multirun=False)
+    assert time.monotonic() - start < 15
+    assert line.format(cwd=tmp_path, port=port) in str(err.value) and "\n" not in str(err.value) and "secret" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afolder"]  # no store, no run folder

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from omegaconf import OmegaConf
 
@@ -93,6 +94,49 @@ def check_reachable(uri: str, timeout_s: float) -> None:
         requests.get(uri.rstrip("/") + "/health", timeout=timeout_s).raise_for_status()
     except requests.RequestException as err:
         raise TrackingUnavailable(f"MLflow server at {uri} did not answer ({type(err).__name__})") from None
+
+
+DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
+def shown_uri(uri: str) -> str:
+    """`uri` with its password starred: it goes into error lines and logs."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
+
+
+def store_refusal(uri: str, timeout_s: float = 3.0) -> str | None:
+    """Why the store at `uri` cannot be opened, or None: a port outside 1-65535, a sqlite path that is
+    a folder, a database server that does not accept a connection within `timeout_s`. MLflow's own
+    client retries such a store for minutes before it fails, naming neither the URI nor the setting.
+    A tracking server (http) that does not answer is not refused: the run goes on and keeps its
+    metrics for `python -m src.tracking.sync`."""
+    import socket
+
+    parts = urlsplit(uri)
+    scheme = parts.scheme.split("+", 1)[0]
+    if scheme == "sqlite":
+        db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+        if db is not None and db.is_dir():
+            return f"{db} is a folder, not a database file; name a file in it, e.g. sqlite:///{db / 'mlflow.db'}"
+        return None
+    if scheme not in ("http", "https", *DATABASE_PORTS):
+        return None
+    try:
+        port = parts.port
+    except ValueError:
+        return f"port {parts.netloc.rsplit(':', 1)[-1]} is not a port (1-65535)"
+    if scheme not in DATABASE_PORTS or not parts.hostname:  # no host: a local socket, which the driver finds
+        return None
+    port = port or DATABASE_PORTS[scheme]
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        reason = "no answer" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
+        return f"the {scheme} server at {parts.hostname}:{port} does not accept a connection ({reason} within {timeout_s:g} s)"
+    return None
 
 
 def is_server(uri: str) -> bool:
