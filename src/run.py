@@ -28,7 +28,8 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from src.compose import ConfigError, compose_config  # noqa: E402
+from src.config.compose import ConfigError, compose_config  # noqa: E402
+from src.config.validate import validate  # noqa: E402
 from src.distributed.cluster import SUBMITIT_LAUNCHERS, adopt_torchrun_shape, check_launcher, stable_run_dir  # noqa: E402
 from src.distributed.env import launched_as_worker  # noqa: E402
 from src.fusion.choice import apply_auto_choice  # noqa: E402
@@ -37,7 +38,6 @@ from src.tasks import run_task  # noqa: E402
 from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri  # noqa: E402
 from src.train.checks import TRAINING_TASKS  # noqa: E402
 from src.train.resume_check import check_checkpoints  # noqa: E402
-from src.validate import validate  # noqa: E402
 
 log = logging.getLogger("src.run")
 
@@ -59,7 +59,7 @@ def _job_overrides(overrides: list[str], multirun: bool, config_dir: str | None 
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from src.compose import explain_parse_error
+    from src.config.compose import explain_parse_error
 
     try:
         parsed = OverridesParser.create().parse_overrides(user)

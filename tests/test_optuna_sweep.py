@@ -10,7 +10,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 from src.run import preflight
 from tests.conftest import run_cli
 
@@ -160,7 +160,7 @@ def test_a_grid_whose_last_trial_failed_ends_without_a_traceback(tmp_path: Path,
 
 
 def test_hydra_sweeper_optuna_is_ours():
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     cfg = compose_config(["hydra/sweeper=optuna"], with_hydra=True)
     assert cfg.hydra.sweeper._target_ == "hydra_plugins.perflab_optuna_sweeper.sweeper.OptunaSweeper"

@@ -1,6 +1,6 @@
 """`python -m src.run --help`: every option with the one-line docstring its schema gives it.
 
-The field docstrings in src/config.py and src/config_tasks.py are the reference; Python keeps no
+The field docstrings in src/config/schema.py and src/config/tasks.py are the reference; Python keeps no
 such strings at run time, so they are read from the source with `ast`. conf/config.yaml's `hydra.help.template` places this
 text under the config groups' listing (`${perflab_groups:}` and `${perflab_options:}`, resolvers).
 """
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 WIDTH = 100
 
 
-SCHEMA_FILES = ("config.py", "config_tasks.py")
+SCHEMA_FILES = ("schema.py", "tasks.py")
 
 
 def field_docs(source: Path | None = None) -> dict[str, dict[str, str]]:
@@ -82,7 +82,7 @@ def options_help(*, _root_=None) -> str:
 def groups_help() -> str:
     """Each config group of conf/ and its options, wrapped at WIDTH (Hydra's $APP_CONFIG_GROUPS puts
     a group on one line however long)."""
-    conf = Path(__file__).resolve().parent.parent / "conf"
+    conf = Path(__file__).resolve().parents[2] / "conf"
     lines = []
     for group in sorted(p for p in conf.iterdir() if p.is_dir()):
         options = ", ".join(sorted(f.stem for f in group.glob("*.yaml")))

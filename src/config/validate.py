@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from src.compose import ConfigError
 from src.config import GROUPS, RunConfig
+from src.config.compose import ConfigError
 from src.runtime import world_size
 from src.train.checks import TRAINING_TASKS, check_training
 
@@ -177,7 +177,7 @@ def _preset_sets(cfg: DictConfig, group: str) -> bool:
     of that setting then names the preset, which the user typed, not the setting, which they did not."""
     import yaml
 
-    folder = Path(__file__).resolve().parents[1] / "conf" / "exp"
+    folder = Path(__file__).resolve().parents[2] / "conf" / "exp"
     name, seen = cfg.get("exp"), set()
     while name and name not in seen and (folder / f"{name}.yaml").exists():  # a preset on top of another (fsdp4_fp8 <- fsdp4_tuned <- fsdp4)
         seen.add(name)
