@@ -90,6 +90,17 @@ def groups_help() -> str:
     return "\n".join(lines)
 
 
+def share_config_store() -> None:
+    """For a process that prints `--help` (or `--hydra-help`) and exits. Hydra lists each group's
+    options through a fresh copy of its config repository, and hydra-core 1.3's copy deep-copies the
+    ConfigStore that its structured source holds: a hundred copies of every schema, most of the
+    help's time. Upstream Hydra reads the live store instead; here every copy shares it, which only
+    reads it."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.__deepcopy__ = lambda self, memo: self
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("perflab_options"):
         OmegaConf.register_new_resolver("perflab_options", options_help, use_cache=False)
