@@ -158,7 +158,7 @@ def test_a_text_file_too_short_to_read_a_window_from_is_refused(tmp_path: Path):
 
 
 def test_help_lists_groups_and_every_option_with_its_docstring(workdir: Path):
-    proc = run_cli(["--help", "optim.schedule=cosine"], cwd=workdir, timeout=120)
+    proc = run_cli(["--help", "hydra/help=all", "optim.schedule=cosine"], cwd=workdir, timeout=120)
     assert proc.returncode == 0 and "model: llama3_1b, llama3_3b, llama3_8b, llama3_tiny, mini_llm, qwen2_5_0_5b, small, tiny" in proc.stdout
     assert "base_" not in proc.stdout  # schemas are not offered as options
     lines = proc.stdout.splitlines()

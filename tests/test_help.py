@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from src.config.help import COMMON
 from tests.conftest import REPO
 
 # src.run as `python -m src.run` runs it, then whether torch was imported. Hydra ends --help and
@@ -37,10 +38,14 @@ def test_help_imports_no_torch_and_lists_the_config_groups(tmp_path: Path, flag:
     lines = _inspect([flag], tmp_path)
     assert lines[-1] == "torch imported: False"
     if flag == "--help":
-        groups = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
+        groups = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "hydra")
         for group in groups:
             assert any(line.startswith(f"{group}: ") for line in lines), group
-        assert any(line.startswith("  model.dim=") for line in lines)
+        # the short listing: the common settings (src/config/help.py COMMON), then how to see them all
+        for key in COMMON:
+            assert any(line.startswith(f"  {key}=") for line in lines), key
+        assert not any(line.startswith("  model.dim=") for line in lines) and len(lines) < 100
+        assert any("--help hydra/help=all" in line for line in lines)
     else:  # Hydra's own groups, listed by Hydra
         assert any(line.startswith("hydra/launcher: ") and "submitit_slurm" in line for line in lines)
     assert list(tmp_path.iterdir()) == []

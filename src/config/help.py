@@ -1,8 +1,10 @@
-"""`python -m src.run --help`: every option with the one-line docstring its schema gives it.
+"""`python -m src.run --help`: the config groups and the COMMON settings; `--help hydra/help=all`:
+every option with the docstring its schema gives it.
 
 The field docstrings in src/config/schema.py and src/config/tasks.py are the reference; Python keeps no
-such strings at run time, so they are read from the source with `ast`. conf/config.yaml's `hydra.help.template` places this
-text under the config groups' listing (`${perflab_groups:}` and `${perflab_options:}`, resolvers).
+such strings at run time, so they are read from the source with `ast`. The templates of conf/hydra/help/
+(perflab.yaml, the default, and all.yaml) place this text under the config groups' listing
+(`${perflab_groups:}`, then `${perflab_common:}` or `${perflab_options:}`, resolvers).
 """
 from __future__ import annotations
 
@@ -52,13 +54,11 @@ def _value(root, key: str) -> str:
 
 def options_help(*, _root_=None) -> str:
     """The options of every group and section, one a line: `  key=value   docstring`."""
-    from src.config import GROUPS, RunConfig
+    from src.config import GROUPS
 
     docs = field_docs()
-    sections = [(name, schema) for name, schema in GROUPS.items()]
-    sections += [(f.name, f.default_factory) for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)]
     out = []
-    for name, schema in sections:
+    for name, schema in _sections():
         what = (schema.__doc__ or "").strip().splitlines()[0] if schema.__doc__ and not schema.__doc__.startswith(schema.__name__ + "(") else ""
         out.append(f"{name}.*" + (f"  [the group {name}=OPTION sets these]" if name in GROUPS else ""))
         if what:
@@ -66,17 +66,51 @@ def options_help(*, _root_=None) -> str:
         for f in dataclasses.fields(schema):
             if f.name == "name" and name in GROUPS:
                 continue
-            head = f"  {name}.{f.name}={_value(_root_, f'{name}.{f.name}')}"
-            doc = docs.get(schema.__name__, {}).get(f.name, "")
-            if not doc:
-                out.append(head)
-                continue
-            if len(head) >= 44:  # a long default: the docstring starts on the next line
-                out.append(head)
-                head = ""
-            out.append(textwrap.fill(doc, WIDTH, initial_indent=head.ljust(44), subsequent_indent=" " * 44))
+            out += _option_lines(f"{name}.{f.name}", docs.get(schema.__name__, {}).get(f.name, ""), _root_)
         out.append("")
     return "\n".join(out).replace("$", "$$")  # Hydra fills the template with string.Template
+
+
+def _sections() -> list[tuple[str, type]]:
+    """(name, schema) of each group, then of each section with a schema of its own (dist, optim, ...)."""
+    from src.config import GROUPS, RunConfig
+
+    sections = [(name, schema) for name, schema in GROUPS.items()]
+    sections += [(f.name, f.default_factory) for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)]
+    return sections
+
+
+def _option_lines(key: str, doc: str, root, max_lines: int | None = None) -> list[str]:
+    """`  key=value   docstring`, the docstring wrapped at WIDTH (cut to `max_lines` lines if given)."""
+    head = f"  {key}={_value(root, key)}"
+    if not doc:
+        return [head]
+    lines = []
+    if len(head) >= 44:  # a long default: the docstring starts on the next line
+        lines.append(head)
+        head = ""
+    return lines + textwrap.wrap(doc, WIDTH, initial_indent=head.ljust(44), subsequent_indent=" " * 44, max_lines=max_lines, placeholder=" ...")
+
+
+# The short --help's settings: those that README.md's and docs/'s commands set most, less the float8
+# and speed recipes' finer switches, in the full listing's order.
+COMMON = (
+    "precision.reduce_dtype", "precision.fp8_recipe", "precision.fp8_impl", "kernels.fused", "speed.cudagraphs",
+    "data.batch_size", "data.seq_len", "tracking.uri", "dist.nproc", "dist.nnodes", "dist.fake",
+    "optim.lr", "optim.grad_clip", "optim.impl", "optim.schedule", "train.steps", "train.untimed_steps",
+    "ac.mode", "checkpoint.enabled", "checkpoint.resume",
+)
+
+
+def common_help(*, _root_=None) -> str:
+    """The COMMON settings as options_help writes them, each docstring cut to two lines."""
+    docs = field_docs()
+    schemas = dict(_sections())
+    out = []
+    for key in COMMON:
+        section, _, name = key.partition(".")
+        out += _option_lines(key, docs.get(schemas[section].__name__, {}).get(name, ""), _root_, max_lines=2)
+    return "\n".join(out).replace("$", "$$")
 
 
 def groups_help() -> str:
@@ -84,7 +118,7 @@ def groups_help() -> str:
     a group on one line however long)."""
     conf = Path(__file__).resolve().parents[2] / "conf"
     lines = []
-    for group in sorted(p for p in conf.iterdir() if p.is_dir()):
+    for group in sorted(p for p in conf.iterdir() if p.is_dir() and p.name != "hydra"):  # hydra/: Hydra's own settings
         options = ", ".join(sorted(f.stem for f in group.glob("*.yaml")))
         lines.append(textwrap.fill(options, WIDTH, initial_indent=f"{group.name}: ", subsequent_indent="  "))
     return "\n".join(lines)
@@ -104,5 +138,7 @@ def share_config_store() -> None:
 def register() -> None:
     if not OmegaConf.has_resolver("perflab_options"):
         OmegaConf.register_new_resolver("perflab_options", options_help, use_cache=False)
+    if not OmegaConf.has_resolver("perflab_common"):
+        OmegaConf.register_new_resolver("perflab_common", common_help, use_cache=False)
     if not OmegaConf.has_resolver("perflab_groups"):
         OmegaConf.register_new_resolver("perflab_groups", groups_help, use_cache=False)
