@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # lowest first; a module belongs to the longest prefix that names it
 LAYERS: list[tuple[str, ...]] = [
     ("kernels",),
-    ("src.dtypes", "src.runtime", "src.config"),
+    ("src.dtypes", "src.runtime", "src.config", "src.fusion.ops"),
     ("src.models", "src.data"),
     ("src.distributed", "src.speed", "src.fusion", "src.profiling", "src.tracking"),
     ("src.train", "src.edge", "src.kernel_bench", "src.diagnose"),

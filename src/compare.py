@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -30,8 +31,8 @@ from src.runtime import world_label
 from src.tracking.figures import best_row, figures_of, headline, is_number, lower_is_better
 
 PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size")
-# Short headers: five figures and a run name fit 100 columns (tokens_per_s_per_device alone is 23),
-# infer's eight 120.
+# Short headers, so that several figures fit whole beside the run's name at 80 columns
+# (tokens_per_s_per_device alone is 23).
 SHORT = {"tokens_per_s_per_device": "tok/s/dev", "peak_mem_gb": "peak GB", "final_loss": "loss", "step_time_s": "step s",
          "mfu": "MFU %", "decode_tokens_per_s": "dec tok/s", "prefill_tokens_per_s": "pre tok/s", "decode_p50_ms": "dec p50 ms",
          "ttft_p50_ms": "TTFT p50", "rel_err": "rel err", "share_memory_bound": "mem-bound", "token_agreement": "same tok",
@@ -47,22 +48,37 @@ def _experiments(client, uri: str, experiment: str | None) -> list[str]:
     return [e.experiment_id for e in client.search_experiments()]
 
 
-def _latest_sweep(client, experiments: list[str]) -> str:
+def _latest_sweep(client, experiments: list[str]):
     parents = client.search_runs(experiments, "tags.sweep = 'true'", order_by=["attributes.start_time DESC"], max_results=1)
     if not parents:
         raise LookupError("no sweep parent run found")
-    return parents[0].info.run_id
+    return parents[0]
 
 
-def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> list[dict[str, Any]]:
+def sweep_objective(parent) -> str | None:
+    """The figure a sweep was judged by, from its parent run's `objective` tag ("final_loss (lower is
+    better)", src/tracking/sweep.py): the figure its best_job and Optuna's best were chosen on."""
+    tag = parent.data.tags.get("objective", "")
+    return tag.split(" ", 1)[0] or None
+
+
+def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows to compare and the figure to rank them by where the runs name one (a sweep's
+    objective). A sweep: its jobs; otherwise the runs of the newest run's task."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     experiments = _experiments(client, uri, experiment)
-    if sweep == "latest":
-        sweep = _latest_sweep(client, experiments)
-    filter_string = f"tags.mlflow.parentRunId = '{sweep}'" if sweep else ""
-    runs = client.search_runs(experiments, filter_string, max_results=1000)
+    objective = None
+    if sweep:
+        parent = _latest_sweep(client, experiments) if sweep == "latest" else client.get_run(sweep)
+        objective = sweep_objective(parent)
+        runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'", max_results=1000)
+    else:
+        runs = client.search_runs(experiments, "", order_by=["attributes.start_time DESC"], max_results=1000)
+        newest = next((r for r in runs if r.data.tags.get("sweep") != "true" and r.data.params.get("task.name")), None)
+        task = newest.data.params.get("task.name") if newest else None
+        runs = [r for r in runs if r.data.params.get("task.name") == task]
     rows = []
     for r in runs:
         if r.data.tags.get("sweep") == "true":
@@ -76,7 +92,7 @@ def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> lis
         })
         row.update({k[len("summary."):]: v for k, v in r.data.metrics.items() if k.startswith("summary.")})
         rows.append(row)
-    return rows
+    return rows, objective
 
 
 def rows_from_dirs(roots: list[Path]) -> list[dict[str, Any]]:
@@ -95,14 +111,11 @@ def rows_from_dirs(roots: list[Path]) -> list[dict[str, Any]]:
 
 
 def _labels(rows: list[dict[str, Any]]) -> list[str]:
-    """Each run's name without the words every run shares, keys cut to their last part
-    (`edge.dtype=fp16` -> `dtype=fp16`): short, and fp16 never cut down to look like fp32."""
+    """Each run's name without the words every run shares, keys whole (`train.steps=30`, never a
+    bare `steps=30` that could be any group's)."""
     words = [str(r["run"]).split() for r in rows]
     common = set.intersection(*(set(w) for w in words)) if len(rows) > 1 else set()
-    def short(word: str) -> str:
-        key, eq, value = word.partition("=")
-        return key.lstrip("+").rsplit(".", 1)[-1] + eq + value
-    return [" ".join(short(w) for w in ws if w not in common) or " ".join(ws) for ws in words]
+    return [" ".join(w.lstrip("+") for w in ws if w not in common) or " ".join(ws) for ws in words]
 
 
 def _cell(v: Any) -> str:
@@ -111,7 +124,34 @@ def _cell(v: Any) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4g}"
 
 
-def render(rows: list[dict[str, Any]], metric: str | None, console: Console) -> None:
+def _table(rows: list[dict[str, Any]], labels: list[str], figures: list[str], best, with_status: bool, caption: str | None) -> Table:
+    table = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("", width=1, no_wrap=True)
+    for m in figures:
+        cells = [_cell(r.get(m)) for r in rows]
+        header = SHORT.get(m, m)
+        table.add_column(header, justify="right", no_wrap=True, min_width=max(len(header), *map(len, cells)))
+    if with_status:
+        table.add_column("status", no_wrap=True, min_width=max(len(r["status"]) for r in rows))
+    table.add_column("run", overflow="fold", min_width=12)
+    for r, label in zip(rows, labels):
+        table.add_row("★" if r is best else "", *(_cell(r.get(m)) for m in figures), *([r["status"]] if with_status else []), label,
+                      style="bold green" if r is best else ("red" if r["status"] != "finished" else None))
+    return table
+
+
+def _fits(table: Table, width: int) -> bool:
+    """The table at `width` columns with every cell whole: nothing cut to an ellipsis."""
+    probe = Console(width=width, record=True, file=open(os.devnull, "w"), color_system=None)
+    probe.print(table)
+    text = probe.export_text()
+    return "…" not in text and max(map(len, text.splitlines()), default=0) <= width
+
+
+def render(rows: list[dict[str, Any]], metric: str | None, console: Console, ranked_by: str = "") -> None:
+    """The runs ranked by `metric` (the task's headline when None), best starred: the figures
+    first, as many as fit the console's width whole, then the run's name, folded; what every run
+    shares in the caption. `ranked_by`: why this metric (a sweep's objective)."""
     tasks = [r.get("task") for r in rows if r.get("task")]
     task = max(set(tasks), key=tasks.count) if tasks else "train"
     metric = metric or headline(task)
@@ -120,23 +160,22 @@ def render(rows: list[dict[str, Any]], metric: str | None, console: Console) -> 
     best = best_row(rows, metric)
     figures = [metric] + [m for m in figures_of(task).shown if m != metric and any(is_number(r.get(m)) for r in rows)]
     labels = _labels(rows)
-    varying = [p for p in PARAMS if len({str(r.get(p)) for r in rows}) > 1 and not all(f"{p}=" in lab for lab in labels)]
+    # a setting that varies but is not in the run names (runs started one by one) joins the names
+    for p in PARAMS:
+        if len({str(r.get(p)) for r in rows}) > 1 and not all(f"{p}=" in lab or f".{p}=" in lab for lab in labels):
+            labels = [f"{lab} {p}={r.get(p)}".strip() for lab, r in zip(labels, rows)]
     same = [f"{p}={rows[0][p]}" for p in PARAMS if len({str(r.get(p)) for r in rows}) == 1 and rows[0].get(p) is not None]
     with_status = any(r["status"] != "finished" for r in rows)
-    table = Table(title=f"{len(rows)} runs by {metric} ({'lower' if lower else 'higher'} is better)",
-                  caption=("all: " + " ".join(same)) if same else None, caption_justify="left")
-    table.add_column("", width=1)
-    table.add_column("run", overflow="fold", min_width=min(max(map(len, labels)), 30))
-    if with_status:
-        table.add_column("status")
-    for p in varying:
-        table.add_column(p)
-    for m in figures:
-        table.add_column(SHORT.get(m, m), justify="right")
-    for r, label in zip(rows, labels):
-        cells = ["★" if r is best else "", label, *([r["status"]] if with_status else []), *(str(r.get(p)) for p in varying)]
-        table.add_row(*cells, *(_cell(r.get(m)) for m in figures), style="bold green" if r is best else ("red" if r["status"] != "finished" else None))
-    console.print(table)
+    title = f"{len(rows)} {task} runs by {metric} ({'lower' if lower else 'higher'} is better{ranked_by})"
+    caption = ("all: " + " ".join(same)) if same else None
+    shown = list(figures)
+    while len(shown) > 1 and not _fits(_table(rows, labels, shown, best, with_status, caption), console.width):
+        shown.pop()
+    left = [SHORT.get(m, m) for m in figures if m not in shown]
+    if left:
+        caption = "\n".join(filter(None, [caption, f"wider than {console.width} columns: {', '.join(left)} (--width, or --metric NAME)"]))
+    console.print(title)
+    console.print(_table(rows, labels, shown, best, with_status, caption))
 
 
 def ui_url(uri: str, experiment: str | None, sweep: str | None, metric: str | None) -> str:
@@ -150,7 +189,8 @@ def ui_url(uri: str, experiment: str | None, sweep: str | None, metric: str | No
     client = MlflowClient(tracking_uri=uri)
     experiments = _experiments(client, uri, experiment)
     if sweep:
-        parent = _latest_sweep(client, experiments) if sweep == "latest" else sweep
+        parent = _latest_sweep(client, experiments).info.run_id if sweep == "latest" else sweep
+        metric = metric or sweep_objective(client.get_run(parent))
         exp_id = client.get_run(parent).info.experiment_id
         children = client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent}'", max_results=1)
         task = children[0].data.params.get("task.name", "train") if children else "train"
@@ -208,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     "and open it in a browser where there is a display")
     args = ap.parse_args(argv)
     console = Console(width=args.width)
-    from_mlflow = False
+    from_mlflow, objective = False, None
     if args.ui and args.dirs:
         sys.stderr.write("error: --ui shows runs in MLflow; --dirs reads run directories instead\n")
         return 2
@@ -224,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             try:
                 check_reachable(args.uri, 5.0)
-                rows = rows_from_mlflow(args.uri, args.experiment, args.sweep)
+                rows, objective = rows_from_mlflow(args.uri, args.experiment, args.sweep)
                 from_mlflow = True
             except TrackingUnavailable as err:
                 console.print(f"{err}; reading run directories (outputs/, multirun/) instead")
@@ -236,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"under {' '.join(map(str, args.dirs))}" if args.dirs else f"at {args.uri}"
         sys.stderr.write(f"error: no runs found {where}; pass --uri URI for another MLflow store, or --dirs DIR for run directories\n")
         return 2
-    render(rows, args.metric, console)
+    render(rows, args.metric or objective, console, ", sweep objective" if objective and not args.metric else "")
     if args.ui and from_mlflow:
         try:
             show_ui(args.uri, ui_url(args.uri, args.experiment, args.sweep, args.metric), console)

@@ -10,17 +10,19 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from src.compare import main as compare_main
 from src.config.compose import ConfigError
 from src.run import preflight
 from tests.conftest import run_cli
 
 FAST = ["dist.nproc=1", "train.steps=2", "tracking.system_metrics=false"]  # one in-process rank per trial
 # TPE's first 10 trials are random draws (n_startup_trials): seeded, the same three every time
-SEARCH = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0", "hydra.sweeper.direction=minimize",
+# no direction given: the sweeper takes final_loss's better side, minimize
+SEARCH = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0",
           "sweep.objective=final_loss", "optim.lr=interval(1e-4,1e-2)"]
 
 
-def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best(workdir: Path):
+def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best(workdir: Path, capsys, monkeypatch):
     proc = run_cli(["-m", *SEARCH, *FAST], cwd=workdir, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
@@ -49,6 +51,14 @@ def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best
     for n in range(3):
         assert f"#{n} : optim.lr=" in proc.stdout + proc.stderr
     assert "objective final_loss = " in proc.stdout + proc.stderr
+    assert "Optuna: minimize final_loss (sweep.objective's better side)" in proc.stdout + proc.stderr
+    # src.compare ranks the sweep by its objective, and stars the job Optuna and the parent name
+    monkeypatch.chdir(workdir)
+    assert compare_main(["--sweep", "latest", "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "3 train runs by final_loss (lower is better, sweep objective)" in out
+    (starred,) = [line for line in out.splitlines() if "★" in line]
+    assert [c.info.run_name for c in children if c.info.run_id == best_id][0] in starred
 
 
 def test_a_failed_trial_is_a_failed_optuna_trial_and_the_study_goes_on(workdir: Path):
@@ -78,6 +88,16 @@ def test_a_failed_trial_is_a_failed_optuna_trial_and_the_study_goes_on(workdir: 
      "hydra.sweeper.direction=minimize would search for the worst tokens_per_s_per_device, where higher is better; pass hydra.sweeper.direction=maximize"),
     (["hydra.sweeper.params.optim.lr='interval(1e-4,1e-2)'"], "give a search space entry on the command line as the key itself, optim.lr=interval(1e-4,1e-2)"),
     (["hydra.sweeper.storage=sqlite:///optuna.db", "optim.lr=interval(1e-4,1e-2)"], "hydra.sweeper.storage=sqlite:///optuna.db: Optuna 2."),
+    # what Optuna would draw wrongly, or not at all
+    (["optim.lr=interval(1e-2,1e-4)"], "optim.lr=interval(1e-2,1e-4): the low bound 0.01 is above the high bound 0.0001; write optim.lr=interval(0.0001,0.01)"),
+    (["optim.lr=tag(lgo,interval(1e-4,1e-2))"], "optim.lr=tag(lgo,interval(1e-4,1e-2)): Optuna does not read the tag lgo and would ignore it; "
+                                                 "it reads tag(log,interval(LOW,HIGH)) for a log scale"),
+    (["optim.lr=tag(log,interval(0,1e-2))"], "optim.lr=tag(log,interval(0,1e-2)): a log scale needs a low bound above 0 (it is 0.0); e.g. optim.lr=tag(log,interval(1e-05,0.01))"),
+    (["train.steps=range(5,2)"], "train.steps=range(5,2): the range holds no value: range(start,stop,step) runs from its start by its step "
+                                 "to before its stop, e.g. train.steps=range(2,5)"),
+    (["optim.lr=1e-3"], "hydra/sweeper=optuna has nothing to search: it would run the same job 20 times"),
+    (["precision=choice(fp32)", "hydra.sweeper.params.x=1"], "give a search space entry on the command line as the key itself"),
+    (["precision=choice(fp32)"], "hydra/sweeper=optuna has nothing to search"),
 ])
 def test_a_search_it_cannot_run_is_refused_before_any_trial(overrides: list[str], message: str, tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -157,6 +177,26 @@ def test_a_grid_whose_last_trial_failed_ends_without_a_traceback(tmp_path: Path,
     with caplog.at_level(logging.WARNING, logger="src.sweep"):
         assert sweeper.sweep(["fault.kind=choice(none,raise)"]) is None
     assert "Optuna: the grid's last trial failed" in caplog.text
+
+
+@pytest.mark.parametrize("overrides, direction", [
+    ([], "maximize"),  # tokens_per_s_per_device, the train task's headline
+    (["sweep.objective=final_loss"], "minimize"),
+    (["hydra.sweeper.direction=minimize", "sweep.objective=final_loss"], "minimize"),  # given: kept
+])
+def test_an_optuna_sweep_without_a_direction_searches_for_the_objectives_better_side(overrides: list[str], direction: str, tmp_path: Path,
+                                                                                        monkeypatch):
+    from hydra.utils import instantiate
+
+    from src.config.compose import compose_config
+
+    monkeypatch.chdir(tmp_path)
+    preflight(["hydra/sweeper=optuna", "optim.lr=interval(1e-4,1e-2)", *overrides], multirun=True)  # not refused
+    cfg = compose_config(["hydra/sweeper=optuna", *overrides], with_hydra=True)
+    sweeper = instantiate(cfg.hydra.sweeper)
+    monkeypatch.setattr(sweeper.sweeper, "setup", lambda **kwargs: None)  # the plugin's own setup needs a Hydra run
+    sweeper.setup(hydra_context=None, task_function=None, config=cfg)
+    assert sweeper.sweeper.direction == direction
 
 
 def test_hydra_sweeper_optuna_is_ours():

@@ -54,17 +54,23 @@ def test_a_2x2_sweep_is_one_parent_with_four_finished_children(sweep: Path):
 
 def test_compare_prints_the_sweep_with_the_best_run_marked(sweep: Path, capsys, monkeypatch):
     monkeypatch.chdir(sweep)
-    assert compare_main(["--sweep", "latest", "--width", "100"]) == 0
+    assert compare_main(["--sweep", "latest", "--width", "80"]) == 0
     out = capsys.readouterr().out
-    assert "4 runs by tokens_per_s_per_device (higher is better)" in out
-    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "4 train runs by tokens_per_s_per_device (higher is better, sweep objective)" in out
+    assert max(len(line) for line in out.splitlines()) <= 80 and "…" not in out
+    header = next(line for line in out.splitlines() if "tok/s/dev" in line)
+    assert header.index("tok/s/dev") < header.index("loss") < header.index("run")  # the figures first
     lines = [line for line in out.splitlines() if "precision=" in line]
     assert len(lines) == 4 and "★" in lines[0] and sum("★" in line for line in lines) == 1
     for combo in ("precision=fp32 sharding=none", "precision=bf16 sharding=fsdp2"):
         assert any(combo in line for line in lines)
+    # with no argument: the newest task's runs, the same four
+    assert compare_main(["--width", "80"]) == 0
+    assert "4 train runs by tokens_per_s_per_device (higher is better)" in capsys.readouterr().out
     # the same table from the run directories alone, no tracking store
-    assert compare_main(["--dirs", "multirun", "--metric", "final_loss", "--width", "100"]) == 0
-    assert "4 runs by final_loss (lower is better)" in capsys.readouterr().out
+    assert compare_main(["--dirs", "multirun", "--metric", "final_loss", "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "4 train runs by final_loss (lower is better)" in out and "…" not in out
 
 
 def test_a_failing_job_is_failed_and_the_sweep_goes_on(workdir: Path):
@@ -97,12 +103,20 @@ def _infer_job(root: Path, name: str, dtype: str, decode_p50_ms: float) -> None:
 def test_compare_knows_latencies_are_lower_is_better_and_shows_edge_figures(tmp_path: Path, capsys):
     _infer_job(tmp_path, "backend=vulkan edge.batch=1 edge.dtype=fp16", "fp16", 4.0)
     _infer_job(tmp_path, "backend=vulkan edge.batch=1 edge.dtype=fp32", "fp32", 9.0)
-    assert compare_main(["--dirs", str(tmp_path), "--metric", "decode_p50_ms", "--width", "100"]) == 0
+    assert compare_main(["--dirs", str(tmp_path), "--metric", "decode_p50_ms", "--width", "80"]) == 0
     out = capsys.readouterr().out
-    assert "2 runs by decode_p50_ms (lower is better)" in out and "n/a" not in out
-    (fast,) = [line for line in out.splitlines() if "dtype=fp16" in line]
+    assert "2 infer runs by decode_p50_ms (lower is better)" in out and "n/a" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80 and "…" not in out
+    (fast,) = [line for line in out.splitlines() if "edge.dtype=fp16" in line]
     assert "★" in fast and "4" in fast and "250" in fast  # decode tok/s shown beside the latency
-    assert any("dtype=fp32" in line and "★" not in line for line in out.splitlines())
+    assert any("edge.dtype=fp32" in line and "★" not in line for line in out.splitlines())
+    # a relative error of 4.906e-07 whole, never cut to "4.906…" (which reads as 4.9); the figures
+    # that do not fit 80 columns are named under the table
+    summary = json.loads((tmp_path / "backend=vulkan edge.batch=1 edge.dtype=fp16" / "summary.json").read_text())
+    (tmp_path / "backend=vulkan edge.batch=1 edge.dtype=fp16" / "summary.json").write_text(json.dumps({**summary, "rel_err": 4.906e-07}))
+    assert compare_main(["--dirs", str(tmp_path), "--metric", "rel_err", "--width", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "4.906e-07" in out and "…" not in out and max(len(line) for line in out.splitlines()) <= 80
 
 
 def test_compare_with_no_store_creates_none_and_names_uri(tmp_path: Path, capsys, monkeypatch):

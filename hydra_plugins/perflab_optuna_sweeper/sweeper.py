@@ -29,6 +29,15 @@ class _Missing:
 
 
 class OptunaSweeper(plugin.OptunaSweeper if plugin is not None else _Missing):
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        # no hydra.sweeper.direction given: search for the objective's better side, not Optuna's minimize
+        if self.sweeper.direction is None:
+            from src.tracking.search import better_direction, objective_of
+
+            self.sweeper.direction = better_direction(config)
+            log.info("Optuna: %s %s (sweep.objective's better side)", self.sweeper.direction, objective_of(config))
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+
     def sweep(self, arguments: list[str]) -> None:
         try:
             return super().sweep(arguments)

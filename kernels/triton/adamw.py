@@ -1,10 +1,8 @@
 """AdamW over many fp32 tensors in one launch, with the gradients' sum of squares taken on the way.
 
-torch's fused AdamW (`_fused_adamw_`) updates mini_llm's 735M fp32 parameters on an H200 in 6.07 ms
-inside the step (3.39 TB/s at 28 bytes a parameter: read parameter, gradient and both moments, write
-three; benchmarks/notes/PERFORMANCE.md 5c), in 37 multi_tensor_apply launches. A step that logs its gradient
-norm then reads every gradient again for it: `get_total_norm`, 2.9 GB more and about 1.1 ms a step
-on one GPU. Here one launch walks every tensor's tiles (a tile table built once for the parameter
+torch's fused AdamW (`_fused_adamw_`) is bound by memory (28 bytes a parameter: read parameter,
+gradient and both moments, write three) and takes many multi_tensor_apply launches. A step that logs
+its gradient norm then reads every gradient again for it (`get_total_norm`). Here one launch walks every tensor's tiles (a tile table built once for the parameter
 shapes; the tensors' offsets in a table per step, since FSDP2 hands out new gradient buffers),
 and each program writes its tile's sum of squared gradients, so the norm costs a reduction of one
 float per tile instead of a second pass over the gradients.
@@ -21,16 +19,16 @@ fp32 value being in registers already (src/speed/one_rank.py's cast_in_step).
 
 The moments can be kept in bf16 (`TritonAdamW(state_dtype=torch.bfloat16)`, optim.state_dtype): 2
 bytes a parameter each instead of 4, so the update moves 22 bytes a parameter instead of 30 and the
-moments take half the memory (735M parameters: 2.9 GB less). They are read as fp32, updated in fp32
+moments take half the memory. They are read as fp32, updated in fp32
 and rounded stochastically on the way back (`_bf16_sr`). Rounded to nearest, exp_avg_sq's increment
 (1 - beta2) * (g^2 - v) at beta2 = 0.999 is under half of bf16's ulp of v (0.2-0.4% of v) unless g^2
 is over 3-5x v, so v would never fall and would stop following the gradients; rounded
 stochastically each stored value is unbiased. The random bits are an integer hash
 (`_rounding_bits`) of the run's seed, the step, the parameter's place in the optimizer and each
-element's index in the whole (unsharded) parameter: the same bits however FSDP2 shards it. On an
-H200 inside the seed's step the update takes 4.04 ms this way (512 elements a pass, BLOCKS) against
-5.63 with fp32 moments; Philox4x32-10 (tl.randint4x) for the bits made it compute-bound, 5.76 ms
-(benchmarks/notes/PERFORMANCE.md 7).
+element's index in the whole (unsharded) parameter: the same bits however FSDP2 shards it. The
+update is faster this way than with fp32 moments, since it moves fewer bytes; a hash keeps it bound
+by memory, where Philox4x32-10 (tl.randint4x) for the bits made it compute-bound and slower than fp32
+moments (benchmarks/optimizer_in_step.py times the update inside the step).
 """
 from __future__ import annotations
 
@@ -45,21 +43,20 @@ import triton.language as tl
 from kernels.triton.device import interpreted
 from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 
-# A program takes TILE = BLOCK x ITERS elements of one tensor: 2048 at 4 warps a pass (16 fp32
-# elements a thread per stream, as the gradient upcast in kernels/triton/cast.py reaches 3.8 TB/s
-# with), 8 passes, so the tile table's four loads are paid once per 64K elements. A first version
-# with one 2048-element tile a program and each tensor's address read as a pointer ran at 1.54 TB/s
-# on an H200 (13.3 ms against torch's 6.07): a loaded address carries no alignment, so every load
-# was scalar. Addresses are now element offsets from each stream's first tensor (a kernel argument,
-# 16-byte aligned by Triton's specialisation), hinted as multiples of 16 bytes where they are; a
-# second version with those (one call, 7.97 ms, 2.58 TB/s) still masked every load against a length
-# read from memory, which also keeps loads scalar: whole tiles now run unmasked.
+# A program takes TILE = BLOCK x ITERS elements of one tensor (16 fp32 elements a thread per stream
+# at 4 warps a pass, as the gradient upcast in kernels/triton/cast.py streams fastest with), so the
+# tile table's loads are paid once per several passes. Every load must be a vector load: a first
+# version read each tensor's address as a pointer, and a loaded address carries no alignment, so
+# every load was scalar and the update took over twice torch's time. Addresses are now element offsets
+# from each stream's first tensor (a kernel argument, aligned by Triton's specialisation), hinted as
+# multiples of 16 bytes where they are; a load masked against a length read from memory stays scalar
+# too, so whole tiles run unmasked.
 TILE, NUM_WARPS = 16384, 4
 # Elements a pass (BLOCK; ITERS = TILE // BLOCK passes) by whether the moments are bf16 (STATE_BF16).
 # bf16 moments add the rounding's integer work to each element, and fewer elements a thread keep
-# more programs resident: inside the seed's step on an H200 (benchmarks/notes/PERFORMANCE.md 7, calls 8 and a1,
-# two machines) their update took 4.80 ms at 2048, 4.31 at 1024 and 4.03-4.04 at 512 (4.0 TB/s);
-# fp32 moments' 5.63, 5.49 and 5.56, so they keep 2048.
+# more programs resident, so inside the seed's step their update is fastest at the smallest block;
+# fp32 moments' time hardly moves with it, so they keep the larger one (benchmarks/kernel_configs.py
+# --only adamw sweeps these).
 BLOCKS = {False: 2048, True: 512}
 GRAD_DTYPES = {torch.float32: False, torch.bfloat16: True}
 STATE_DTYPES = {torch.float32: False, torch.bfloat16: True}  # the moments' dtype: True where rounded stochastically
@@ -239,7 +236,7 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 # rounds the factor to bf16 first. On CUDA the factor is a device tensor, so _foreach_mul_ leaves its
 # fast path (the dtypes differ) for Tensor.mul_, whose TensorIterator casts both inputs to the common
 # dtype, bf16, before the fp32 multiply; on the CPU a 0-dim tensor is a CPU scalar, read at fp32.
-# Seen on an H100 (torch 2.11): the unrounded factor differed in the last bit of some updates.
+# Seen on CUDA with torch 2.11: the unrounded factor differed in the last bit of some updates.
 FACTOR_ROUNDED_ON = frozenset({"cuda"})
 
 
@@ -306,9 +303,9 @@ _BOTH_COMPILED: set[tuple] = set()
 def _compile_other_variant(device: torch.device, head: tuple, tail: tuple, spec: dict, want_squares: bool, n_tiles: int) -> None:
     """Compile, without running, the variant of this launch that the next step may want. A run that
     reads the gradient norm only at its logging steps (train.log_every; no clipping, as the float8
-    preset runs) would compile the summing variant at the first of them, mid-run: 521 ms of idle
-    inside a 3-step trace of the seed's float8 step on an H200 (benchmarks/notes/PERFORMANCE.md 7). Compiled here,
-    at the launch's first step, it joins the run's other first-step compiles."""
+    preset runs) would compile the summing variant at the first of them, mid-run, leaving the GPU
+    idle for about half a second. Compiled here, at the launch's first step, it joins the run's other
+    first-step compiles."""
     if device.type != "cuda" or interpreted():
         return
     key = (device.index, want_squares, tuple(t.dtype for t in head[:5]), tail[0].dtype, tail[1], tuple(sorted(spec.items())))
@@ -354,8 +351,8 @@ def global_norm_from_squares(squares: list[torch.Tensor], sharded, device: torch
         mesh, dims = sharded
         for d in dims:  # the shards' sums of squares; replicated dimensions hold the same sum already
             # a dimension of one rank holds the whole sum already: no collective, which on one
-            # GPU would be the run's first and start NCCL there (0.34-0.58 s at the first logged
-            # step on an H200: benchmarks/notes/PERFORMANCE.md section 7, "The first logged step's half second")
+            # GPU would be the run's first and start NCCL there, a stall of a fraction of a second
+            # at the first logged step
             if mesh.size(d) > 1:
                 dist.all_reduce(total, group=mesh.get_group(d))
     return total.sqrt()

@@ -1,14 +1,14 @@
 """A flat bf16/fp16 tensor upcast to fp32 in one vectorised pass.
 
 torch's `.to(torch.float32)` of a bf16 CUDA tensor (torch 2.11) runs TensorIterator's dynamically
-casting copy, one element a load: 1.94-2.05 TB/s on an H200 at 25-65M elements, where the other
-direction (fp32 -> bf16, a vectorised kernel of its own) runs at 3.6-4.1 and this kernel at
-3.57-3.84 (benchmarks/notes/PERFORMANCE.md 7; pytorch/pytorch#195542 vectorises the upcast upstream). FSDP2
-upcasts each unit's reduced gradients from reduce_dtype to fp32 this way once a step: 735M
-parameters, 4.4 GB read and written, on one GPU (src/speed/grad_upcast.py routes it here).
+casting copy, one element a load, at about half the speed of the other direction (fp32 -> bf16, a
+vectorised kernel of its own), which this kernel matches (pytorch/pytorch#195542 vectorises the
+upcast upstream). FSDP2
+upcasts each unit's reduced gradients from reduce_dtype to fp32 this way once a step: every
+parameter's gradient read and written, on one GPU (src/speed/grad_upcast.py routes it here).
 
-2048 elements a program with 4 warps: 16 elements a thread, two 16-byte loads of bf16 each;
-measured against 4096/8 and 8192/8 warps, 2-4% faster at every size.
+BLOCK elements a program with 4 warps: 16 elements a thread, two 16-byte loads of bf16 each; a
+little faster at every size than wider blocks at 8 warps.
 """
 from __future__ import annotations
 

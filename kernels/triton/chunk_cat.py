@@ -3,9 +3,9 @@
 FSDP2 builds each unit's reduce-scatter input this way after backward: every unsharded gradient is
 split into W chunks along dim 0 and row r of `out` (W x N/W) is the concatenation of each gradient's
 chunk r, in `out`'s dtype (reduce_dtype). It runs on the compute stream, so it is on the step's
-critical path. On an H200 with torch 2.11, at one mini_llm block's gradients (50.3M bf16 elements,
-graph-replayed; benchmarks/notes/PERFORMANCE.md 7): bf16 -> fp32 (the seed's fp32 reduce) 166-178 us, 1.70-1.82
-TB/s, and bf16 -> bf16 77-82 us, 2.45-2.61 TB/s; this kernel 79-80 and 53-54 us, 3.7-3.8 TB/s.
+critical path. torch's own copy (torch 2.11) streams well below the copy ceiling, and its casting
+one (bf16 -> fp32, the seed's fp32 reduce) at about half of it; this kernel streams near the ceiling
+either way.
 
 One launch takes up to SLOTS gradients: a program copies BLOCK elements of one gradient's chunk
 (program_id 0, walking the gradients' tiles in order) for one row (program_id 1). Only what
@@ -26,8 +26,8 @@ import triton.language as tl
 
 from kernels.triton.launch import Launcher
 
-# 2048 elements and 4 warps a program, as kernels/triton/cast.py (its sweep: 2-4% ahead of 4096 and
-# 8192 with 8 warps); 8 slots hold a mini_llm block's 8 gradients in one launch.
+# The block and warps of kernels/triton/cast.py, whose sweep found them a little ahead of wider blocks
+# at 8 warps; the slots hold a mini_llm block's gradients in one launch.
 BLOCK, NUM_WARPS, SLOTS = 2048, 4, 8
 MAX_CHUNKS = 65535  # the world size is the grid's second axis, which CUDA caps at 65535
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)

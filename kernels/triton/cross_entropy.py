@@ -25,11 +25,11 @@ from kernels.triton.device import device_index, sm_count
 from kernels.triton.launch import Launcher
 from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
 
-# Launch settings at 8192 x 32000 bf16 on an H200 (benchmarks/kernel_configs.py sweeps them): the
-# row in blocks of BLOCK, two passes, the second served from L2 (a 64 KB row; 132 SMs hold a few
-# rows each, well inside the 50 MB L2); or the whole row in registers, one read (ROW_IN_REGISTERS).
-# 8192 x 16 warps: 0.359 ms fwd+bwd against 0.390 for 4096 x 8 in the same sweep, once the second
-# pass multiplies instead of dividing (fewer instructions per element left the wider block ahead).
+# Launch settings at the seed's shape (benchmarks/kernel_configs.py sweeps them): the row in blocks
+# of BLOCK, two passes, the second served from L2 (the rows all SMs hold at once fit in L2 many times
+# over); or the whole row in registers, one read (ROW_IN_REGISTERS). The widest block at 16 warps
+# beat half of it at 8 warps once the second pass multiplies instead of dividing (fewer
+# instructions per element left the wider block ahead).
 BLOCK_MAX = 8192
 NUM_WARPS = 16
 ROW_IN_REGISTERS_MAX = 0  # widest vocabulary read once into registers (0: never)
@@ -52,9 +52,8 @@ def _count_valid(TARGETS, N_VALID, rows, ignore_index, BLOCK: tl.constexpr, USE_
 @triton.jit
 def _cross_entropy_fwd_bwd(LOGITS, stride, TARGETS, LOSS, N_VALID, V, ignore_index, smoothing, BLOCK: tl.constexpr, ROW_IN_REGISTERS: tl.constexpr,
                            HAS_SMOOTHING: tl.constexpr, USE_GDC: tl.constexpr):
-    """One row a program. At 8192 x 32000 bf16 the two passes stream 1.6 GB in 0.36 ms, about 2
-    exponentials per 0.27 ns a row element on the SMs' special-function units, close to what they
-    issue: the gradient multiplies by 1 / sum and 1 / n_valid, once per row, instead of dividing
+    """One row a program. At the seed's shape the two passes are bound by their exponentials, close
+    to what the SMs' special-function units issue: the gradient multiplies by 1 / sum and 1 / n_valid, once per row, instead of dividing
     per element, and without label smoothing the row's plain sum is not taken (HAS_SMOOTHING)."""
     gdc_prologue(USE_GDC)  # kernels/triton/pdl.py: waits for the previous kernel's writes
     row = tl.program_id(0).to(tl.int64)

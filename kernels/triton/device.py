@@ -9,8 +9,8 @@ import sys
 import torch
 
 # Shared memory a kernel's pipeline buffers may take, below the per-block limit: room for the
-# reductions' scratch and the compiler's own (an RMSNorm backward at 3 buffers of 96 KB asked for
-# 76 bytes beyond them on an H200).
+# reductions' scratch and the compiler's own (an RMSNorm backward asked for a few bytes beyond its
+# pipeline buffers).
 SMEM_HEADROOM = 16 * 1024
 
 
@@ -81,13 +81,13 @@ def sm_count(index: int) -> int:
 
 @constant_for_compile
 def compute_major(index: int) -> int:
-    """The major compute capability of CUDA device `index` (9 on an H100/H200)."""
+    """The major compute capability of CUDA device `index` (9 on Hopper)."""
     return _properties(index).major
 
 
 @constant_for_compile
 def smem_per_block(index: int) -> int:
-    """The most shared memory one block may ask for (the opt-in limit: 227 KB on an H100/H200)."""
+    """The most shared memory one block may ask for (the opt-in limit: 227 KB on Hopper)."""
     if index < 0:
         return 1 << 30  # the interpreter has no shared memory to run out of
     props = _properties(index)

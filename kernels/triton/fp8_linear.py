@@ -19,10 +19,9 @@ casts written by hand:
 An activation can be applied inside the casts of X (`act="silu"`): the linear then takes the
 activation's input U and casts silu(U), each element rounded to U's dtype first, as the activation's
 own kernel would store it. The seed's MLP, down(silu(up(x))), loses SiLU's pass over the hidden
-activations (read U, write X: 0.27 GB a block at 8192 tokens x 8192, 1.15 ms of kernels a float8
-step on an H200), since X's rowwise cast reads U in its place (and X^T is cast from its bytes); the
-cast's extra arithmetic took back about as much while the casts rounded by the bits; since they round
-by the GPU's conversion the step is 1.6-3.6 ms faster with it, in one call (benchmarks/notes/PERFORMANCE.md 7).
+activations (read U, write X), since X's rowwise cast reads U in its place (and X^T is cast from its
+bytes). The fold pays because the casts round by the GPU's conversion: while they rounded by the
+bits, the cast's extra arithmetic took back about as much as the pass saved.
 Backward returns dU = dX * silu'(U) from the U it keeps, which the separate SiLU kept too; or, where
 up is a float8 linear as well (`fold_mlp_activation` pairs them: up's `act_out`, down's
 `act_grad_by_producer`), down returns dX and up's cast of dY takes SiLU's gradient from U as it reads it
@@ -31,8 +30,8 @@ up is a float8 linear as well (`fold_mlp_activation` pairs them: up's `act_out`,
 dY is cast where autograd leaves it. A linear whose output is handed on in pieces (`split_forward`:
 attention's in_proj, whose q, k and v are chunks of one GEMM) gets their gradients apart, and the cast
 reads them side by side (`rowwise_e4m3_pieces`) instead of after a copy stacking them; with a bias the
-same pass sums dY's columns for its gradient. On an H200 these took 2.45 ms a step of separate kernels
-away (benchmarks/notes/PERFORMANCE.md section 7).
+same pass sums dY's columns for its gradient, so neither the stacking copy nor a separate read for
+the bias runs.
 
 Each scale is the largest power of two s with amax * s <= 448 (e4m3's largest finite value), so
 scaling is exact and the inverse handed to _scaled_mm is exact too. The cast rounds to nearest,
@@ -40,11 +39,10 @@ ties to even: on a GPU by the conversion itself (cvt.rn), under Triton's interpr
 arithmetic first (`e4m3_rne`), because the interpreter converts float32 to e4m3 with ties away from
 zero and a wrong carry (-124.5 became -64 on Triton 3.6). Both give the same bits.
 
-On an H200 (benchmarks/fp8_gemms.py, benchmarks/notes/PERFORMANCE.md) the block's GEMMs of mini_llm take 2.51 ms
-this way against 3.48 in bf16 (11.6 ms a step). torchao's casts for the same recipe, compiled by
-Inductor, gave back all but 1.7 ms of it; with these, in +exp=fsdp4_fp8, the seed's step takes 50-53
-ms on one H200 against 67-69 for the same step in bf16 (benchmarks/notes/PERFORMANCE.md section 7). Eager blocks
-launch the casts from Python, about 12 launches a linear, and are host-bound: use compiled ones
+The float8 GEMMs are faster than bf16 ones (benchmarks/fp8_gemms.py times a mini_llm block's both
+ways), but the casts decide whether the step keeps the gain: torchao's casts for the same recipe,
+compiled by Inductor, gave back most of it, hence these. Eager blocks launch the casts from Python,
+about 12 launches a linear, and are host-bound: use compiled ones
 (kernels=compile; kernels=auto times the float8 block both ways and compiles it).
 """
 from __future__ import annotations
@@ -77,9 +75,9 @@ ROWWISE_WARPS = {4096: 8}  # below the smallest width listed: 4
 # cast, "input" the one as loaded (bf16); the same bits every way, each element is cast on its own.
 # TRANSPOSE_TMA moves the tiles by Hopper's tensor memory accelerator (host-made descriptors; where
 # the shapes allow it, sm90+) instead of per-thread loads and stores, for casts that read the bf16 operand.
-# Swept on two H200s (benchmarks/notes/PERFORMANCE.md section 7, "The float8 casts against the copy ceiling"): a
-# step's casts 7.37-7.49 ms this way against 7.78-7.83 for 4 warps walking down the columns; other
-# tiles 7.47-8.71, the transpose's point within 0.1 ms, TMA 0.2 ms slower.
+# benchmarks/fp8_casts.py --sweep transposed times these: this tile and warps beat 4 warps walking
+# down the columns and every other tile; where the transpose happens barely matters, and TMA was
+# slower, so it stays off.
 TRANSPOSE_TILE = (64, 64)
 TRANSPOSE_WARPS = 8
 TRANSPOSE_OF = "input"
@@ -89,7 +87,7 @@ TRANSPOSE_TMA = False
 # its rows), then the next stripe; "across" a block of rows (all its columns), then the next block;
 # "across_from_end" the same from the last block of rows up. The linear casts X^T (and dY^T) right
 # after X's rowwise cast, whose last programs read the last rows: walked from the end, the first
-# tiles are the ones L2 still holds (a 2048-wide bf16 operand of 8192 rows is 34 MB; an H200's L2 is 50).
+# tiles are the ones L2 still holds (at mini_llm's shapes a bf16 operand is smaller than L2).
 TRANSPOSE_WALK = "across_from_end"
 WALKS = ("down", "across", "across_from_end")
 # What the transposed casts of X and dY read: "input", the bf16 operand (2 bytes an element), or
@@ -102,8 +100,8 @@ WALKS = ("down", "across", "across_from_end")
 TRANSPOSE_FROM = "e4m3"
 TRANSPOSE_FROMS = ("input", "e4m3")
 # The cast from e4m3 bytes takes its own tile and warps (TRANSPOSE_OF and the walk are shared): with the
-# bf16 cast's 64 x 64 tile and 8 warps (rows of 64 bytes) a step's casts took 8.20 ms, with 128 x 128
-# and 4 warps 7.43, the fastest of 32 settings on an H200 (benchmarks/notes/PERFORMANCE.md section 7, TRANSPOSE_FROM).
+# bf16 cast's tile, at one byte an element, reads rows of only 64 bytes; a wider tile with fewer
+# warps was the fastest setting of benchmarks/fp8_casts.py --sweep from.
 FROM_E4M3_TILE = (128, 128)
 FROM_E4M3_WARPS = 4
 # What the rowwise cast may apply first (ACT, the index): none, SiLU (`act="silu"`, the casts of X),
@@ -117,19 +115,18 @@ ACTS = (None, "silu", "silu_grad", "swiglu")
 # loads in flight (tl.range num_stages), casting each row as _rowwise_e4m3 does from up to MAX_PIECES
 # tensors read side by side, and keeps its column sums as one fp32 row of partials, summed after (the
 # RMSNorm backward's dw, kernels/triton/rms_norm.py). So in_proj's dq, dk, dv are cast where attention's
-# backward wrote them, and the bias gradient comes out of the same read: in the float8 step on an H200
-# Inductor had stacked them into one 8192 x 6144 tensor (47 us a block) and read them a third time for
-# the bias (51 us), 1.2 ms a step, and summed out_proj's dY for its bias (13 us a block). The row loop
-# reads slower than one program a row (qkv's dY 68 us, 2.2 TB/s, against 50 for the plain cast of one
-# tensor); of 36 settings (benchmarks/fp8_casts.py --sweep dy, one H200) these were within 0.2% of the best,
-# one stage (the loop as written) 8-20% slower.
+# backward wrote them, and the bias gradient comes out of the same read, where Inductor had stacked
+# them into one tensor, read them again for the bias, and summed out_proj's dY for its bias apart.
+# The row loop reads slower than one program a row, which the saved passes more than repay; these
+# settings were within 0.2% of the best of benchmarks/fp8_casts.py --sweep dy, and one stage (the
+# loop as written) clearly slower.
 SUM_PROGRAMS_PER_SM = 2
 SUM_STAGES = 4
 SUM_WARPS = 8
 MAX_PIECES = 3
 # The rowwise cast of dY with SiLU's gradient (act="silu_grad") reads two tensors and computes an
-# exponential and a division an element: warps by block width, apart from the plain cast's (4 to 32 warps
-# at 8192 wide within 0.6% of each other, --sweep dy).
+# exponential and a division an element: warps by block width, apart from the plain cast's (at the
+# widest block every count of warps was level within 0.6%, --sweep dy).
 SILU_GRAD_WARPS = {4096: 8}
 
 

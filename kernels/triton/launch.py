@@ -1,11 +1,11 @@
 """A cheaper host path for launching a Triton kernel whose launches repeat with the same arguments.
 
-`kernel[grid](*args, **meta)` costs 23-25 us of CPU a launch on Triton 3.6 on an H200's host
-(benchmarks/notes/PERFORMANCE.md 5b), where calling the compiled kernel's launcher directly costs 10:
+`kernel[grid](*args, **meta)` costs over twice the host time of calling the compiled kernel's
+launcher directly (benchmarks/kernel_configs.py --only launch times both):
 JITFunction.run binds the arguments, works out each one's specialisation (dtype, 16-byte alignment,
 integers equal to 1 or divisible by 16) and hashes them into its cache key before the C launcher
 runs. A training step launches the same kernel with the same shapes over and over, so `Launcher`
-keys its own cache on what decides the specialisation, as cheaply as Python allows (~4 us): each
+keys its own cache on what decides the specialisation, as cheaply as Python allows: each
 tensor's dtype and alignment, each integer's specialisation, each constexpr and launch option, and
 Triton's compile knobs. A hit calls the compiled kernel's launcher directly, as JITFunction.run
 itself ends; a miss (the first launch of a shape) goes through `kernel[grid]` and keeps the kernel
@@ -53,23 +53,23 @@ def meta_key(meta: dict) -> tuple:
 
 
 def _compile_knobs() -> tuple:
-    """Triton's settings that JITFunction.run adds to its own cache key (read per launch, 0.07 us
-    each): turning one on mid-process must not be answered with a kernel compiled without it."""
+    """Triton's settings that JITFunction.run adds to its own cache key (read per launch, a small
+    cost each): turning one on mid-process must not be answered with a kernel compiled without it."""
     compilation = knobs.compilation
     return (knobs.runtime.debug, getattr(compilation, "instrumentation_mode", None), getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
 def _hooked() -> bool:
     """Whether a launch hook (enter or exit) is set. Triton 3.5+ keeps an empty HookChain there when
-    none is (and then builds each launch's metadata anyway: part of the 23-25 us `kernel[grid]`
-    costs on an H200 host); older versions keep None."""
+    none is (and then builds each launch's metadata anyway: part of what `kernel[grid]` costs);
+    older versions keep None."""
     runtime = knobs.runtime
     return any(bool(getattr(hook, "calls", hook)) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 def _raw_stream() -> int:
     # What Triton's driver asks torch for (driver.active.get_current_stream): the raw stream handle
-    # of the current device, without building a torch.cuda.Stream object (2-3 us).
+    # of the current device, without building a torch.cuda.Stream object (a few microseconds).
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
@@ -100,8 +100,8 @@ class Launcher:
 
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict, meta_part: tuple) -> None:
         """The launch with `meta`'s share of the key already built (`meta_key(meta)`): a caller that
-        launches with the same constexprs and options over and over keeps it, which saves ~2 us of
-        the ~7 us the key costs (six constexprs' tuples, on an H200's host)."""
+        launches with the same constexprs and options over and over keeps it, which saves a good
+        part of what the key costs (building the constexprs' tuples)."""
         if not ENABLED or torch.compiler.is_compiling() or _hooked():
             self.kernel[grid](*args, **meta)
             return

@@ -15,15 +15,14 @@ and write the whole 32000 x 2048 weight gradient with K = 512, about 4 GB of tra
 chunks of 2048 keep the GEMMs large and the peak (logits chunk, grad_hidden, grad_W, and backward's
 outputs) near 500 MB, under the 700 MB that the unfused head and loss's logits alone exceed. The
 floor is grad_W's: its addmm does 2 x rows x V x D FLOPs on 2 x V x D x element-size bytes of
-gradient read and written, rows / element-size FLOPs a byte: at 2048 rows 1024 in bf16, 5x an
-H200's ridge point (989 TFLOP/s over 4.8 TB/s, 206; fp32's 512 against TF32's half-rate 103 too), so
-the gradient's traffic stays a fifth of the GEMM's time or less. At LLaMA 3's 128256-token
+gradient read and written, rows / element-size FLOPs a byte: at 2048 rows 1024 in bf16, about 5x
+a current GPU's ridge point (its bf16 FLOP/s over its memory bandwidth; fp32 against TF32's
+half-rate likewise), so the gradient's traffic stays a fifth of the GEMM's time or less. At LLaMA 3's 128256-token
 vocabulary the byte budget alone gave 512 rows: 16 chunks at 4 x 2048 tokens, 16.8 GB of grad_W
 traffic a step (benchmarks/lce_chunks.py measures the chunk sizes side by side).
 grad_W accumulates in the GEMMs' dtype through addmm_ (cuBLAS adds into it in fp32 and rounds
 once per chunk), as Liger-Kernel does: an fp32 accumulator fed by `(dlogits^T @ h).float()` costs
-three extra passes over the V x D weight per chunk, 21 GB of traffic and 4.3 ms a step at the
-seed's shapes on an H200 (benchmarks/notes/PERFORMANCE.md section 5).
+three extra passes over the V x D weight per chunk, more than the fp32 rounding saves is worth.
 
 `float8=True` runs the logits GEMM in float8 e4m3 with rowwise scales, as the blocks' float8 linears run
 their output GEMMs (kernels/triton/fp8_linear.py: a scale a token of the hidden input, a scale a vocabulary
@@ -33,8 +32,8 @@ are as before, in the input's dtype: the logits' gradient (the softmax of the fl
 unquantized W and hidden input, the straight-through gradient of the float8 GEMM. That gradient is left out of
 e4m3: scaled to its row's largest value, e4m3 reaches down 2**17.8 (448 to the subnormal 2**-9), and at a
 128256-token vocabulary a uniform softmax's entries are already 2**-17 of the target's -1, a trained one's tail lower. At
-LLaMA 3.2 1B's shape the logits GEMM is 4.3 TFLOP a step, the largest bf16 GEMM left in a float8 step: in
-float8 the step is 2.9-3.3 ms shorter on an H200 (docs/RESULTS.md, precision.fp8_head).
+LLaMA 3.2 1B's shape the logits GEMM is the largest bf16 GEMM left in a float8 step, which is why it
+moves to float8 (docs/RESULTS.md, precision.fp8_head, has the step's times).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL) for the row kernels, on Hopper and newer.
 
-A graph-replayed norm's forward + backward runs three kernels of 7-25 us each; each pays a few
-microseconds of launch and ramp before its first load is in flight (benchmarks/notes/PERFORMANCE.md 5b: the
-marginal bytes stream at the copy ceiling, the fixed cost per kernel does not). With PDL a kernel
+A graph-replayed norm's forward + backward runs three short kernels; each pays a few microseconds
+of launch and ramp before its first load is in flight (the marginal bytes stream at the copy
+ceiling, the fixed cost per kernel does not). With PDL a kernel
 is launched while the one before it in the stream is still running: its programs are placed, wait
 in `gdc_wait()` for the previous kernel's writes to land, and start loading at once.
 
@@ -13,10 +13,9 @@ rests on the waits alone: a kernel launched early still waits for the whole prev
 memory, so a neighbour that knows nothing of PDL (a cuBLAS GEMM) is ordered as without it.
 
 Between ops it is off (`ENABLED = False`): benchmarks/kernel_configs.py's pdl group, alternating off
-and on twice on an H200 (benchmarks/notes/PERFORMANCE.md 5b, 5j), found RMSNorm 8192x2048 forward + backward
-slower with it (55.4 -> 66.0 us after an L2 flush, 48.9 -> 56.7 chained; likely the backward's
+and on, found RMSNorm's forward + backward about a sixth slower with it (likely the backward's
 persistent programs, placed early as the forward's retire, landing unevenly over the SMs) and the
-others within 1%. Inside one op, a launch that always follows another (RMSNorm's dw after its backward) can be a
+others level. Inside one op, a launch that always follows another (RMSNorm's dw after its backward) can be a
 dependent on its own: `available` says whether the device can. Triton's interpreter has no
 griddepcontrol, so under TRITON_INTERPRET=1 neither is used.
 

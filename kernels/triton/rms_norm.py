@@ -100,25 +100,19 @@ def _rms_norm_dw(DW_PARTIAL, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.conste
 
 
 # Launch settings (benchmarks/kernel_configs.py sweeps them on a GPU): warps per row program by the
-# row's block width, and backward programs per SM. Forward rows up to 4096 wide take 4 warps (16-32
-# elements a thread, more loads in flight each): chained at 8192 x 4096 bf16 34.8-35.1 us against
-# 35.9-36.4 for 8 warps and 40.5-40.9 for 16 (3.85 TB/s against a copy's 3.96; four H200s), at
-# 8192 x 2048 18.9-19.0 against 20.0-20.1 (two H200s; kernel_configs' rms_wide group). With the
-# residual (two tiles loaded a row) 8 warps stay: 35.0 us chained at 8192 x 2048 against 35.3 for
-# 4, 38.2 against 39.2 after a flush.
+# row's block width, and backward programs per SM. Forward rows up to 4096 wide take 4 warps: more
+# elements a thread put more loads in flight each, which brings the forward close to a copy's speed
+# (kernel_configs' rms_wide group). With the residual (two tiles loaded a row) 8 warps stay, a little
+# faster than 4 both chained and after an L2 flush.
 FWD_WARPS = {2048: 4, 8192: 16}
 FWD_RESIDUAL_WARPS = {2048: 8, 8192: 16}
-# Backward programs per SM, with BWD_STAGES below: 2 per SM with a 4-stage row loop was the best
-# of benchmarks/kernel_configs.py's rms_stages sweep on an H200 (fwd+bwd 8192x2048 58.8 us against
-# 65.0 for 4 per SM unpipelined, add+RMSNorm 80.8 against 90.9, 8192x4096 100 against 118); the dw
-# partials stay small (programs x N fp32). The rows are dealt round-robin, last first, where each
-# program once took a consecutive share: the backward alone, chained, 28.5 us against 30.1-30.4 at
-# 8192 x 2048 (4 warps), 53.9 against 57.4-57.5 at 8192 x 4096 (3 stages, 8 warps), 36.2-36.3
-# against 38.0-38.1 with the residual, in two rounds of one call on an H200 (benchmarks/notes/PERFORMANCE.md
-# 5k). Last first because a backward that straight follows its forward (the kernel bench's
-# fwd+bwd; no step of a model) then reads first the rows whose x the forward left in L2: 44.8 us
-# against 49.1 dealt first-first at 2048, 83.5 against 90.1 at 4096; the backward alone is the
-# same either way.
+# Backward programs per SM, with BWD_STAGES below: a few programs per SM with a pipelined row loop
+# beat more programs unpipelined at every shape of benchmarks/kernel_configs.py's rms_stages sweep,
+# and the dw partials stay small (programs x N fp32). The rows are dealt round-robin, last first:
+# round-robin because a program taking a consecutive share of rows was slower at every width, with
+# or without the residual. Last first because a backward that straight follows
+# its forward (the kernel bench's fwd+bwd; no step of a model) then reads first the rows whose x the
+# forward left in L2; the backward alone is the same either way.
 BWD_WARPS = {2048: 4, 4096: 8, 8192: 16}
 BWD_PROGRAMS_PER_SM = 2
 # Rows per tile: one row a program (forward) or a loop step (backward) keeps 4-8 KB of loads in
@@ -132,18 +126,17 @@ FWD_STAGES = 1
 # Software-pipelined row loop in backward (tl.range num_stages): the next rows' x and dy loads are
 # issued while this row is reduced, so each program keeps ~4 rows (32 KB at 2048 bf16) in flight
 # where the loop as written (1) waits on each row's loads.
-BWD_STAGES = {2048: 4, 4096: 3}  # by row width, as the warps: at 4096, 4 stages took 57.1-60.7 us where 3 took 55.2 (dw launched plainly)
-# The dw reduction: up to DW_BLOCK_P partial rows x DW_BLOCK_N columns a step. 512 x 16 (128
-# programs at N = 2048, the 264 partials in one step) summed 264 x 2048 partials in 7.4 us against
-# 16.6 for torch's sum + cast, 9.4 for 128 x 16 and 12.1 for 64 x 32 (kernel_configs' rms_dw group,
-# one H200): many narrow programs, each with all its loads in flight at once, beat a few wide ones.
+BWD_STAGES = {2048: 4, 4096: 3}  # by row width, as the warps: at 4096 wide, 4 stages were slower than 3 (rms_stages)
+# The dw reduction: up to DW_BLOCK_P partial rows x DW_BLOCK_N columns a step, so a model's partials
+# are summed in one step by many narrow programs, each with all its loads in flight at once; that
+# beat a few wide ones and torch's sum + cast, at about twice its speed (kernel_configs' rms_dw group).
 DW_BLOCK_P, DW_BLOCK_N = 512, 16
 # The dw launch as a PDL dependent of the backward launch before it, whatever pdl.ENABLED says: the
 # two are always adjacent in the stream, so dw's programs can be placed while backward runs and
-# start summing as soon as its partials land (chained fwd + bwd at 8192 x 2048 48.9-49.1 -> 48.2-48.6
-# us, add + norm 72.4-72.9 -> 71.6-72.0, level at 4096; benchmarks/notes/PERFORMANCE.md 5j). Only dw is launched
-# early: with every launch a dependent (pdl.ENABLED) the same row took 56.7 us, the backward's
-# persistent grid then placed among the forward's last programs, likely unevenly.
+# start summing as soon as its partials land (a small gain at 2048 wide, level at 4096; the pdl group
+# of benchmarks/kernel_configs.py). Only dw is launched early: with every launch a dependent
+# (pdl.ENABLED) the norm was slower, the backward's persistent grid then placed among the forward's
+# last programs, likely unevenly.
 DW_DEPENDENT = True
 
 # The launches, through kernels/triton/launch.py's cache of compiled kernels (host cost per launch).
@@ -159,8 +152,8 @@ def _block(n: int) -> int:
 
 # Launch plans: everything a launch needs besides its tensors, worked out once per shape, dtype,
 # device and setting. Working it out each call (block, warps, pipeline stages, grid, the launch's
-# keyword dict and its share of the cache key) took ~5 us of host a launch on an H200's host
-# (benchmarks/notes/PERFORMANCE.md 5g), against ~9 us for the C launch itself. The key holds every module
+# keyword dict and its share of the cache key) cost about half as much host time as the C launch
+# itself. The key holds every module
 # setting above by value, the warps tables too (tests and benchmarks/kernel_configs.py replace
 # them; by value, not id(), which Dynamo cannot trace on a dict: a graph break in a compiled block).
 _plans: dict[tuple, tuple] = {}

@@ -10,9 +10,9 @@ import triton.language as tl
 from kernels.triton.device import interpreted
 
 # Whether this process runs Triton's interpreter (read at import, as triton.jit reads it). A rounding
-# that a GPU's conversion does by itself, to nearest even, is done by the bits only there: on an H200
-# the integer rounding before each e4m3 conversion (~8 instructions an element) held the float8 casts
-# at 1.7-3.1 TB/s; without it they take 6.55 ms a step against 9.02 (benchmarks/notes/PERFORMANCE.md section 7).
+# that a GPU's conversion does by itself, to nearest even, is done by the bits only there: on a GPU
+# the integer rounding before each e4m3 conversion (about 8 instructions an element) held the float8
+# casts well below the copy ceiling (benchmarks/fp8_casts.py times them).
 INTERPRETED = tl.constexpr(interpreted())
 
 

@@ -1,7 +1,7 @@
 """The row kernels' view of their tensors: (rows, last dim) with unit column stride. A contiguous
 input of any rank is handed to the kernel as it is (its rows are N apart), and already 2-D inputs
-pass through: each torch call on the launch path costs host microseconds that a 20-us kernel
-cannot hide (a reshape there and back ~7 us a forward on an H200's host, benchmarks/notes/PERFORMANCE.md 5g)."""
+pass through: each torch call on the launch path costs host microseconds that a short kernel
+cannot hide (a reshape there and back costs about a third of such a kernel's time)."""
 from __future__ import annotations
 
 import torch

@@ -599,6 +599,8 @@ else:
         whose jobs all failed instead of a traceback (hydra_plugins/perflab_optuna_sweeper)."""
 
         _target_: str = "hydra_plugins.perflab_optuna_sweeper.sweeper.OptunaSweeper"
+        direction: Any = None
+        """minimize or maximize (a list for several objectives); none: the better side of sweep.objective"""
 
 
 def register_configs() -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from src.dtypes import Dtype, ShortDtype
+from src.fusion.ops import BENCHES
 
 
 class BenchMode(StrEnum):
@@ -100,23 +101,15 @@ class DiagnoseConfig:
 
 
 def _bench_shapes() -> dict[str, list[list[int]]]:
-    # LLM shapes: 8192 tokens at LLaMA-7B/mini_llm widths; the SwiGLU hidden 11008 is LLaMA-7B's,
-    # 32000 the seed's vocabulary; softmax over 4096 keys (attention scores written out).
-    return {
-        "rms_norm": [[8192, 2048], [8192, 4096]],
-        "add_rms_norm": [[8192, 2048]],
-        "swiglu": [[8192, 8192], [8192, 11008]],
-        "softmax": [[8192, 4096]],
-        "cross_entropy": [[8192, 32000]],
-        "linear_cross_entropy": [[8192, 2048, 32000]],
-    }
+    return {b.name: [list(shape) for shape in b.shapes] for b in BENCHES}
 
 
 @dataclass
 class KernelBenchConfig:
     """task=kernel_bench (+exp=kernels): the fused kernels against eager, torch.compile and Liger."""
 
-    ops: list[str] = field(default_factory=lambda: ["rms_norm", "add_rms_norm", "swiglu", "softmax", "cross_entropy", "linear_cross_entropy"])
+    ops: list[str] = field(default_factory=lambda: [b.name for b in BENCHES])
+    """the op table's benches (src/fusion/ops.py)"""
     shapes: dict[str, list[list[int]]] = field(default_factory=_bench_shapes)
     """op -> shapes: [rows, width], or [tokens, dim, vocab] for linear_cross_entropy"""
     providers: list[str] = field(default_factory=lambda: ["eager", "compile", "triton", "liger"])

@@ -66,9 +66,9 @@ class Artifacts:
 # barrier follow: decode's queue ops are 3 alloca, 1 copy, 1 execute, 2 dealloca, 1 barrier. With
 # this flag the index tensor is made by a dispatch inside the call's one command buffer: 2 alloca
 # (waiting only on the previous call), 1 execute, 1 dealloca. The weight transposes IREE hoists
-# grow nothing and stay hoisted. (benchmarks/notes/PERFORMANCE.md 6d)
-# It is the Vulkan default (build): on an H200 it took small fp16 batch-1 decode from 7.2 to 5.8 ms
-# and was faster in every row of three device calls (6e). Where a module does not compile with it
+# grow nothing and stay hoisted.
+# It is the Vulkan default (build): it made small fp16 batch-1 decode about a fifth faster and was
+# faster in every row of the device calls that measured it. Where a module does not compile with it
 # (IREE 3.13: tiny fp16 at batch 2 for llvmpipe, prefill's softmax), IREE's default hoisting is used
 # and the manifest says so (`hoisting`).
 HOIST_THRESHOLD = "--iree-opt-const-expr-max-size-increase-threshold="

@@ -1,11 +1,12 @@
 """Which `--iree-vulkan-target` names the installed IREE compiler resolves, asked of the compiler.
 
 src/edge/targets.py passes any sm_XX or gfxNNNN name, and the names IREE resolves change from one
-release to the next: 3.13 knows sm_89 but not sm_90 (an H100 or H200) nor sm_100, and given one of
+release to the next: 3.13 knows sm_89 but not sm_90 (Hopper) nor sm_100, and given one of
 those, iree-compile prints "Unknown Vulkan target" and crashes (SIGSEGV in its VerifyDevices pass)
 after the run's folder and MLflow run exist. So the compiler is asked before anything starts: an
-empty module compiled to the `preprocessing` phase resolves the target and generates no code, about
-35 ms a name on 2 cores (the crash's stack dump is not symbolised: 0.35 s otherwise).
+empty module compiled to the `preprocessing` phase resolves the target and generates no code, a
+small fraction of a second a name (with the crash's stack dump left unsymbolised, which would take
+ten times as long).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ LLVM_STYLE_CANDIDATES = (
     "gfx908", "gfx90a", "gfx942", "gfx950", "gfx1010", "gfx1030", "gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150",
     "gfx1151", "gfx1200", "gfx1201",
 )
-PROBE_TIMEOUT_S = 60  # a name takes 35 ms; a minute is a compiler that hangs, not one that is slow
+PROBE_TIMEOUT_S = 60  # a name takes a fraction of a second; a minute is a compiler that hangs, not one that is slow
 
 
 def _compiler() -> str | None:

@@ -3,9 +3,9 @@
 IREE 3.13's SPIR-V backend gives a product of one row (decode at batch 1) its SubgroupReduce
 pipeline: one workgroup per output, 512-32,000 workgroups for `model=small`'s projections and head.
 At 2 rows and more, `x @ W^T` goes to the general matmul pipeline (MatmulPromoteVectorize) with
-N tiled 128-512 wide: on `pascal`, `model=small`'s projections at batch 4 ran on 1-16 workgroups
-of a 132-SM GPU, 5-18x torch's decode step (benchmarks/notes/PERFORMANCE.md 6f; 17.2x on an H100, and 1.03x
-weights first, benchmarks/notes/2026-12-05-h100-lease.md). The same product written
+N tiled 128-512 wide: on `pascal`, `model=small`'s projections at batch 4 ran on a handful of
+workgroups of a GPU with many SMs, several times slower than torch's decode step, and written
+weights first level with it (benchmarks/edge_vs_torch.py compares them). The same product written
 weights first, `(W @ x^T)^T`, is a matmul of N rows by `rows` columns, which IREE's configuration
 takes for a matrix-vector product again (its reduction is the innermost dim of both operands): one
 workgroup per (output, row), SubgroupReduce, the transpose back fused into the same dispatch

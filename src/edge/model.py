@@ -58,9 +58,10 @@ def greedy_token(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim (the first index of the largest logit, as torch.argmax), int32.
 
     In two stages: the argmax of each chunk of 128 logits, then the argmax of the chunks' maxima.
-    IREE runs an argmax row (`arg_compare`) serially, one element after another: over 32000 logits
-    that was 2.1 ms of the 2.5 ms of GPU time of a `model=small` fp16 decode step on an H200
-    (`benchmarks.edge_dispatches`); here 250 rows of 128 run side by side, then one row of 250. (A
+    IREE runs an argmax row (`arg_compare`) serially, one element after another: over a vocabulary's
+    logits that was most of the GPU time of a `model=small` fp16 decode step
+    (`benchmarks.edge_dispatches` measures it); here the chunks run side by side, then one row of
+    their maxima. (A
     max, then the lowest index holding it, does not compile for SPIR-V in IREE 3.13: the pattern
     becomes an index reduction whose workgroup scratch is an `index` array.) Ties go to the first
     index in both stages, so to the first overall, as torch.argmax's."""

@@ -155,8 +155,9 @@ SPIN_LIMIT_S = 30.0
 
 def spin_wait(semaphore: Any, value: int) -> None:
     """Wait for `semaphore` to reach `value` by polling it. A blocking wait on NVIDIA's Vulkan driver
-    woke 0.6 ms after the work was done (the token read: 0.63 ms waited, 0.04 ms polled, on an
-    H200); CUDA's own synchronise spins by default. Past SPIN_LIMIT_S the blocking wait takes
+    woke most of a millisecond after the work was done, where polling sees it at once
+    (benchmarks/edge_roundtrip.py measures the waits); CUDA's own synchronise spins by default. Past
+    SPIN_LIMIT_S the blocking wait takes
     over, so a failed or lost device still raises its error."""
     deadline = time.perf_counter() + SPIN_LIMIT_S
     while semaphore.query() < value:

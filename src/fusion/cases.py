@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from src.fusion.ops import BENCHES, Bench, bench_named, load
+
 EPS = 1e-6
+OPS = tuple(b.name for b in BENCHES)
+"""kernel_bench's ops, in the op table's order"""
+# ops whose fused variants compute the gradient in the forward pass: their backward alone times next to nothing
+GRADIENT_IN_FORWARD = tuple(b.name for b in BENCHES if b.gradient_in_forward)
 
 
 @dataclass
@@ -37,71 +43,78 @@ class Case:
     flops_bwd: int = 0
 
 
+def _bench(op: str) -> Bench:
+    found = bench_named(op)
+    if found is None:
+        raise ValueError(f"kernel_bench.ops: unknown {op!r}; use {', '.join(OPS)}")
+    return found
+
+
 def _eager(op: str) -> Callable:
-    return {
-        "rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
-        "add_rms_norm": lambda x, r, w: _add_rms_norm_eager(x, r, w),
-        "swiglu": lambda g, u: F.silu(g) * u,
-        "softmax": lambda x: torch.softmax(x, dim=-1),
-        "cross_entropy": lambda logits, t: F.cross_entropy(logits, t),
-        "linear_cross_entropy": lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t),
-    }[op]
-
-
-def _add_rms_norm_eager(x, r, w):
-    s = x + r
-    return s, F.rms_norm(s, (s.shape[-1],), w, EPS)
+    return load(_bench(op).eager)
 
 
 def _triton(op: str) -> Callable:
-    if op == "rms_norm":
-        from kernels.triton.rms_norm import fused_rms_norm
-
-        return lambda x, w: fused_rms_norm(x, w, EPS)
-    if op == "add_rms_norm":
-        from kernels.triton.rms_norm import fused_add_rms_norm
-
-        return lambda x, r, w: fused_add_rms_norm(x, r, w, EPS)
-    if op == "swiglu":
-        from kernels.triton.swiglu import fused_swiglu
-
-        return fused_swiglu
-    if op == "softmax":
-        from kernels.triton.softmax import fused_softmax
-
-        return fused_softmax
-    if op == "cross_entropy":
-        from kernels.triton.cross_entropy import fused_cross_entropy
-
-        return fused_cross_entropy
-    from kernels.triton.linear_cross_entropy import fused_linear_cross_entropy
-
-    return fused_linear_cross_entropy
+    return load(_bench(op).triton)
 
 
 def _liger(op: str) -> Callable | None:
     """Liger-Kernel's variant of `op`, or None (not installed, or no such kernel in this version)."""
+    ref = _bench(op).liger
     try:
-        if op == "rms_norm":
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-            return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS)
-        if op == "swiglu":
-            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-            return LigerSiLUMulFunction.apply
-        if op == "cross_entropy":
-            from liger_kernel.transformers import LigerCrossEntropyLoss
-
-            return LigerCrossEntropyLoss()
-        if op == "linear_cross_entropy":
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-            loss = LigerFusedLinearCrossEntropyLoss()
-            return lambda h, w, t: loss(w, h, t)
+        return load(ref)() if ref else None
     except ImportError:
         return None
-    return None
+
+
+def eager_rms_norm(x, w):
+    return F.rms_norm(x, (x.shape[-1],), w, EPS)
+
+
+def eager_add_rms_norm(x, r, w):
+    s = x + r
+    return s, F.rms_norm(s, (s.shape[-1],), w, EPS)
+
+
+def eager_swiglu(g, u):
+    return F.silu(g) * u
+
+
+def eager_softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def eager_cross_entropy(logits, t):
+    return F.cross_entropy(logits, t)
+
+
+def eager_linear_cross_entropy(h, w, t):
+    return F.cross_entropy((h @ w.t()).float(), t)
+
+
+def liger_rms_norm() -> Callable:
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS)
+
+
+def liger_swiglu() -> Callable:
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    return LigerSiLUMulFunction.apply
+
+
+def liger_cross_entropy() -> Callable:
+    from liger_kernel.transformers import LigerCrossEntropyLoss
+
+    return LigerCrossEntropyLoss()
+
+
+def liger_linear_cross_entropy() -> Callable:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss()
+    return lambda h, w, t: loss(w, h, t)
 
 
 def variant(op: str, provider: str) -> Callable | None:
@@ -144,43 +157,62 @@ def _randint(high, shape, device):
 
 
 def make_case(op: str, shape: list[int]) -> Case:
-    """`shape` is rows x width for the row ops, tokens x dim x vocab for linear_cross_entropy."""
+    """`shape` is rows x width for the row ops, tokens x dim x vocab for linear_cross_entropy
+    (the op's `dims` in src/fusion/ops.py)."""
+    bench = _bench(op)
     shape = tuple(int(s) for s in shape)
-    if op == "linear_cross_entropy":
-        if len(shape) != 3:
-            raise ValueError(f"linear_cross_entropy shapes are [tokens, dim, vocab], got {list(shape)}")
-        n, d, v = shape
-        return Case(
-            op, shape,
-            lambda dev, dt, g: [_randn((n, d), dev, dt, g), _randn((v, d), dev, dt, g, d**-0.5), _randint(v, (n,), dev)],
-            lambda s: (n * d + v * d) * s + 8 * n, lambda s: (n * d + v * d) * 2 * s,
-            flops_fwd=2 * n * d * v, flops_bwd=4 * n * d * v,
-        )
-    if len(shape) != 2:
-        raise ValueError(f"{op} shapes are [rows, width], got {list(shape)}")
+    if len(shape) != len(bench.dims):
+        raise ValueError(f"{op} shapes are [{', '.join(bench.dims)}], got {list(shape)}")
+    return load(bench.make)(op, shape)
+
+
+def linear_cross_entropy_case(op: str, shape: tuple[int, ...]) -> Case:
+    n, d, v = shape
+    return Case(
+        op, shape,
+        lambda dev, dt, g: [_randn((n, d), dev, dt, g), _randn((v, d), dev, dt, g, d**-0.5), _randint(v, (n,), dev)],
+        lambda s: (n * d + v * d) * s + 8 * n, lambda s: (n * d + v * d) * 2 * s,
+        flops_fwd=2 * n * d * v, flops_bwd=4 * n * d * v,
+    )
+
+
+def rms_norm_case(op: str, shape: tuple[int, ...]) -> Case:
     m, n = shape
     mn = m * n
-    if op == "rms_norm":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1, 1.0)],
-                    lambda s: (2 * mn + n) * s, lambda s: (3 * mn + 2 * n) * s)
-    if op == "add_rms_norm":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1, 1.0)],
-                    lambda s: (4 * mn + n) * s, lambda s: (4 * mn + 2 * n) * s)  # bwd: dy, ds, s in; dx out (= dr)
-    if op == "swiglu":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g)],
-                    lambda s: 3 * mn * s, lambda s: 5 * mn * s)
-    if op == "softmax":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0)],
-                    lambda s: 2 * mn * s, lambda s: 3 * mn * s)
-    if op == "cross_entropy":
-        return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0), _randint(n, (m,), dev)],
-                    # the fused variants write the gradient into the logits: later timed runs do the
-                    # same work on other values (the error check uses the first, on fresh inputs)
-                    lambda s: mn * s + 8 * m, lambda s: mn * s)
-    raise ValueError(f"kernel_bench.ops: unknown {op!r}; use rms_norm, add_rms_norm, swiglu, softmax, cross_entropy, linear_cross_entropy")
+    return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1, 1.0)],
+                lambda s: (2 * mn + n) * s, lambda s: (3 * mn + 2 * n) * s)
 
 
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "softmax", "cross_entropy", "linear_cross_entropy")
+def add_rms_norm_case(op: str, shape: tuple[int, ...]) -> Case:
+    m, n = shape
+    mn = m * n
+    return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g), _randn((n,), dev, dt, g, 0.1, 1.0)],
+                lambda s: (4 * mn + n) * s, lambda s: (4 * mn + 2 * n) * s)  # bwd: dy, ds, s in; dx out (= dr)
+
+
+def swiglu_case(op: str, shape: tuple[int, ...]) -> Case:
+    m, n = shape
+    mn = m * n
+    return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g), _randn((m, n), dev, dt, g)],
+                lambda s: 3 * mn * s, lambda s: 5 * mn * s)
+
+
+def softmax_case(op: str, shape: tuple[int, ...]) -> Case:
+    m, n = shape
+    mn = m * n
+    return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0)],
+                lambda s: 2 * mn * s, lambda s: 3 * mn * s)
+
+
+def cross_entropy_case(op: str, shape: tuple[int, ...]) -> Case:
+    m, n = shape
+    mn = m * n
+    return Case(op, shape, lambda dev, dt, g: [_randn((m, n), dev, dt, g, 4.0), _randint(n, (m,), dev)],
+                # the fused variants write the gradient into the logits: later timed runs do the
+                # same work on other values (the error check uses the first, on fresh inputs)
+                lambda s: mn * s + 8 * m, lambda s: mn * s)
+
+
 # ops whose fused variants compute the gradient in the forward pass: their backward alone times next to nothing
 GRADIENT_IN_FORWARD = ("cross_entropy", "linear_cross_entropy")
 

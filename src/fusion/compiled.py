@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from src.fusion.ops import OPS, load
+
 
 def _rms_norm(x, weight, eps):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -74,21 +76,29 @@ def compiled_cross_entropy(logits, targets, label_smoothing: float = 0.0):
     return _compiled_cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
-COMPILABLE = ("rms_norm", "swiglu", "cross_entropy")
+def _swap_rms_norm(model: nn.Module) -> int:
+    from src.fusion.registry import swap_modules
+
+    return swap_modules(model, lambda m: isinstance(m, nn.RMSNorm), CompiledRMSNorm)
+
+
+def _swap_swiglu(model: nn.Module) -> int:
+    from src.fusion.registry import swap_modules
+    from src.models.layers import SiLUMul
+
+    return swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: CompiledSiLUMul())
+
+
+COMPILABLE = tuple(op.name for op in OPS if op.compiled is not None)
 
 
 def apply_compiled(model: nn.Module, ops: list[str]) -> tuple[dict[str, int], object | None]:
     """Swap the modules of `ops` for compiled ones, in place; returns (op -> modules swapped, the
     compiled loss function or None)."""
-    from src.fusion.registry import swap_modules
-    from src.models.layers import SiLUMul
-
     unknown = [op for op in ops if op not in COMPILABLE]
     if unknown:
         raise ValueError(f"kernels.compiled={unknown}: no compiled variant; there are: {', '.join(COMPILABLE)}")
-    swapped: dict[str, int] = {}
-    if "rms_norm" in ops:
-        swapped["rms_norm"] = swap_modules(model, lambda m: isinstance(m, nn.RMSNorm), CompiledRMSNorm)
-    if "swiglu" in ops:
-        swapped["swiglu"] = swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: CompiledSiLUMul())
-    return swapped, compiled_cross_entropy if "cross_entropy" in ops else None
+    chosen = [op for op in OPS if op.name in ops]
+    swapped = {op.name: load(op.compiled.modules)(model) for op in chosen if op.compiled.modules}
+    losses = [load(op.compiled.loss) for op in chosen if op.compiled.loss]
+    return swapped, losses[0] if losses else None

@@ -61,6 +61,7 @@ from omegaconf import DictConfig
 
 from src.distributed.float8 import gathers_float8
 from src.fusion.choice import OPTIMIZER
+from src.fusion.ops import OPS, load
 from src.runtime import world_size
 
 log = logging.getLogger("src.run")
@@ -99,17 +100,31 @@ class OpTiming:
 
 def uses(cfg: DictConfig) -> dict[str, list[Use]]:
     """registry op -> how this model uses it per step (an empty list: the model has none)."""
+    return {op.name: load(op.measured)(cfg) if op.measured else [] for op in OPS}
+
+
+def _tokens(cfg: DictConfig) -> int:
+    return cfg.data.batch_size * cfg.data.seq_len  # per device: each rank computes on its own batch
+
+
+def norm_uses(cfg: DictConfig) -> list[Use]:
     m = cfg.model
-    tokens = cfg.data.batch_size * cfg.data.seq_len  # per device: each rank computes on its own batch
+    return [Use("rms_norm", [_tokens(cfg), m.dim], m.n_layers + 1), Use("add_rms_norm", [_tokens(cfg), m.dim], m.n_layers)]
+
+
+def swiglu_uses(cfg: DictConfig) -> list[Use]:
+    m = cfg.model
     hidden = m.ffn_hidden or m.dim * m.ffn_mult
-    return {
-        "rms_norm": [Use("rms_norm", [tokens, m.dim], m.n_layers + 1), Use("add_rms_norm", [tokens, m.dim], m.n_layers)],
-        "swiglu": [Use("swiglu", [tokens, hidden], m.n_layers)] if str(m.mlp) == "swiglu" else [],
-        "softmax": [],  # attention's softmax runs inside scaled_dot_product_attention: no module to swap
-        "cross_entropy": [Use("head_loss", [tokens, m.dim, m.vocab_size], 1)],
-        "linear_cross_entropy": [Use("head_loss", [tokens, m.dim, m.vocab_size], 1)],
-        OPTIMIZER: [Use(OPTIMIZER, shard_numels(cfg), 1)] if optimizer_swappable(cfg) is None else [],
-    }
+    return [Use("swiglu", [_tokens(cfg), hidden], m.n_layers)] if str(m.mlp) == "swiglu" else []
+
+
+def head_loss_uses(cfg: DictConfig) -> list[Use]:
+    m = cfg.model
+    return [Use("head_loss", [_tokens(cfg), m.dim, m.vocab_size], 1)]
+
+
+def optimizer_uses(cfg: DictConfig) -> list[Use]:
+    return [Use(OPTIMIZER, shard_numels(cfg), 1)] if optimizer_swappable(cfg) is None else []
 
 
 def shard_numels(cfg: DictConfig) -> list[int]:
@@ -155,8 +170,8 @@ Timer = Callable[[Use, str], "float | tuple[float, float]"]
 """(use, candidate) -> GPU ms of one forward + backward, or (GPU ms, host ms) of it"""
 
 
-LOSS_OPS = ("cross_entropy", "linear_cross_entropy")
-BLOCK_OPS = ("rms_norm", "swiglu", "softmax")
+LOSS_OPS = tuple(op.name for op in OPS if op.loss)
+BLOCK_OPS = tuple(op.name for op in OPS if op.in_block)
 """ops that live inside a transformer block: a compiled block subsumes their picks"""
 BLOCK = "block"
 

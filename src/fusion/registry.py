@@ -3,7 +3,7 @@ which knows the model's modules (src/models/) and the kernel library (kernels/tr
 kernels need not know any model.
 
 Each op has three variants: eager (the model as written), compile (`kernels=compile`:
-torch.compile per block) and triton (the entries below, swapped in by `kernels=triton`, or by
+torch.compile per block) and triton (REGISTRY, the rows of src/fusion/ops.py with a swap, swapped in by `kernels=triton`, or by
 `kernels=auto` for the ops a diagnosis marks memory-bound). The Triton variants need CUDA, or
 Triton's interpreter (TRITON_INTERPRET=1) on a CPU, and some hold a row in registers (max_dim).
 
@@ -20,23 +20,8 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from kernels.triton.device import interpreted
+from src.fusion.ops import OPS, Op, load
 from src.models.layers import SiLUMul
-
-
-@dataclass(frozen=True)
-class FusedVariant:
-    op: str
-    """the op name a diagnosis uses (src/profiling/diagnosis.py FUSIONS)"""
-    swap: Callable[[nn.Module], int] | None = None
-    """replace the eager modules of `model` in place; returns how many were swapped"""
-    loss: Callable | None = None
-    """or: the loss function the training step calls instead of F.cross_entropy"""
-    max_dim: int = 0
-    """widest row one program holds in registers (0: rows are walked in blocks, no limit)"""
-    loss_in_model: bool = False
-    """the swap moves the loss into the model's forward (model(inputs, targets) returns it)"""
-    replaces: tuple[str, ...] = ()
-    """ops this one subsumes when both are chosen"""
 
 
 def swap_modules(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> int:
@@ -85,13 +70,8 @@ def _fused_cross_entropy(logits, targets, label_smoothing: float = 0.0):
     return fused_cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
-REGISTRY: dict[str, FusedVariant] = {
-    "rms_norm": FusedVariant("rms_norm", swap=_swap_rms_norm, max_dim=65536),
-    "swiglu": FusedVariant("swiglu", swap=_swap_swiglu),
-    "softmax": FusedVariant("softmax", swap=_swap_softmax, max_dim=65536),
-    "cross_entropy": FusedVariant("cross_entropy", loss=_fused_cross_entropy),
-    "linear_cross_entropy": FusedVariant("linear_cross_entropy", swap=_swap_head, loss_in_model=True, replaces=("cross_entropy",)),
-}
+REGISTRY: dict[str, Op] = {op.name: op for op in OPS if op.triton is not None}
+"""op -> its row of the op table (src/fusion/ops.py), for the ops with a fused Triton swap"""
 
 
 @dataclass
@@ -159,8 +139,8 @@ def apply_fused(model: nn.Module, ops: list[str] | None = None, label_smoothing:
         raise ValueError(f"no fused Triton variant for {', '.join(unknown)}; there are: {', '.join(REGISTRY)}")
     subsumed = {r for op in chosen for r in REGISTRY[op].replaces}
     chosen = [op for op in chosen if op not in subsumed]
-    swapped = {op: REGISTRY[op].swap(model) for op in chosen if REGISTRY[op].swap is not None}
-    losses = [REGISTRY[op].loss for op in chosen if REGISTRY[op].loss is not None]
+    swapped = {op: load(REGISTRY[op].triton.modules)(model) for op in chosen if REGISTRY[op].triton.modules}
+    losses = [load(REGISTRY[op].triton.loss) for op in chosen if REGISTRY[op].triton.loss]
     in_model = any(REGISTRY[op].loss_in_model and swapped.get(op) for op in chosen)
     if in_model:
         model.head.label_smoothing = label_smoothing

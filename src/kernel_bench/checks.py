@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 
 from src.config.compose import ConfigError
 from src.config.tasks import BenchMode
+from src.fusion.ops import bench_named
 from src.fusion.registry import interpreted, triton_usable
 
 KERNELS_ON_CPU = "TRITON_INTERPRET=1 python -m src.run +exp=kernels_cpu"
@@ -30,10 +31,10 @@ def check_kernel_bench(cfg: DictConfig, backend: str, cuda_device_count: int) ->
     if b.dtype not in TORCH_DTYPES:
         raise ConfigError(f"kernel_bench.dtype={b.dtype}: one of {', '.join(TORCH_DTYPES)}")
     for op in b.ops:
-        want = 3 if op == "linear_cross_entropy" else 2
+        dims = bench_named(op).dims
         shapes = b.shapes.get(op)
-        if not shapes or any(len(s) != want or min(s) < 1 for s in shapes):
-            form = "[tokens, dim, vocab]" if want == 3 else "[rows, width]"
+        if not shapes or any(len(s) != len(dims) or min(s) < 1 for s in shapes):
+            form = f"[{', '.join(dims)}]"
             raise ConfigError(f"kernel_bench.shapes.{op}={None if shapes is None else [list(s) for s in shapes]}: give a list of {form} with positive sizes")
     if "triton" in b.providers:
         why_not = triton_usable(backend)

@@ -4,7 +4,7 @@ Per profiled step (averaged): device time by category (GEMM, attention, norm/ele
 optimizer, FSDP2's copy-in/out, communication, other), the communication that nothing hides
 (NCCL kernel time while no other kernel runs on any stream), idle time (no kernel at all) split by
 what the device waited for, the step's device time, and the GEMM floor: model FLOPs per step at a
-stated GEMM rate (790 TFLOP/s, bf16 dense GEMMs measured on an H200), the time the step would take
+stated GEMM rate (by default the rate bf16 dense GEMMs were measured to reach), the time the step would take
 if it were only its GEMMs at full speed. Category times overlap (NCCL runs beside compute), so they
 add up to more than the step.
 
@@ -53,8 +53,7 @@ LABELS = {
 # post-backward autograd node
 _FSDP_KERNELS = re.compile(r"chunk_cat|split_with_sizes_copy|RegisterPostBackwardFunction", re.I)
 # torch.cat / torch.stack: FSDP2's inside its ranges, the model's outside them (eager attention's
-# dq, dk, dv stacked into in_proj's gradient: 2.3 ms a step of mini_llm on an H200 that this table
-# once counted as FSDP2's, benchmarks/notes/PERFORMANCE.md 7)
+# dq, dk, dv stacked into in_proj's gradient, which this table once counted as FSDP2's)
 _CAT = re.compile(r"CatArrayBatchedCopy|^aten::(cat|stack)$")
 _COMM_OPS = re.compile(r"_c10d_functional::|wait_tensor")
 # aten's pointwise ops by name on a CPU trace (categories.py names kernels, whose names differ)
@@ -280,8 +279,7 @@ def steps_work(kernels: list[Kernel], in_steps: list[tuple[float, float]]) -> li
     the span of the first set on the device. A device behind its host (blocks replayed from CUDA
     graphs, where the host queues well ahead) runs the tail of the step before the window inside it,
     and the last step's tail after it: counting every kernel in the trace, +exp=fsdp4_fp8's profile
-    on an H200 read 4 AdamW updates in 3 steps and a 61 ms step (benchmarks/notes/PERFORMANCE.md section 7, the
-    last subsection)."""
+    read one AdamW update more than it had steps, and a step time to match."""
     inside = [k.launched is not None and _inside(in_steps, k.launched) for k in kernels]
     ours = [k for k, mine in zip(kernels, inside) if mine]
     if not ours:

@@ -1,8 +1,8 @@
 """Bound verdicts per kernel from Speed-of-Light percentages (docs/SEED.md section 2).
 
 docs/SEED.md's table gives typical readings: memory-bound kernels run SM < 25% with HBM > 75%,
-compute-bound ones SM > 75% with HBM < 50%. Real kernels sit between: silu on an H200 reads SM 74%
-and HBM 77% (shared/fixtures/ncu), which the literal pair misses although HBM is the unit at its
+compute-bound ones SM > 75% with HBM < 50%. Real kernels sit between: silu reads SM just under 75%
+with HBM just over it (shared/fixtures/ncu), which the literal pair misses although HBM is the unit at its
 limit and fusing the op away is exactly the remedy. So the verdict goes to the unit nearest its
 peak once that unit is past its threshold; the seed's pairs mark a verdict as "textbook". A
 kernel whose SM sits idle (< 25%) while HBM does most of the work (>= 50%) is memory-bound too:
@@ -28,7 +28,7 @@ REMEDIES = {
     "occupancy": "raise occupancy: smaller blocks or fewer registers/shared memory per block, more blocks per launch",
 }
 # A GEMM below the compute roof is not helped by smaller blocks (cuBLAS picked its tiles); at
-# mini_llm's sizes they read SM 67-73% on an H200: give each call more work, or cheaper work.
+# mini_llm's sizes they read SM a little under the compute threshold: give each call more work, or cheaper work.
 GEMM_REMEDY = "more work per GEMM (larger batch x seq, QKV / gate-up projections merged into one GEMM), FP8, shapes in multiples of 128"
 
 

@@ -33,21 +33,17 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
+from src.fusion.ops import OPS
 from src.profiling.categories import CATEGORIES, classify_op
 from src.profiling.classify import COMPUTE_BOUND, GEMM_REMEDY, MEMORY_BOUND, NEITHER, Thresholds, Verdict, classify
 from src.profiling.ncu_reader import KernelRecord
 
 SCHEMA = "perflab.diagnosis/1"
 
-# op -> (the registry op of kernels/triton that fuses it away, how a person calls it)
+# profiled op -> (the op of kernels/triton that fuses it away, how a person calls it): the op table's
+# `diagnosed` rows, and the remedies that are no kernel's
 FUSIONS = {
-    "silu": ("swiglu", "fused Triton SiLU-mul"),
-    "mul": ("swiglu", "fused Triton SiLU-mul"),
-    "rms_norm": ("rms_norm", "fused Triton RMSNorm (+ residual add)"),
-    "add": ("rms_norm", "residual add fused into Triton RMSNorm"),
-    "softmax": ("softmax", "fused Triton softmax"),
-    "cross_entropy": ("cross_entropy", "fused Triton cross-entropy (loss and gradient in one pass)"),
-    "adamw": ("adamw", "AdamW in one Triton launch, the grad norm read in its pass (optim.impl=triton; kernels=auto times it against torch's fused AdamW)"),
+    **{profiled: (op.name, remedy) for op in OPS for profiled, remedy in op.diagnosed},
     "copy": (None, "drop the cast: fuse it into its producer"),
 }
 

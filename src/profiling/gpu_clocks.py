@@ -1,11 +1,11 @@
 """The GPU's SM clock, power draw and what held the clock down, sampled through NVML while a run's
 timed steps go on.
 
-A kernel's time depends on the clock it ran at, and a step that keeps an H200 busy runs at its
-power cap: the float8 step (`+exp=fsdp4_fp8`, one H200) drew 690-700 W of its 700 W limit with the
-SM clock at 1440-1725 MHz of its 1980 and the power-cap reason set in every sample; its kernels,
-by category, took 5-11% longer replayed back to back from graphs than launched with the device idle
-41% of the step between them (benchmarks/notes/PERFORMANCE.md section 7). So two runs compare fairly only at the same clock, and a step
+A kernel's time depends on the clock it ran at, and a step that keeps the GPU busy runs at its
+power cap: the float8 step (`+exp=fsdp4_fp8`) drew nearly all of its power limit with the SM clock
+well below its maximum and the power-cap reason set in every sample; its kernels took longer
+replayed back to back from graphs than launched with the device idle between them. So two runs
+compare fairly only at the same clock, and a step
 already at its power cap gains from fewer joules (bytes moved, FLOPs at lower precision) rather than
 from overlap alone. MLflow's system metrics log the power draw but not the clock or its reasons;
 this reads them (nvidia-ml-py, as torch.cuda.clock_rate and MLflow do).

@@ -38,9 +38,9 @@ FP32_OPS = {
 }
 # Tensor-core FLOPs, which the fp32 counters above miss (a GEMM's are nearly all here): the tensor
 # pipe's active share of cycles x its dense bf16/fp16 rate per SM per cycle x SMs x cycles.
-# Hopper: 4096 FLOP/clk/SM (989 TFLOP/s = 4096 x 132 SMs x 1.83 GHz); Ampere A100: 2048 (312 TFLOP/s).
-# On the H200 capture's 8192^3 GEMM this gives 1.117 TFLOP against the 1.100 it computes (1.6%).
-# Kernels with no MMA read 0-6% there (softmax 2.4%, silu 6.1%): below TENSOR_MIN_PCT it is not counted.
+# Hopper: 4096 FLOP/clk/SM (the datasheet's dense bf16 rate over SMs x boost clock); Ampere half that.
+# On the fixture capture's square GEMM this comes within 2% of the FLOPs the GEMM computes.
+# Kernels with no MMA read a few percent there: below TENSOR_MIN_PCT it is not counted.
 TENSOR_PCT = "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"
 SM_COUNT = "device__attribute_multiprocessor_count"
 TENSOR_MIN_PCT = 10.0

@@ -18,8 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"memory-bound": "tab:red", "compute-bound": "tab:blue", "neither": "tab:gray"}
 
-# (HBM bytes/s, {dtype: dense FLOP/s}) by device: the measured copy ceiling where known (H200:
-# 4.25 TB/s read + written, DESIGN.md), datasheet rates otherwise.
+# (HBM bytes/s, {dtype: dense FLOP/s}) by device: the measured copy ceiling (read + written) where
+# known (DESIGN.md), datasheet rates otherwise.
 CEILINGS = {
     "H200": (4.25e12, {"bf16 tensor": 989e12, "fp32": 67e12}),
     "H100": (3.35e12, {"bf16 tensor": 989e12, "fp32": 67e12}),

@@ -42,12 +42,20 @@ def objective_of(cfg: Any) -> str:
 
 
 def directions(sweeper: Any) -> list[str]:
-    """hydra.sweeper.direction as Optuna takes it ("minimize", Direction.maximize, or a list)."""
+    """hydra.sweeper.direction as Optuna takes it ("minimize", Direction.maximize, or a list); [] where
+    none is given (the sweeper then takes the objective's better side: better_direction)."""
     value = OmegaConf.select(sweeper, "direction", default=None) if isinstance(sweeper, DictConfig) else getattr(sweeper, "direction", None)
     if value is None:
         return []
     values = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [value]
     return [str(getattr(v, "name", v)).split(".")[-1].lower() for v in values]
+
+
+def better_direction(cfg: Any) -> str:
+    """The direction that searches for the best of the sweep's objective."""
+    from src.tracking.figures import lower_is_better
+
+    return "minimize" if lower_is_better(objective_of(cfg)) else "maximize"
 
 
 def job_return(summary: dict | None, cfg: DictConfig, sweeper_target: str | None) -> Any:
@@ -87,6 +95,46 @@ def _corners(key: str, text: str) -> tuple[list[str], list[str]] | None:
         listed = list(override.sweep_string_iterator())  # a range's last value is below its stop
         return [], [listed[0], listed[-1]] if listed else []
     return list(override.sweep_string_iterator()), []
+
+
+# The tags Optuna's sweeper reads: `log` on an interval (a log-uniform draw); it ignores any other
+# tag, so a misspelt one would search linearly without a word.
+OPTUNA_TAGS = {"interval": {"log"}, "range": set(), "choice": set()}
+
+
+def check_searchable(key: str, text: str, given: str) -> bool:
+    """One search-space entry as Optuna will draw it: bounds in order, a log scale above 0, only the
+    tags it reads. True where the entry searches more than one value. Raises ConfigError."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+
+    from src.config.compose import ConfigError
+
+    override = OverridesParser.create().parse_override(f"{key}={text}")
+    if not override.is_sweep_override():
+        return False
+    value = override.value()
+    kind = "interval" if isinstance(value, IntervalSweep) else "range" if isinstance(value, RangeSweep) else "choice"
+    unknown = sorted(set(getattr(value, "tags", set()) or set()) - OPTUNA_TAGS[kind])
+    if unknown:
+        read = "tag(log,interval(LOW,HIGH)) for a log scale" if kind == "interval" else f"no tag on a {kind}"
+        raise ConfigError(f"{given}: Optuna does not read the tag {', '.join(unknown)} and would ignore it; it reads {read}")
+    if isinstance(value, IntervalSweep):
+        if value.start > value.end:
+            raise ConfigError(f"{given}: the low bound {value.start} is above the high bound {value.end}; "
+                              f"write {key}=interval({value.end},{value.start})")
+        if "log" in value.tags and value.start <= 0:
+            raise ConfigError(f"{given}: a log scale needs a low bound above 0 (it is {value.start}); "
+                              f"e.g. {key}=tag(log,interval({value.end / 1000:g},{value.end}))")
+        return value.start < value.end
+    if isinstance(value, RangeSweep):
+        listed = list(override.sweep_string_iterator())
+        if not listed:
+            raise ConfigError(f"{given}: the range holds no value: range(start,stop,step) runs from its start by its step to "
+                              f"before its stop, e.g. {key}=range({min(value.start, value.stop)},{max(value.start, value.stop)})")
+        return len(listed) > 1
+    assert isinstance(value, ChoiceSweep)
+    return len(set(override.sweep_string_iterator())) > 1
 
 
 def search_space(params: Any, user: list[str]) -> dict[str, tuple[str, str]]:
@@ -151,12 +199,15 @@ def search_jobs(overrides: list[str], multirun: bool, config_dir: str | None = N
     low: dict[str, str] = {}
     high: dict[str, str] = {}
     given_as: dict[str, str] = {}
+    searched = []
     for key, (text, given) in space.items():
         try:
             corners = _corners(key, text)
         except Exception as err:
             raise ConfigError(f"{given}: cannot parse it as a search space entry ({str(err).splitlines()[0]}); use choice(a,b), "
                               "range(start,stop,step) or interval(low,high) (https://hydra.cc/docs/plugins/optuna_sweeper/)") from None
+        if "optuna" in target and check_searchable(key, text, given):
+            searched.append(key)
         if corners is None:
             choices[key] = [text]
             continue
@@ -166,6 +217,10 @@ def search_jobs(overrides: list[str], multirun: bool, config_dir: str | None = N
         else:
             low[key], high[key] = bounds
         given_as[key] = given
+    if "optuna" in target and not searched:
+        n_trials = OmegaConf.select(sweeper, "n_trials", default=None)
+        raise ConfigError(f"hydra/sweeper=optuna has nothing to search: it would run the same job {n_trials} times; give an entry with "
+                          "more than one value, e.g. optim.lr=tag(log,interval(1e-4,1e-2)), or drop -m to run the job once")
     plain = [o for o, key in zip(fixed, fixed_keys) if key not in space]
     jobs = []
     for combo in itertools.product(*([f"{k}={v}" for v in vs] for k, vs in choices.items())):
@@ -215,7 +270,7 @@ def check_objective(cfg: DictConfig, sweeper_target: str, sweeper: Any) -> None:
     direction must be the figure's better one (Optuna's default, minimize, would otherwise search
     for the slowest tokens/s)."""
     from src.config.compose import ConfigError
-    from src.tracking.figures import figures_of, lower_is_better
+    from src.tracking.figures import figures_of
 
     objective = objective_of(cfg)
     task = cfg.task.name
@@ -226,7 +281,7 @@ def check_objective(cfg: DictConfig, sweeper_target: str, sweeper: Any) -> None:
         raise ConfigError(f"sweep.objective={given}: not a figure task={task} reports; use one of: {', '.join(known)}")
     if not is_searching(sweeper_target):
         return
-    wanted = "minimize" if lower_is_better(objective) else "maximize"
+    wanted = better_direction(cfg)
     found = directions(sweeper)
     if len(found) > 1:
         raise ConfigError(f"hydra.sweeper.direction={found}: sweep.objective names one figure ({objective}); give one direction, "

@@ -1,9 +1,8 @@
 """Step metrics written to MLflow from a separate process, so tracking never competes with training.
 
-MLflow's own async logging runs in threads of the training process; on one H200 (2026-11-30,
-`python -m benchmarks.fsdp_vs_seed`) that cost 6-8% of mini_llm's tokens/s (89.7-91.7K with it
-against 95.8-96.9K with tracking=none on 2 GPUs): its Python work holds the GIL that the
-training loop needs to launch kernels. Here the training process writes one JSON line per logged
+MLflow's own async logging runs in threads of the training process, where it cost several percent
+of mini_llm's tokens/s against tracking=none (benchmarks/tracking_overhead.py measures it): its
+Python work holds the GIL that the training loop needs to launch kernels. Here the training process writes one JSON line per logged
 step into a pipe; `python -m src.tracking.writer URI RUN_ID` (a plain subprocess: it imports
 MLflow and nothing of the training stack) drains the pipe on a reader thread, so the pipe never
 fills, and stores whatever has queued up in one log_batch. Started with RUN_ID `-`, it imports
