@@ -56,3 +56,16 @@ def test_cfg_job_imports_no_torch(tmp_path: Path):
     assert lines[-1] == "torch imported: False"
     assert "model:" in lines and "  name: mini_llm" in lines
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_common_settings_are_fields_of_the_schemas():
+    """A setting retired from the schemas leaves COMMON too (the short --help would show it as null)."""
+    import dataclasses
+
+    from src.config.help import _sections
+
+    schemas = dict(_sections())
+    for key in COMMON:
+        section, _, name = key.partition(".")
+        assert name in {f.name for f in dataclasses.fields(schemas[section])}, key
+    assert len(set(COMMON)) == len(COMMON) == 20
