@@ -21,7 +21,7 @@ from src.edge.task import quant_setting, reference_model
 def model_config(name: str) -> dict:
     from omegaconf import OmegaConf
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     return OmegaConf.to_container(compose_config([f"model={name}"]).model, resolve=True)
 

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from src.edge.compile import GROWING_HOISTS
 
 PROMPT, STEPS = 32, 32
-MODELS = {  # the shapes of issue 13; the rest of each config from src/config.py's ModelConfig
+MODELS = {  # the shapes of issue 13; the rest of each config from src/config/schema.py's ModelConfig
     "tiny": {"name": "tiny", "vocab_size": 4096, "dim": 256, "n_layers": 2, "n_heads": 4},
     "small": {"name": "small", "vocab_size": 32000, "dim": 512, "n_layers": 4, "n_heads": 8},
     # docs/SEED.md's MiniLLM (conf/model/mini_llm.yaml): issue 57's grid only

@@ -6,8 +6,11 @@ short names of inference runtimes (`bf16`), which IREE's and the edge sweep's ta
 from __future__ import annotations
 
 from enum import StrEnum
+from functools import cache
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Dtype(StrEnum):
@@ -26,11 +29,25 @@ class ShortDtype(StrEnum):
     bf16 = "bf16"
 
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHORT_NAMES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 """edge.dtype's names -> torch's"""
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """`bfloat16` or `bf16` -> torch.bfloat16."""
-    return TORCH_DTYPES[SHORT_NAMES.get(name, name)]
+    return _torch_dtypes()[SHORT_NAMES.get(name, name)]
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    # built on first use: the schemas import this module for Dtype, and `--help` or `--cfg job`
+    # should not pay for importing torch
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def __getattr__(name: str):
+    if name == "TORCH_DTYPES":  # the names -> torch dtypes, as _torch_dtypes builds them
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,16 +28,12 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from src.compose import ConfigError, compose_config  # noqa: E402
+# Only modules that import no torch at module level here: `--help` and `--cfg job` run none of the
+# tasks' code, and importing torch for them took most of their time. The rest is imported where used.
+from src.config.compose import ConfigError, compose_config  # noqa: E402
 from src.distributed.cluster import SUBMITIT_LAUNCHERS, adopt_torchrun_shape, check_launcher, stable_run_dir  # noqa: E402
-from src.distributed.env import launched_as_worker  # noqa: E402
-from src.fusion.choice import apply_auto_choice  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
-from src.tasks import run_task  # noqa: E402
 from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri, shown_uri, store_refusal  # noqa: E402
-from src.train.checks import TRAINING_TASKS  # noqa: E402
-from src.train.resume_check import check_checkpoints  # noqa: E402
-from src.validate import validate  # noqa: E402
 
 log = logging.getLogger("src.run")
 
@@ -59,7 +55,7 @@ def _job_overrides(overrides: list[str], multirun: bool, config_dir: str | None 
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from src.compose import explain_parse_error
+    from src.config.compose import explain_parse_error
 
     try:
         parsed = OverridesParser.create().parse_overrides(user)
@@ -136,6 +132,9 @@ def _launcher(overrides: list[str]) -> str:
 def preflight(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
     """Compose and validate every job of the command; raise ConfigError on the first that cannot
     run. `config_dir`: Hydra's --config-dir, searched as Hydra itself will."""
+    from src.config.validate import validate
+    from src.train.resume_check import check_checkpoints
+
     launcher = _launcher(overrides) if multirun else "basic"
     jobs = []
     for job in _job_overrides(overrides, multirun, config_dir):
@@ -175,6 +174,8 @@ def _warn_ranks_over_cores(jobs: list[DictConfig]) -> None:
     """CPU ranks beyond the cores: each rank gets one OpenMP thread (src/distributed/launch.py) and
     a time-share of a core, and gloo's collectives wait on the slowest, so the run crawls; it still
     runs, so this warns and goes on."""
+    from src.train.checks import TRAINING_TASKS
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = sorted({cfg.dist.nproc for cfg in jobs if cfg.backend.name == "cpu" and not cfg.dist.fake and cfg.task.name in TRAINING_TASKS})
     if ranks and ranks[-1] > cores:
@@ -201,7 +202,7 @@ def run_job(cfg: DictConfig, ctx: RunContext, multirun: bool) -> dict | None:
     single run exits 1 (130 when interrupted) with the error on one line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from src.tasks import failure_message, interruption
+    from src.tasks import failure_message, interruption, run_task
 
     try:
         summary = run_task(cfg, ctx)
@@ -272,7 +273,10 @@ def job_context(hc: DictConfig, tracking_uri: str, run_dir: str, overrides: list
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> dict | None:
+    from src.config.validate import validate
     from src.distributed.cluster import move_job_log, submitit_job
+    from src.fusion.choice import apply_auto_choice
+    from src.train.resume_check import check_checkpoints
 
     hc = HydraConfig.get()
     ctx = job_context(hc, cfg.tracking.uri, hc.runtime.output_dir, list(hc.overrides.task))
@@ -301,6 +305,9 @@ def hydra_main(cfg: DictConfig) -> dict | None:
 
 def run_as_worker(overrides: list[str], config_dir: str | None = None) -> None:
     """Entry under torchrun / srun: this process is already one rank of the run."""
+    from src.config.validate import validate
+    from src.fusion.choice import apply_auto_choice
+
     cfg = compose_config(overrides, with_hydra=True, config_dir=config_dir)
     adopt_torchrun_shape(cfg, overrides)
     validate(cfg, as_worker=True)
@@ -364,15 +371,21 @@ def main() -> None:
     args, _ = _args_parser().parse_known_args(sys.argv[1:])
     inspecting = any(a.split("=")[0] in _INSPECT_FLAGS for a in sys.argv[1:])
     try:
-        if launched_as_worker() and not inspecting:
-            run_as_worker(args.overrides, args.config_dir)
-            return
         if not inspecting:
+            from src.distributed.env import launched_as_worker  # it imports torch, which inspecting needs not
+
+            if launched_as_worker():
+                run_as_worker(args.overrides, args.config_dir)
+                return
             preflight(args.overrides, args.multirun, args.config_dir)
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:  # Ctrl-C while composing: nothing started yet
         _fail("interrupted by SIGINT before the run started", code=EXIT_INTERRUPTED)
+    if args.help or args.hydra_help:
+        from src.config.help import share_config_store
+
+        share_config_store()
     hydra_main()
 
 

@@ -48,7 +48,7 @@ def task_wrapper(run: Callable[[DictConfig, RunContext], Any]) -> Callable[[Dict
     def task(cfg: DictConfig, ctx: RunContext) -> Any:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        from src.compose import ConfigError
+        from src.config.compose import ConfigError
         from src.distributed.launch import RankFailed
 
         try:
@@ -78,7 +78,7 @@ def task_wrapper(run: Callable[[DictConfig, RunContext], Any]) -> Callable[[Dict
 def run_train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """task=train and task=profile: in this process for one rank (or dist.fake's rank 0 alone), else through the elastic launcher:
     this node's agent, one of dist.nnodes (a submitit job's nodes meet on its first node)."""
-    from src.compose import ConfigError
+    from src.config.compose import ConfigError
     from src.distributed.cluster import node_log_name, submitit_job
     from src.distributed.launch import launch_ranks
     from src.train.worker import elastic_entry, train

@@ -198,7 +198,7 @@ def slurm_cluster():
 def train_on_and_off(tmp_path: Path, overrides: list[str], knob: str) -> dict[str, tuple[dict, list[dict]]]:
     """The same run in this process (train(), as a rank runs it) with `knob`=on and then =off: for each,
     its summary.json and its metrics.jsonl's lines. Tests that call it take the in_process_runs fixture."""
-    from src.compose import compose_config
+    from src.config.compose import compose_config
     from src.runtime import RunContext
     from src.train.worker import train
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.compose import compose_config
+from src.config.compose import compose_config
 from src.distributed.activation_checkpoint import apply_activation_checkpointing
 from src.runtime import RunContext
 

@@ -17,7 +17,7 @@ import requests
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
 from src.run import preflight
 from tests.conftest import REPO, run_cli, start_mlflow_server, stop_server
 

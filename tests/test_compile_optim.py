@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
 from src.runtime import RunContext
 from src.train.optimizer import build_optimizer, optimizer_impl
 

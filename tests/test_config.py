@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from src.compose import CONF_DIR, ConfigError, compose_config
 from src.config import GROUPS
+from src.config.compose import CONF_DIR, ConfigError, compose_config
+from src.config.validate import validate
 from src.run import preflight
-from src.validate import validate
 from tests.conftest import run_cli
 
 EXPS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
@@ -158,11 +158,11 @@ def test_a_text_file_too_short_to_read_a_window_from_is_refused(tmp_path: Path):
 
 
 def test_help_lists_groups_and_every_option_with_its_docstring(workdir: Path):
-    proc = run_cli(["--help", "optim.schedule=cosine"], cwd=workdir, timeout=120)
+    proc = run_cli(["--help", "hydra/help=all", "optim.schedule=cosine"], cwd=workdir, timeout=120)
     assert proc.returncode == 0 and "model: llama3_1b, llama3_3b, llama3_8b, llama3_tiny, mini_llm, qwen2_5_0_5b, small, tiny" in proc.stdout
     assert "base_" not in proc.stdout  # schemas are not offered as options
     lines = proc.stdout.splitlines()
-    # the composed values (tiny's width, the override) beside each field's docstring from src/config.py
+    # the composed values (tiny's width, the override) beside each field's docstring from src/config/schema.py
     assert any(line.startswith("  model.dim=64 ") and "multiple of n_heads" in line for line in lines)
     assert any(line.startswith("  optim.schedule=cosine ") for line in lines)
     assert any(line.startswith("  train.untimed_steps=2 ") and "left out of the throughput" in line for line in lines)

@@ -86,7 +86,7 @@ def _vulkan_matches_torch(dtype: str, tmp_path: Path, cache: Path) -> None:
 def _llama_matches_torch(tmp_path: Path, cache: Path) -> None:
     from omegaconf import OmegaConf
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     model = OmegaConf.to_container(compose_config(["model=llama3_tiny"]).model, resolve=True)
     ref = reference_model(model, {"seed": 0}, PROMPT + STEPS, BATCH)

@@ -22,7 +22,7 @@ BATCH, PROMPT, STEPS = 4, 8, 4
 def _tiny() -> dict:
     from omegaconf import OmegaConf
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     return OmegaConf.to_container(compose_config(["model=tiny"]).model, resolve=True)
 

@@ -29,7 +29,7 @@ PROMPT, STEPS, BATCH = 8, 32, 1
 def _tiny() -> dict:
     from omegaconf import OmegaConf
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     return OmegaConf.to_container(compose_config(["model=tiny"]).model, resolve=True)
 

@@ -20,7 +20,7 @@ STEPS = 8
 def _tiny() -> dict:
     from omegaconf import OmegaConf
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     return OmegaConf.to_container(compose_config(["model=tiny"]).model, resolve=True)
 

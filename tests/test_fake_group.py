@@ -12,13 +12,13 @@ from mlflow import MlflowClient
 from torch.distributed.tensor import DTensor
 
 from src.compare import main as compare_main
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
+from src.config.validate import validate
 from src.distributed.env import shutdown
 from src.fusion.measure import shard_numels
 from src.run import preflight
 from src.runtime import RunContext
 from src.train.trainer import Trainer
-from src.validate import validate
 from tests.conftest import read_summary, run_cli
 
 

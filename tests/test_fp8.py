@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.compose import ConfigError, compose_config
 from src.config import Fp8Recipe
-from src.validate import validate
+from src.config.compose import ConfigError, compose_config
+from src.config.validate import validate
 from tests.conftest import needs_capability, run_cli
 
 H200 = ((9, 0), "NVIDIA H200")

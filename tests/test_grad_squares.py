@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.triton.chunk_cat import launch_checked  # noqa: E402
-from src.compose import compose_config  # noqa: E402
+from src.config.compose import compose_config  # noqa: E402
 from src.speed.grad_squares import SQUARES, GradSquares  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

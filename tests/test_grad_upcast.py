@@ -113,7 +113,7 @@ def test_speed_grad_upcast_decides_the_route(use, device, reduce_dtype, runs):
     no GPU needed, the model is not touched by this recipe."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
     from src.speed.apply import decide, install_fsdp
 
     original = _fsdp_collectives._to_dtype_if_needed

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src.compose import compose_config
+from src.config.compose import compose_config
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh
 from src.distributed.parallelize import parallelize

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.triton.adamw import TritonAdamW, global_norm_from_squares
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
 from src.runtime import RunContext
 from src.train.optimizer import build_optimizer, norm_in_update
 
@@ -194,7 +194,7 @@ def test_optim_impl_triton_builds_it_and_is_refused_where_it_cannot_run(monkeypa
     opt = build_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg.optim, "cpu", False)
     assert isinstance(opt, TritonAdamW) and norm_in_update(opt)
     assert not norm_in_update(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]))
-    from src.validate import validate
+    from src.config.validate import validate
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="optim.impl=triton runs a Triton kernel.*backend=cpu"):
@@ -209,8 +209,8 @@ def test_the_interpreter_is_read_as_triton_reads_it(monkeypatch, value):
     CPU run of the Triton optimizer through the checks (only "1" did, and `true` was refused with a
     line asking for TRITON_INTERPRET=1); "0" is refused."""
     from kernels.triton.device import interpreted
+    from src.config.validate import validate
     from src.fusion.registry import interpreter_fault
-    from src.validate import validate
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreted() == (value != "0")
@@ -477,7 +477,7 @@ def test_optim_state_dtype_bfloat16_is_built_for_triton_and_refused_for_torchs_k
     cfg = compose_config(["optim.impl=triton", "optim.state_dtype=bfloat16"])
     opt = build_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg.optim, "cpu", False, seed=5)
     assert opt.state_dtype == torch.bfloat16 and opt.seed == 5
-    from src.validate import validate
+    from src.config.validate import validate
 
     with pytest.raises(ConfigError, match=r"optim.state_dtype=bfloat16 .* set optim.impl=triton \(now fused\)"):
         validate(compose_config(["optim.impl=fused", "optim.state_dtype=bfloat16", "dist.nproc=1"]), cuda_device_count=0)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from src.compose import ConfigError, compose_config
-from src.validate import validate
+from src.config.compose import ConfigError, compose_config
+from src.config.validate import validate
 from tests.conftest import run_cli
 
 SHAPES = "kernel_bench.shapes={rms_norm:[[33,65]],add_rms_norm:[[9,130]],swiglu:[[17,100]],softmax:[[9,77]],cross_entropy:[[9,300],[3,1000]],linear_cross_entropy:[[40,16,300]]}"

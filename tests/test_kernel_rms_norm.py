@@ -214,8 +214,8 @@ def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path, monkeypatch)
 
 
 def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypatch):
-    from src.compose import ConfigError, compose_config
-    from src.validate import validate
+    from src.config.compose import ConfigError, compose_config
+    from src.config.validate import validate
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="kernels=triton: Triton kernels need an NVIDIA GPU"):
@@ -251,8 +251,8 @@ def test_a_broken_interpreter_is_refused_before_the_run(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(numpy, "__version__", "2.4.6")
     assert "triton 3.6.0 fails with numpy 2.4.6" in interpreter_fault()
-    from src.compose import ConfigError, compose_config
-    from src.validate import validate
+    from src.config.compose import ConfigError, compose_config
+    from src.config.validate import validate
 
     fix = r"pip install 'numpy<2\.4' \(or a torch whose triton is 3\.7 or later\)"
     with pytest.raises(ConfigError, match=rf"^kernels=triton: Triton's interpreter in triton 3\.6\.0 fails with numpy 2\.4\.6 .*{fix}; or use kernels=eager$"):

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
 from src.fusion.choice import auto_choice, choose
 from tests.conftest import run_cli
 

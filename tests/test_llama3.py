@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("transformers")  # the reference: pip install -e ".[test]"
 
-from src.compose import ConfigError, compose_config  # noqa: E402
+from src.config.compose import ConfigError, compose_config  # noqa: E402
+from src.config.validate import validate  # noqa: E402
 from src.models import build_model  # noqa: E402
 from src.models.llama3.hf import hf_config, load_hf_weights, model_fields, save_hf  # noqa: E402
-from src.validate import validate  # noqa: E402
 from tests.spawned_ranks import spawn_ranks  # noqa: E402
 
 REFERENCE = Path(__file__).with_name("hf_reference.py")

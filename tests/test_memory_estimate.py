@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from src.compose import compose_config
+from src.config.compose import compose_config
 from src.memory_estimate import estimate
 from tests.conftest import run_cli
 

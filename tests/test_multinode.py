@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
 from src.run import adopt_torchrun_shape, preflight
 from tests.conftest import REPO, free_port, read_summary, run_cli
 

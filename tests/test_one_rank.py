@@ -154,7 +154,7 @@ def test_one_rank_gives_bf16_gradients_the_same_bits_reduced_in_fp32_as_in_bf16(
 def test_one_rank_reduces_in_fp32_only_where_bf16_would_round_nothing(overrides, world, reduced_in):
     from types import SimpleNamespace
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
     from src.distributed.parallelize import _reduce_dtype
     from src.speed.apply import decide
 

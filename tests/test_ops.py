@@ -21,7 +21,7 @@ def _refs(op) -> list[str]:
 
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
 def test_every_op_has_a_kernel_a_case_a_diagnosis_and_a_default(op):
-    from src.config_tasks import KernelBenchConfig
+    from src.config.tasks import KernelBenchConfig
 
     assert (ROOT / (op.kernel.replace(".", "/") + ".py")).is_file(), op.kernel
     assert op.kernel.startswith("kernels.triton.")

@@ -11,7 +11,7 @@ import yaml
 from mlflow import MlflowClient
 
 from src.compare import main as compare_main
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 from src.run import preflight
 from tests.conftest import run_cli
 
@@ -188,7 +188,7 @@ def test_an_optuna_sweep_without_a_direction_searches_for_the_objectives_better_
                                                                                         monkeypatch):
     from hydra.utils import instantiate
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     monkeypatch.chdir(tmp_path)
     preflight(["hydra/sweeper=optuna", "optim.lr=interval(1e-4,1e-2)", *overrides], multirun=True)  # not refused
@@ -200,7 +200,7 @@ def test_an_optuna_sweep_without_a_direction_searches_for_the_objectives_better_
 
 
 def test_hydra_sweeper_optuna_is_ours():
-    from src.compose import compose_config
+    from src.config.compose import compose_config
 
     cfg = compose_config(["hydra/sweeper=optuna"], with_hydra=True)
     assert cfg.hydra.sweeper._target_ == "hydra_plugins.perflab_optuna_sweeper.sweeper.OptunaSweeper"

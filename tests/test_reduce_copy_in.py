@@ -131,7 +131,7 @@ def test_fsdp2_gradients_copied_by_triton_equal_torchs_on_gloo(tmp_path, reduce_
 def test_speed_reduce_copy_in_decides_the_route(use, device, routed):
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
     from src.speed.apply import decide, install_fsdp
 
     verdicts = decide(compose_config([f"speed.reduce_copy_in={use}"]), 2, device, "float32")

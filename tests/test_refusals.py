@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import src.compose
-from src.compose import CONF_DIR, ConfigError, compose_config
+import src.config.compose
+from src.config.compose import CONF_DIR, ConfigError, compose_config
+from src.config.validate import validate
 from src.diagnose import main as diagnose_main
 from src.export import main as export_main
 from src.run import preflight
-from src.validate import validate
 from tests.conftest import run_cli
 
 EXPS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
@@ -88,7 +88,7 @@ def test_a_yaml_syntax_error_in_the_projects_conf_names_the_file_and_line(tmp_pa
     shutil.copytree(CONF_DIR, conf)
     tiny = conf / "model" / "tiny.yaml"
     tiny.write_text(tiny.read_text().replace("dim: 64", "dim: 64\n\tn_heads: 4"))  # a tab cannot start a YAML token
-    monkeypatch.setattr(src.compose, "CONF_DIR", conf)
+    monkeypatch.setattr(src.config.compose, "CONF_DIR", conf)
     with pytest.raises(ConfigError) as err:
         preflight(["model=tiny"], multirun=False)
     assert str(err.value) == f"{tiny}, line 6, column 1: not valid YAML: found character '\\t' that cannot start any token; fix that line"

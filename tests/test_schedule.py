@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
+from src.config.validate import validate
 from src.train.schedule import lr_at
-from src.validate import validate
 
 
 def test_constant_is_the_seeds_and_warms_up_only_when_asked():

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.compose import ConfigError, compose_config
+from src.config.compose import ConfigError, compose_config
+from src.config.validate import validate
 from src.runtime import RunContext
 from src.speed import RECIPES, grad_upcast, keep_unsharded
 from src.speed.apply import decide, install_fsdp
 from src.speed.recipe import FSDP, Recipe
-from src.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_RANK = ["dist.nproc=1", "train.steps=3", "data.seq_len=32", "data.batch_size=2", "tracking=none", "train.progress=false"]

@@ -18,7 +18,7 @@ def test_importing_the_kernels_leaves_dynamo_unloaded():
 def test_a_meta_model_has_the_models_parameters_and_leaves_dynamo_unloaded():
     """src/models meta_model: build_model's parameters (names, shapes, dtypes, the tied head) on the
     meta device, with no torch._dynamo import (a fresh process, as the launcher is)."""
-    code = ("import sys, torch\nfrom src.compose import compose_config\nfrom src.models import build_model, meta_model\n"
+    code = ("import sys, torch\nfrom src.config.compose import compose_config\nfrom src.models import build_model, meta_model\n"
             "for name in ('model=tiny', 'model=llama3_tiny', 'model=qwen2_5_0_5b'):\n"
             "    cfg = compose_config([name]).model\n"
             "    m = meta_model(cfg)\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh
 from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy

@@ -146,7 +146,7 @@ def test_an_in_process_job_leaves_its_model_free_for_the_next(tmp_path: Path, mo
     peak memory (and, on a GPU, to run out of it). Checked without a collection of the test's own."""
     import weakref
 
-    from src.compose import compose_config
+    from src.config.compose import compose_config
     from src.runtime import RunContext
     from src.train import trainer as trainer_module
     from src.train.worker import train
@@ -167,7 +167,7 @@ def test_an_in_process_job_leaves_its_model_free_for_the_next(tmp_path: Path, mo
 
 
 def test_a_jobs_config_hash_leaves_out_where_and_how_it_runs():
-    from src.compose import compose_config
+    from src.config.compose import compose_config
     from src.tracking.resume import config_hash
 
     base = config_hash(compose_config(["precision=fp32"]))

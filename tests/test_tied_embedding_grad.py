@@ -22,7 +22,7 @@ from kernels.triton.embedding_grad import (  # noqa: E402
     tie_gradient,
     torch_sums_atomically,
 )
-from src.compose import compose_config  # noqa: E402
+from src.config.compose import compose_config  # noqa: E402
 from tests.conftest import needs_gpu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

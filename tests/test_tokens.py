@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("tokenizers")
 
-from src.compose import ConfigError, compose_config  # noqa: E402
+from src.config.compose import ConfigError, compose_config  # noqa: E402
 from src.data.batches import TokenBatches  # noqa: E402
 from src.data.prepare import main as prepare  # noqa: E402
 from src.data.tokens import TokenShards, write_shards  # noqa: E402
@@ -87,7 +87,7 @@ def test_a_run_on_tokens_resumes_at_the_same_batch(tmp_path, corpus, in_process_
 
 
 def test_a_corpus_the_run_cannot_use_is_refused_in_one_line(tmp_path, corpus):
-    from src.validate import validate
+    from src.config.validate import validate
 
     def refused(overrides: list[str]) -> str:
         with pytest.raises(ConfigError) as err:

@@ -1,4 +1,4 @@
-"""Hydra's Optuna sweeper as this project runs it (hydra/sweeper=optuna; its settings: src/config.py's
+"""Hydra's Optuna sweeper as this project runs it (hydra/sweeper=optuna; its settings: src/config/schema.py's
 OptunaSweeperConfig, the objective and the checks: src/tracking/search.py).
 
 The plugin's sweeper, with two of its raises after the trials have run turned into log lines, since

@@ -5,7 +5,7 @@ died without a result (killed by the scheduler at its time limit, out of memory,
 recorded FAILED, in its summary.json and its MLflow run, and the sweep goes on; the plugin's own
 `launch` raised at the first such job, which ended the sweep with the parent run left RUNNING and
 the other jobs unrecorded. How a job runs on its nodes: src/distributed/cluster.py. Their
-settings: src/config.py (SubmititLocalConfig, SubmititSlurmConfig). This module lives in
+settings: src/config/schema.py (SubmititLocalConfig, SubmititSlurmConfig). This module lives in
 hydra_plugins because Hydra instantiates launchers from that package only.
 """
 from __future__ import annotations

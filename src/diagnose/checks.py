@@ -1,11 +1,11 @@
-"""task=diagnose's own settings checks (src/validate.py runs them)."""
+"""task=diagnose's own settings checks (src/config/validate.py runs them)."""
 from __future__ import annotations
 
 import os
 
 from omegaconf import DictConfig
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 from src.diagnose.task import NO_GPU
 
 

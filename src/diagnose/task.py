@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 
 log = logging.getLogger("src.diagnose")
 

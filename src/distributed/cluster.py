@@ -22,7 +22,7 @@ under an external torchrun adopts from it (adopt_torchrun_shape, stable_run_dir)
 The launchers (hydra_plugins/perflab_submitit_launcher: Hydra takes plugins from that package
 only) are the plugin's, but a job whose process died without a result (killed by the scheduler,
 out of memory, a SIGKILL) is recorded FAILED, and the sweep goes on. Their settings, with nodes
-and GPUs taken from dist.*, are in src/config.py.
+and GPUs taken from dist.*, are in src/config/schema.py.
 """
 from __future__ import annotations
 
@@ -129,8 +129,8 @@ SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
 def check_launcher(launcher: str, overrides: list[str], jobs: list, config_dir: str | None = None) -> None:
     """Settings a parallel or cluster launcher cannot run, refused before anything is submitted;
     `jobs`: each job's composed config; `config_dir`: Hydra's --config-dir, searched as Hydra does."""
-    from src.compose import ConfigError, compose_config
     from src.config import job_gpus_per_node, job_nodes
+    from src.config.compose import ConfigError, compose_config
 
     if launcher == "basic" or not jobs:
         return
@@ -190,7 +190,7 @@ def adopt_torchrun_shape(cfg: DictConfig, overrides: list[str]) -> None:
     """Under torchrun its flags decide how many ranks, nodes and restarts there are: write them into
     dist.* (so config.yaml and the MLflow params say what ran), and refuse a dist.* override that
     says otherwise, which would be silently ignored."""
-    from src.compose import ConfigError
+    from src.config.compose import ConfigError
 
     for key, (flag, variable) in _TORCHRUN_SHAPE.items():
         if variable not in os.environ:

@@ -6,7 +6,7 @@ import os
 
 from omegaconf import DictConfig
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 
 IREE_INSTALL = "pip install iree-base-compiler iree-base-runtime iree-turbine"
 

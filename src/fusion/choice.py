@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 from src.fusion.registry import REGISTRY
 from src.profiling.diagnosis import fusable_ops
 

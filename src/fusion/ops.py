@@ -1,7 +1,7 @@
 """The ops of kernels/triton, one row each: what the registry swaps in (registry.py), what
 task=kernel_bench and kernels=auto time (cases.py, measure.py), what runs under torch.compile on
 its own (compiled.py), which profiled kernels a diagnosis hands to it (src/profiling/diagnosis.py)
-and the kernel_bench defaults (src/config_tasks.py) are all read from here. A new kernel is its file
+and the kernel_bench defaults (src/config/tasks.py) are all read from here. A new kernel is its file
 in kernels/triton/, one row below, and one test (tests/test_ops.py checks every row).
 
 Plain data: code is named by "module:attr" strings and imported on use (`load`), so that the config

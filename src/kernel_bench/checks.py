@@ -1,4 +1,4 @@
-"""task=kernel_bench's own settings checks (src/validate.py runs them): ops, providers, modes, dtype
+"""task=kernel_bench's own settings checks (src/config/validate.py runs them): ops, providers, modes, dtype
 and shapes, and whether Triton can run them here at these sizes."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 from omegaconf import DictConfig
 
-from src.compose import ConfigError
-from src.config_tasks import BenchMode
+from src.config.compose import ConfigError
+from src.config.tasks import BenchMode
 from src.fusion.ops import bench_named
 from src.fusion.registry import interpreted, triton_usable
 

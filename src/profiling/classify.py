@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from src.config_tasks import Thresholds  # the schema of diagnose.classifier: its fields are settings
+from src.config.tasks import Thresholds  # the schema of diagnose.classifier: its fields are settings
 
 SEED_THRESHOLDS = Thresholds()
 

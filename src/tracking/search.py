@@ -108,7 +108,7 @@ def check_searchable(key: str, text: str, given: str) -> bool:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 
-    from src.compose import ConfigError
+    from src.config.compose import ConfigError
 
     override = OverridesParser.create().parse_override(f"{key}={text}")
     if not override.is_sweep_override():
@@ -158,7 +158,7 @@ def search_jobs(overrides: list[str], multirun: bool, config_dir: str | None = N
     task does not report, a direction that would search for the worst; sweep.resume outside -m."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from src.compose import ConfigError, compose_config
+    from src.config.compose import ConfigError, compose_config
 
     user = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
@@ -241,7 +241,7 @@ def check_storage(sweeper: Any, target: str) -> None:
     """hydra.sweeper.storage (a study kept in a database): hydra-optuna-sweeper pins optuna<3, and
     Optuna 2.10's RDB storage fails on SQLAlchemy 2 (an AssertionError reading alembic's version,
     after the sweep's parent run is made), which MLflow 3 requires."""
-    from src.compose import ConfigError
+    from src.config.compose import ConfigError
 
     storage = OmegaConf.select(sweeper, "storage", default=None)
     if storage is None or "optuna" not in target:
@@ -269,7 +269,7 @@ def check_objective(cfg: DictConfig, sweeper_target: str, sweeper: Any) -> None:
     """sweep.objective must be a figure the task reports; under a sweeper with a direction, that
     direction must be the figure's better one (Optuna's default, minimize, would otherwise search
     for the slowest tokens/s)."""
-    from src.compose import ConfigError
+    from src.config.compose import ConfigError
     from src.tracking.figures import figures_of
 
     objective = objective_of(cfg)

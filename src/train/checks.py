@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 from src.distributed.float8 import gathers_float8
 from src.fusion.registry import REGISTRY, interpreted, selected_ops, triton_usable
 from src.models.checks import model_refusal

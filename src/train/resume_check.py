@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from src.compose import ConfigError
+from src.config.compose import ConfigError
 from src.train.checkpoint_files import (
     MANIFEST,
     CheckpointError,

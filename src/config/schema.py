@@ -14,8 +14,8 @@ from hydra.core.config_store import ConfigStore
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from omegaconf import II, MISSING
 
-from src.config_help import register as register_help
-from src.config_tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
+from src.config.help import register as register_help
+from src.config.tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
 from src.dtypes import Dtype
 
 
@@ -434,7 +434,7 @@ class FaultConfig:
 
     kind: str = "none"
     """none, raise (an exception), kill (SIGKILL the rank), or nan (a non-finite loss); a plain str
-    checked in src/validate.py, not an Enum: the command line reads `fault.kind=nan` as a float"""
+    checked in src/config/validate.py, not an Enum: the command line reads `fault.kind=nan` as a float"""
     rank: int = 0
     """the rank that fails"""
     step: int = 0

@@ -16,9 +16,9 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from src import config as _schemas  # noqa: F401  (registers the schemas in the ConfigStore)
+from src.config import schema as _schemas  # registers the schemas in the ConfigStore
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}

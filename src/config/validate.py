@@ -13,13 +13,11 @@ import re
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
-from src.compose import ConfigError
 from src.config import GROUPS, RunConfig
+from src.config.compose import ConfigError
 from src.runtime import world_size
-from src.train.checks import TRAINING_TASKS, check_training
 
 TRAINING_BACKENDS = {"cpu", "cuda", "mps"}
 
@@ -177,7 +175,7 @@ def _preset_sets(cfg: DictConfig, group: str) -> bool:
     of that setting then names the preset, which the user typed, not the setting, which they did not."""
     import yaml
 
-    folder = Path(__file__).resolve().parents[1] / "conf" / "exp"
+    folder = Path(__file__).resolve().parents[2] / "conf" / "exp"
     name, seen = cfg.get("exp"), set()
     while name and name not in seen and (folder / f"{name}.yaml").exists():  # a preset on top of another (fsdp4_fp8 <- fsdp4_tuned <- fsdp4)
         seen.add(name)
@@ -194,6 +192,10 @@ def validate(cfg: DictConfig, cuda_device_count: int | None = None, mps_availabl
     (tests pass them to check the messages for hardware this machine lacks): `cuda_capability` is
     (the lowest compute capability of the visible GPUs, that GPU's name); `memory` the bytes a rank
     may use on its device (a GPU's, or this host's for all its CPU ranks) and what they are."""
+    import torch  # here, not at the top: the rest of src/config imports no torch, for `--help`
+
+    from src.train.checks import TRAINING_TASKS, check_training
+
     _check_group_keys(cfg)
     _check_tracking_uri(cfg)
     backend, task, sharding = cfg.backend.name, cfg.task.name, cfg.sharding

@@ -1,7 +1,7 @@
 """Schemas of the per-task sections of the run config: profile, diagnose, kernel_bench, edge.
 
-Apart from src/config.py so each file stays one screenful of schemas; src/config.py imports them
-into RunConfig, and `--help` reads the field docstrings of both files (src/config_help.py).
+Apart from src/config/schema.py so each file stays one screenful of schemas; schema.py imports them
+into RunConfig, and `--help` reads the field docstrings of both files (src/config/help.py).
 """
 from __future__ import annotations
 
