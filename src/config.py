@@ -56,13 +56,6 @@ class CompileBackend(StrEnum):
     eager = "eager"
 
 
-class SdpaBackend(StrEnum):
-    default = "default"
-    flash = "flash"
-    efficient = "efficient"
-    cudnn = "cudnn"
-
-
 class DeviceType(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
@@ -227,9 +220,6 @@ class KernelsConfig:
     """torch.compile each transformer block before sharding"""
     compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
-    attention: SdpaBackend = SdpaBackend.default
-    """scaled_dot_product_attention's kernel on CUDA: default (torch's order: flash first), or only
-    flash, efficient or cudnn (cuDNN's fused attention, written for Hopper)"""
     fused: list[str] | None = field(default_factory=list)
     """fused Triton variants to swap in (src/fusion/registry.py); null means every one"""
     auto: bool = False
@@ -262,9 +252,6 @@ class SpeedConfig:
     """FSDP2's upcast of bf16/fp16-reduced gradients to the fp32 parameters by a vectorised Triton kernel (recipe)"""
     reduce_copy_in: Use = Use.auto
     """FSDP2's copy of each unit's gradients into the reduce-scatter input by a vectorised Triton kernel (recipe)"""
-    gather_copy_in: Use = Use.off
-    """two or more ranks: each fp32 shard cast straight into FSDP2's all-gather buffer, no staging copy (recipe;
-    off in every preset until it is measured on two GPUs)"""
     one_rank_copies: Use = Use.auto
     """a one-rank shard group: FSDP2's stand-in copies dropped, each unshard one cast, each reduce no copy (recipe)"""
     cast_in_step: Use = Use.auto
@@ -276,13 +263,6 @@ class SpeedConfig:
     cudagraphs: bool = False
     """Inductor: each compiled graph replayed from a CUDA graph (torch.compile's reduce-overhead), one launch a
     graph; under fsdp2/hsdp it needs keep_unsharded"""
-    forward_prefetch: int = 0
-    """fsdp2/hsdp: each unit's forward also issues the next k units' all-gathers (FSDP2's set_modules_to_forward_prefetch)"""
-    backward_prefetch: int = 0
-    """fsdp2/hsdp: each unit's backward issues the gathers of the next k units backward reaches (set_modules_to_backward_prefetch)"""
-    symm_mem: bool = False
-    """fsdp2/hsdp on CUDA: the all-gathers' buffers in NCCL symmetric memory (FSDP2's set_symm_mem_for_comm,
-    torch 2.13+); with NCCL_CTA_POLICY=2 they run on the copy engines"""
     clip_in_update: bool = True
     """fused AdamW (torch's, or optim.impl=triton's) with optim.grad_clip > 0: the clipping factor applied
     inside the update instead of a pass of its own over the gradients"""
@@ -374,9 +354,6 @@ class OptimConfig:
     state_dtype: StateDtype = StateDtype.float32
     """AdamW's moments (exp_avg, exp_avg_sq): float32, or bfloat16 (impl=triton), rounded stochastically
     in the update: half the moments' memory and bytes"""
-    in_backward: bool = False
-    """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
-    post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""
     schedule: Schedule = Schedule.constant
     """learning rate per step: constant (the seed's) or cosine (down to min_lr_ratio * lr at the last step)"""
     warmup_steps: int = 0

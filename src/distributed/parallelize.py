@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,9 +38,6 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     split_root: bool = False,
-    symm_mem: bool = False,
-    forward_prefetch: int = 0,
-    backward_prefetch: int = 0,
 ) -> nn.Module:
     """Per-block fully_shard, then the root. Each block's parameters are all-gathered just before its
     forward and freed after it (reshard_after_forward), so peak memory holds one full block at a time.
@@ -67,41 +64,7 @@ def apply_fsdp(
     # The root's parameters (embedding, head) are needed again at the start of backward: keeping
     # them gathered after forward saves one all-gather of the largest matrices for free memory.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
-    if forward_prefetch or backward_prefetch:
-        set_prefetch(model, forward_prefetch, backward_prefetch)
-    if symm_mem:
-        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-            unit.set_symm_mem_for_comm()  # per unit: it changes only the module it is called on
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.info("speed.symm_mem: all-gathers into NCCL symmetric memory (FSDP2's set_symm_mem_for_comm)")
     return model
-
-
-def forward_units(model: nn.Module) -> list[FSDPModule]:
-    """The FSDP units under the root, in the order forward gathers them: the embedding (split
-    root), the blocks, the head (split root, unless it computes the fused loss)."""
-    order = [getattr(model, "embed", None), *model.layers, getattr(model, "head", None)]
-    return [m for m in order if isinstance(m, FSDPModule) and m is not model]
-
-
-def prefetch_plan(order: list, k: int) -> list[tuple[object, list]]:
-    """(unit, the k units after it) for each unit that has any: the explicit prefetch list."""
-    return [(unit, order[i + 1 : i + 1 + k]) for i, unit in enumerate(order) if order[i + 1 : i + 1 + k]]
-
-
-def set_prefetch(model: FSDPModule, forward: int, backward: int) -> None:
-    """Explicit all-gather prefetching. Forward: the root's hook issues the first k units' gathers
-    and each unit the next k, so a gather is queued a unit's compute ahead of its use even when
-    the host queues forward no faster than the GPUs run it (the tuned 2-H200 step: 2 ms of host
-    a block against 1.6-2 ms of kernels, the gathers 0.3-0.5 ms each exposed). Backward: each
-    unit issues the gathers of the k units that backward reaches next (FSDP2 prefetches one)."""
-    units = forward_units(model)
-    if forward:
-        for unit, nxt in prefetch_plan([model, *units], forward):
-            unit.set_modules_to_forward_prefetch(nxt)
-    if backward:
-        for unit, nxt in prefetch_plan(units[::-1], backward):
-            unit.set_modules_to_backward_prefetch(nxt)
 
 
 def _full_init_tensor(kind: str, std: float, shape: torch.Size, seed: int, name: str, device: torch.device) -> torch.Tensor:
@@ -238,8 +201,7 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         verdicts = decide(cfg, shard_ranks, device.type, reduce_dtype)
         apply_fsdp(
             model, mesh, mixed_precision_policy(cfg.precision.param_dtype, reduce_dtype),
-            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root, cfg.speed.symm_mem,
-            cfg.speed.forward_prefetch, cfg.speed.backward_prefetch,
+            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root,
         )
         speed_on += install_fsdp(model, verdicts, cfg.precision.param_dtype, main)
         if norm_in_copy_in(cfg, speed_on, mesh.size(), main, model):

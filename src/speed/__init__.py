@@ -5,7 +5,7 @@ declares what it touches: its knob, the torch symbols it replaces and reads, the
 releases its parity test passed on, where its gain is recorded, and the test that holds it to
 torch's own path bit for bit. `python -m src.speed` prints the table and probes this torch.
 
-    grad_upcast, reduce_copy_in, gather_copy_in   FSDP2's casts and copies (src/speed/*.py)
+    grad_upcast, reduce_copy_in                   FSDP2's casts and copies (src/speed/*.py)
     one_rank_copies, cast_in_step                 FSDP2 on a one-rank shard group (one_rank.py)
     keep_unsharded                                FSDPParam.free_unsharded_param, before torch 2.15
 
@@ -16,11 +16,11 @@ functions back when it ends (src/speed/apply.py).
 """
 from __future__ import annotations
 
-from src.speed import gather_copy_in, grad_upcast, keep_unsharded, one_rank, reduce_copy_in
+from src.speed import grad_upcast, keep_unsharded, one_rank, reduce_copy_in
 from src.speed.recipe import Recipe
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    grad_upcast.RECIPE, reduce_copy_in.RECIPE, gather_copy_in.RECIPE, one_rank.RECIPE, one_rank.CAST_RECIPE, keep_unsharded.RECIPE)}
+    grad_upcast.RECIPE, reduce_copy_in.RECIPE, one_rank.RECIPE, one_rank.CAST_RECIPE, keep_unsharded.RECIPE)}
 
 
 def restore_all() -> None:

@@ -42,11 +42,9 @@ def applies(name: str, cfg: DictConfig, shard_ranks: int, reduce_dtype: str) -> 
     """Whether the recipe has anything to do in a run of this shape (whatever the device)."""
     if cfg.sharding.strategy not in FSDP_STRATEGIES:
         return False
-    low_param = torch_dtype(cfg.precision.param_dtype) != torch.float32
     return {
         "grad_upcast": torch_dtype(reduce_dtype) in (torch.bfloat16, torch.float16),
         "reduce_copy_in": True,
-        "gather_copy_in": shard_ranks > 1 and low_param and not cfg.sharding.cpu_offload,
         "one_rank_copies": shard_ranks == 1,
         "cast_in_step": (shard_ranks == 1 and str(cfg.optim.impl) == "triton" and not cfg.sharding.cpu_offload
                          and torch_dtype(cfg.precision.param_dtype) == torch.bfloat16),
@@ -111,13 +109,13 @@ def refusal(cfg: DictConfig) -> str | None:
 def install_fsdp(model: nn.Module, verdicts: dict[str, Verdict], param_dtype: str, main: bool) -> list[str]:
     """Each recipe's replacement in place (or torch's own back) for a model FSDP2 has just sharded;
     cast_in_step is the Trainer's, once the optimizer exists. Returns the names of the recipes that run."""
-    from src.speed import gather_copy_in, grad_upcast, one_rank, reduce_copy_in
+    from src.speed import grad_upcast, one_rank, reduce_copy_in
 
     for verdict in verdicts.values():
         if main and verdict.warning:
             log.warning(verdict.warning)
     running = []
-    for name, module in (("grad_upcast", grad_upcast), ("reduce_copy_in", reduce_copy_in), ("gather_copy_in", gather_copy_in)):
+    for name, module in (("grad_upcast", grad_upcast), ("reduce_copy_in", reduce_copy_in)):
         if not verdicts[name].on:
             module.restore()
         elif module.install():

@@ -118,7 +118,6 @@ def optimizer_step(
     skip_nonfinite: bool = False,
     after_optimizer: Callable[[], None] | None = None,
     need_norm: bool = True,
-    update: Callable[[], object] | None = None,
     clip_in_update: bool = True,
     norm_from: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
@@ -127,26 +126,24 @@ def optimizer_step(
     sync). `after_optimizer` runs after the update (float8: the next step's weight scales).
     `need_norm` false (a step nobody reads, no clipping, no skipping): no norm is computed and None
     returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
-    host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
-    what backward has not already updated). `clip_in_update` (speed.clip_in_update, torch's fused
+    host launches a step on mini_llm over 2 GPUs. `clip_in_update` (speed.clip_in_update, torch's fused
     AdamW or optim.impl=triton's): the clipping factor goes to the update kernel instead of a pass
     over the gradients. `norm_from` (speed.norm_in_copy_in) gives the global norm of the gradients
     in place of get_total_norm's pass over them. An
     optimizer that sums the gradients' squares as it updates (optim.impl=triton) gives the norm of a
     step that only reports it (no clipping, no skipping)."""
-    update = update or optimizer.step
     with mark("optimizer"):
         if not (need_norm or grad_clip > 0 or skip_nonfinite):
-            update()
+            optimizer.step()
             if after_optimizer is not None:
                 after_optimizer()
             return None
-        if update == optimizer.step and grad_clip <= 0 and not skip_nonfinite and norm_in_update(optimizer):
+        if grad_clip <= 0 and not skip_nonfinite and norm_in_update(optimizer):
             # the norm only reported: the update's own pass over the gradients sums their squares
             # (optim.impl=triton), no pass of its own
             optimizer.grad_norm_wanted = True
             try:
-                update()
+                optimizer.step()
             finally:
                 optimizer.grad_norm_wanted = False
             if after_optimizer is not None:
@@ -180,7 +177,7 @@ def optimizer_step(
         elif grad_clip > 0:  # it takes the parameters and scales their .grad (given the gradients it finds none)
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
         try:
-            update()
+            optimizer.step()
         finally:
             if folded and hasattr(optimizer, "grad_mul"):  # no factor left for a step() outside this one
                 optimizer.grad_mul = None

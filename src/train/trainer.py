@@ -30,7 +30,6 @@ from src.distributed.cluster import submitit_job
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
-from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.fusion.trial import LossTrial
 from src.models import meta_model
@@ -52,7 +51,6 @@ from src.train.preempt import STOP_FILE, StopRequest, stop_signals
 from src.train.progress import ProgressReporter
 from src.train.records import MetricsFile, log_auto_choice, make_tracker
 from src.train.schedule import lr_at
-from src.train.step_in_backward import StepInBackward
 
 log = logging.getLogger("src.train")
 
@@ -103,7 +101,6 @@ class Trainer:
         self.n_params = model.num_params(non_embedding=False)
         self.fpt = model.flops_per_token(cfg.data.seq_len)  # src/models/protocol.py: torchtitan's count
         self.kernels = self._swap_kernels(model)
-        use_sdpa_backend(cfg.kernels.attention)  # before compile traces the blocks
         mesh = None
         if cfg.sharding.strategy in ("fsdp2", "hsdp"):
             mesh = build_mesh(env.device.type, env.world_size, cfg.sharding.strategy, cfg.sharding.replicate)
@@ -113,8 +110,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload, cfg.train.seed)
         if "cast_in_step" in self.speed:
             self._cast_in_step()
-        self.in_backward = StepInBackward(self.model, self.optimizer) if cfg.optim.in_backward else None
-        self.units_stepped_in_backward: int | None = None
         self._checkpoint_and_resume()
         self.batches = TokenBatches(
             cfg.data.source, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed,
@@ -324,17 +319,8 @@ class Trainer:
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
                               self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm,
-                              self._update_rest if self.in_backward is not None else None, self.cfg.speed.clip_in_update, norm_from)
+                              clip_in_update=self.cfg.speed.clip_in_update, norm_from=norm_from)
         return loss.detach(), norm
-
-    def _update_rest(self) -> None:
-        """optim.in_backward: the units whose update did not run inside backward; the count that did
-        goes to the log once and to summary.json (0 would mean FSDP2 never called the hooks)."""
-        n = self.in_backward.finish()
-        if self.units_stepped_in_backward is None and self.env.is_main:
-            log.info("optim.in_backward: %d of %d FSDP units updated inside backward, as their gradients were reduced",
-                     n, len(self.in_backward.units))
-        self.units_stepped_in_backward = n
 
     def run_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What train_loop calls per step: the step's learning rate, train_step (inside ncu's range
@@ -380,7 +366,6 @@ class Trainer:
             "params": self.n_params,
             "flops_per_token": self.fpt,
             "optim_impl": optimizer_impl(cfg.optim.impl, env.device.type, cfg.sharding.cpu_offload),
-            "optim_units_in_backward": self.units_stepped_in_backward,
             "speed_recipes": list(self.speed),
             "torch_version": torch.__version__,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,
