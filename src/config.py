@@ -178,16 +178,16 @@ class PrecisionConfig:
     """dtype of the gradient reduce-scatter / all-reduce; on a mesh of one rank, where nothing is reduced, a
     reduce_dtype equal to param_dtype runs as float32 (the same bits, one cast fewer: src/distributed/parallelize.py)"""
     float8: bool = False
-    """float8 GEMMs in the transformer blocks' nn.Linear layers (torchao Float8Linear; not the head); CUDA, capability 8.9+"""
-    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """float8 GEMMs in the transformer blocks' nn.Linear layers (fp8_impl's casts; not the head unless fp8_head); CUDA, capability 8.9+"""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.rowwise_with_gw_tensorwise
     """float8 scaling: tensorwise (one scale a tensor, cuBLAS), rowwise (a scale per row, CUTLASS), or
     rowwise_with_gw_hp (rowwise output and grad-input GEMMs, the grad-weight GEMM in bf16: no transposed casts of activations),
     or rowwise_with_gw_tensorwise (the same with a float8 grad-weight GEMM on tensorwise dY^T and X^T; fp8_impl=triton only)"""
     fp8_all_gather: bool = True
     """tensorwise under FSDP2: all-gather the weights in float8 (half bf16's bytes); rowwise gathers bf16"""
-    fp8_impl: Fp8Impl = Fp8Impl.torchao
-    """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
-    (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand cast in one pass)"""
+    fp8_impl: Fp8Impl = Fp8Impl.triton
+    """who casts: triton (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand
+    cast in one pass; the one measured faster than bf16), or torchao's Float8Linear (tensorwise, rowwise, rowwise_with_gw_hp)"""
     fp8_fast_accum: bool = False
     """float8 GEMMs' accumulation: false gives the output GEMM fast accumulation (the tensor cores' own
     precision) and promotes the grad-input and grad-weight GEMMs' sums to fp32 along the way, as torchao
