@@ -228,11 +228,6 @@ class KernelsConfig:
     """with auto: diagnosis.json, or the run directory of a task=diagnose run; empty: the newest for this model"""
     compiled: list[str] = field(default_factory=list)
     """ops run under torch.compile on their own, the rest of the model eager (kernels=auto's choice where compile was fastest)"""
-    measured: dict[str, dict[str, float]] = field(default_factory=dict)
-    """kernels=auto on a GPU: op -> candidate -> GPU ms per step, forward and backward, the host
-    ahead; CANDIDATE.host: the host ms to issue them (filled in before the ranks start)"""
-    reasons: dict[str, str] = field(default_factory=dict)
-    """kernels=auto on a GPU: op -> the rule that picked it where GPU time alone would not have; filled in with `measured`"""
     loss_trial: int = 0
     """kernels=auto on a GPU with a fused loss picked: n > 0 alternates it with eager's loss over n pairs of steps and
     keeps it only where its median step is no more than 0.5% slower (src/fusion/trial.py)"""
