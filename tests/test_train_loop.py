@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from src.train.loop import forward_backward_step, optimizer_step, summarize, train_loop
+from src.train.loop import LoopHooks, Throughput, forward_backward_step, optimizer_step, summarize, train_loop
 
 
 def _run(log_every: int, steps: int, checkpoint_at: int | None = None, grad_clip: float = 0.0):
@@ -23,8 +23,8 @@ def _run(log_every: int, steps: int, checkpoint_at: int | None = None, grad_clip
         calls.append((step, read, norm is not None))
         return loss.detach(), norm
 
-    result = train_loop(step_fn, opt, batches, steps, torch.device("cpu"), 32, 1, 1e3, None, log_every=log_every,
-                        checkpoint_due=lambda n: n == checkpoint_at)
+    result = train_loop(step_fn, opt, batches, steps, torch.device("cpu"), Throughput(32, 1, 1e3, None),
+                        LoopHooks(checkpoint_due=lambda n: n == checkpoint_at), log_every=log_every)
     return result, calls
 
 

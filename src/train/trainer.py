@@ -44,7 +44,15 @@ from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import RUN_ARTIFACTS, default_run_name, start_tracker, write_json
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
-from src.train.loop import LoopResult, forward_backward_step, optimizer_step, summarize, train_loop
+from src.train.loop import (
+    LoopHooks,
+    LoopResult,
+    Throughput,
+    forward_backward_step,
+    optimizer_step,
+    summarize,
+    train_loop,
+)
 from src.train.metrics import peak_flops, reset_peak_memory
 from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.preempt import STOP_FILE, StopRequest, stop_signals
@@ -263,17 +271,18 @@ class Trainer:
         reset_peak_memory(env.device)
         callbacks = self.callbacks if self.clocks is None else [*self.callbacks, self.clocks.start_after(self.start_step + cfg.train.untimed_steps - 1)]
         try:
-            result = train_loop(
-                self.run_step, self.optimizer, self.batches, cfg.train.steps, env.device,
-                tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
-                world_size=env.world_size, flops_per_token=self.fpt, peak_flops=self.peak,
-                log_every=cfg.train.log_every, on_step=callbacks,
-                start_step=self.start_step,
+            hooks = LoopHooks(
+                on_step=callbacks,
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=self.checkpointer.save if self.checkpointer is not None else None,
+                stop_due=self.stop.agreed if self.stop is not None else None,
+            )
+            result = train_loop(
+                self.run_step, self.optimizer, self.batches, cfg.train.steps, env.device,
+                Throughput(cfg.data.batch_size * cfg.data.seq_len, env.world_size, self.fpt, self.peak),
+                hooks, log_every=cfg.train.log_every, start_step=self.start_step,
                 # dist.fake: the gathered weights are not the model's, so a NaN says nothing of the run
                 nonfinite="unchecked" if cfg.dist.fake and cfg.train.nonfinite == "fail" else cfg.train.nonfinite,
-                stop_due=self.stop.agreed if self.stop is not None else None,
             )
             if self.checkpointer is not None:
                 self.checkpointer.wait()
