@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LATEST=2.15.0   # the newest release pyproject.toml's range admits
 VENV=.venv-torch-latest
-FILES=(tests/test_speed.py tests/test_grad_upcast.py tests/test_reduce_copy_in.py tests/test_grad_squares.py tests/test_copy_in.py tests/test_one_rank.py
+FILES=(tests/test_speed.py tests/test_grad_upcast.py tests/test_reduce_copy_in.py tests/test_grad_squares.py tests/test_one_rank.py
        tests/test_kept_unshard.py tests/test_kernel_adamw.py tests/test_fsdp_parity.py tests/test_compile_optim.py
        tests/test_kernel_device.py tests/test_startup.py tests/test_tied_embedding_grad.py)
 if [ "${1:-install}" = install ] || [ $# = 0 ]; then

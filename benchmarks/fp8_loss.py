@@ -6,7 +6,7 @@ bf16's over the last steps.
     python -m benchmarks.fp8_loss --variant gw_hp="precision=fp8 precision.fp8_impl=triton precision.fp8_recipe=rowwise_with_gw_hp" \
         --control compiled="kernels=compile"
 
-Without --variant the one variant is `fp8` (precision=fp8, torchao tensorwise). Every variant is
+Without --variant the one variant is `fp8` (precision=fp8: Triton's casts, rowwise_with_gw_tensorwise). Every variant is
 compared with the one bf16 run; a variant may be any numerics change, not only float8 (bf16 AdamW
 moments: --variant bf16_moments="optim.impl=triton optim.state_dtype=bfloat16"). A --control is a bf16 run changed only in its last bits (compiled
 kernels round their fused elementwise work differently): its gap is how far two runs that differ

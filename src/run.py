@@ -291,7 +291,7 @@ def hydra_main(cfg: DictConfig) -> dict | None:
             return job_return(done, cfg, OmegaConf.select(hc, "sweeper._target_"))
     try:
         validate(cfg)  # again on the node that runs it: its GPUs are the ones that count
-        apply_auto_choice(cfg, ctx.cwd)
+        apply_auto_choice(cfg, ctx.cwd, run_dir=hc.runtime.output_dir)
         # again where the job runs (a requeued SLURM job resumes from the checkpoint its last attempt saved)
         verified = check_checkpoints(cfg, Path(hc.runtime.output_dir))
     except ConfigError as err:

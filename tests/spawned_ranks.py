@@ -2,13 +2,13 @@
 signal kills it, and that ends without the interpreter's teardown once its work is done.
 
 torch.multiprocessing reports a rank killed by a signal as "process 1 terminated with signal
-SIGSEGV" and nothing else; once (CI, tests/test_step_in_backward.py) that was all there was to go
+SIGSEGV" and nothing else; once (CI) that was all there was to go
 on. With faulthandler on in the rank, the stack of every thread goes to the rank's stderr, which the
 test's captured output holds.
 
 On torch 2.15.0 a gloo rank sometimes aborted after its work and its destroy_process_group, in the
 interpreter's teardown ("terminate called without an active exception", SIGABRT, no Python frame
-on the stack): CI's 2.15 stage failed so in tests/test_copy_in.py and had shown it twice before in
+on the stack): CI's 2.15 stage failed so in a gloo test file and had shown it twice before in
 eight runs, on a loaded 2-core machine; 24 runs idle and 16 under load here did not. Upstream's
 pytorch/pytorch#179291 (closed unmerged) describes the same abort: gloo's threads still holding
 work whose tensors are freed while the interpreter is being torn down. A rank whose function

@@ -54,7 +54,7 @@ def test_inductor_settings_hold_for_the_run_and_are_put_back():
         with inductor_config(compose_config(["kernels=compile", "speed.cudagraphs=true"])):
             assert inductor.triton.cudagraphs and not inductor.emulate_precision_casts
         assert not inductor.triton.cudagraphs
-        with inductor_config(compose_config(["precision=fp8", "precision.fp8_recipe=rowwise"])):
+        with inductor_config(compose_config(["precision=fp8", "precision.fp8_impl=torchao", "precision.fp8_recipe=rowwise"])):
             assert inductor.emulate_precision_casts and not inductor.triton.cudagraphs
         assert not inductor.emulate_precision_casts
         with inductor_config(compose_config(["precision=fp8", "precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp"])):
@@ -74,7 +74,7 @@ def test_a_float8_job_leaves_emulate_precision_casts_as_it_found_it(tmp_path: Pa
     train = Trainer.train
     monkeypatch.setattr(Trainer, "train", lambda self: seen.append(inductor.emulate_precision_casts) or train(self))
     before = inductor.emulate_precision_casts
-    losses = _losses(tmp_path, "fp8", ["precision=fp8", "precision.fp8_recipe=rowwise", "precision.param_dtype=bfloat16"])
+    losses = _losses(tmp_path, "fp8", ["precision=fp8", "precision.fp8_impl=torchao", "precision.fp8_recipe=rowwise", "precision.param_dtype=bfloat16"])
     assert seen == [True] and inductor.emulate_precision_casts is before is False
     assert len(losses) == 4
 

@@ -20,7 +20,8 @@ H200 = ((9, 0), "NVIDIA H200")
 
 def test_fp8_composes_with_bf16_params_and_fp32_reduction():
     p = compose_config(["precision=fp8"]).precision
-    assert (p.name, p.float8, p.fp8_recipe, p.fp8_all_gather) == ("fp8", True, "tensorwise", True)
+    # the default casts are the measured ones: Triton's, rowwise with a float8 grad-weight GEMM; torchao's stay a setting
+    assert (p.name, p.float8, p.fp8_impl, p.fp8_recipe, p.fp8_all_gather) == ("fp8", True, "triton", "rowwise_with_gw_tensorwise", True)
     assert (p.param_dtype, p.reduce_dtype) == ("bfloat16", "float32")
     assert compose_config(["precision=fp8", "precision.fp8_recipe=rowwise"]).precision.fp8_recipe == "rowwise"
     with pytest.raises(ConfigError, match="precision.fp8_recipe=blockwise"):
@@ -45,13 +46,14 @@ def test_fp8_impl_triton_takes_its_one_recipe_and_needs_no_torchao(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     base = ["precision=fp8", "precision.fp8_impl=triton", "backend=cuda", "dist.nproc=1", "tracking=none"]
+    validate(compose_config(base[:1] + base[2:]), cuda_device_count=1, mps_available=False, cuda_capability=H200)  # the default: triton
     with pytest.raises(ConfigError) as err:
-        validate(compose_config(base), cuda_device_count=1, mps_available=False, cuda_capability=H200)
+        validate(compose_config([*base, "precision.fp8_recipe=tensorwise"]), cuda_device_count=1, mps_available=False, cuda_capability=H200)
     assert str(err.value) == ("precision.fp8_impl=triton casts for rowwise_with_gw_hp or rowwise_with_gw_tensorwise, not precision.fp8_recipe=tensorwise; "
                               "set one of those or precision.fp8_impl=torchao")
     for recipe in ("rowwise_with_gw_hp", "rowwise_with_gw_tensorwise"):
         validate(compose_config([*base, f"precision.fp8_recipe={recipe}"]), cuda_device_count=1, mps_available=False, cuda_capability=H200)
-    torchao = ["precision=fp8", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "backend=cuda", "dist.nproc=1", "tracking=none"]
+    torchao = ["precision=fp8", "precision.fp8_impl=torchao", "backend=cuda", "dist.nproc=1", "tracking=none"]
     with pytest.raises(ConfigError, match=r"^precision.fp8_recipe=rowwise_with_gw_tensorwise is cast by precision.fp8_impl=triton only"):
         validate(compose_config(torchao), cuda_device_count=1, mps_available=False, cuda_capability=H200)
     with pytest.raises(ConfigError, match="precision.fp8_impl=gemlite"):
@@ -61,7 +63,7 @@ def test_fp8_impl_triton_takes_its_one_recipe_and_needs_no_torchao(monkeypatch):
 def test_fp8_without_torchao_names_the_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    cfg = compose_config(["precision=fp8", "backend=cuda", "dist.nproc=1", "tracking=none"])
+    cfg = compose_config(["precision=fp8", "precision.fp8_impl=torchao", "precision.fp8_recipe=tensorwise", "backend=cuda", "dist.nproc=1", "tracking=none"])
     with pytest.raises(ConfigError, match=r"torchao's float8, which is not installed: pip install torchao==0\.17\.0"):
         validate(cfg, cuda_device_count=1, mps_available=False, cuda_capability=H200)
     validate(compose_config(["backend=cuda", "dist.nproc=1", "tracking=none"]), cuda_device_count=1, mps_available=False)  # bf16 needs none
@@ -178,7 +180,7 @@ def test_fp8_trains_on_the_gpu_like_bf16(impl: str, tmp_path: Path):
     n = min(torch.cuda.device_count(), 2)
     triton = ["precision=fp8", "precision.fp8_impl=triton"]
     gw_tensorwise = [*triton, "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
-    fp8 = {"torchao": ["precision=fp8"], "triton": [*triton, "precision.fp8_recipe=rowwise_with_gw_hp"], "triton_gw_tensorwise": gw_tensorwise,
+    fp8 = {"torchao": ["precision=fp8", "precision.fp8_impl=torchao", "precision.fp8_recipe=tensorwise"], "triton": [*triton, "precision.fp8_recipe=rowwise_with_gw_hp"], "triton_gw_tensorwise": gw_tensorwise,
            "triton_swiglu": gw_tensorwise, "triton_head": [*gw_tensorwise, "precision.fp8_head=true", "kernels.fused=[linear_cross_entropy]"]}[impl]
     model = ["model=small"] + (["model.mlp=swiglu"] if impl == "triton_swiglu" else [])
     losses = {}
@@ -255,11 +257,12 @@ def test_fast_accumulation_sets_torchaos_backward_gemms(recipe):
 
 
 @pytest.mark.parametrize("overrides,gathered", [
-    ([], True),  # tensorwise under FSDP2: float8 wrapper weights
-    (["precision.fp8_all_gather=false"], False),
-    (["precision.fp8_recipe=rowwise"], False),
-    (["precision.fp8_recipe=rowwise_with_gw_hp"], False),
-    (["sharding=none"], False),
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=tensorwise"], True),  # tensorwise under FSDP2: float8 wrapper weights
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=tensorwise", "precision.fp8_all_gather=false"], False),
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=rowwise"], False),
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=rowwise_with_gw_hp"], False),
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=tensorwise", "sharding=none"], False),
+    ([], False),  # the default: Triton's casts of plain bf16 weights
 ])
 def test_only_float8_gathered_weights_keep_the_triton_optimizer_out(overrides, gathered):
     """Rowwise recipes (and tensorwise without the float8 all-gather) leave the weights plain bf16
@@ -276,7 +279,8 @@ def test_only_float8_gathered_weights_keep_the_triton_optimizer_out(overrides, g
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise"], True),  # unset: wherever it applies
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "precision.fp8_act_in_cast=true"], True),
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "precision.fp8_act_in_cast=false"], False),
-    ([], False),  # torchao's casts take no activation
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=tensorwise"], False),  # torchao's casts take no activation
+    ([], True),  # the default: Triton's casts, rowwise_with_gw_tensorwise
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "model.mlp=swiglu"], False),  # SwiGLU: gw_tensorwise only
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "model.mlp=swiglu"], True),
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_tensorwise", "model.mlp=swiglu", "precision.fp8_act_in_cast=false"], False),
@@ -292,7 +296,7 @@ def test_the_mlps_activation_goes_into_the_casts_where_it_applies(overrides, fol
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["precision.fp8_act_in_cast=true"], "precision.fp8_act_in_cast=true applies the MLP's activation inside kernels/triton's float8 casts; "
+    (["precision.fp8_impl=torchao", "precision.fp8_recipe=tensorwise", "precision.fp8_act_in_cast=true"], "precision.fp8_act_in_cast=true applies the MLP's activation inside kernels/triton's float8 casts; "
      "precision.fp8_impl=torchao casts elsewhere: set precision.fp8_impl=triton, or leave precision.fp8_act_in_cast unset"),
     (["precision.fp8_impl=triton", "precision.fp8_recipe=rowwise_with_gw_hp", "precision.fp8_act_in_cast=true", "model.mlp=swiglu"],
      "precision.fp8_act_in_cast=true runs the SwiGLU MLP's grad-weight GEMMs on the float8 casts it writes (never the bf16 activations); "

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh
-from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy, prefetch_plan
+from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
 from src.models.mini_llm import MiniLLM
 from src.train.loop import train_step
 from tests.spawned_ranks import spawn_ranks
@@ -83,7 +83,7 @@ def _unsharded_reference() -> dict:
 
 
 def _run_sharded(tmp_path: Path, strategy: str, param_dtype: str, **layout) -> dict:
-    """`layout`: apply_fsdp's keyword arguments (split_root, prefetch counts)."""
+    """`layout`: apply_fsdp's keyword arguments (split_root)."""
     out = tmp_path / "rank0.pt"
     spawn_ranks(_sharded_rank, (str(tmp_path / "rdzv"), str(out), strategy, param_dtype, layout), WORLD)
     return torch.load(out, weights_only=True)  # tensors, floats and strings only: nothing is unpickled
@@ -96,11 +96,10 @@ def reference() -> dict:
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "hsdp", "fsdp2_split_root"])
 def test_fp32_sharded_training_equals_unsharded_within_float32_rounding(tmp_path, reference, strategy):
-    # fsdp2_split_root: the embedding and head as units of their own (sharding.split_root), with
-    # each unit prefetching the next two units' all-gathers in forward and in backward
+    # fsdp2_split_root: the embedding and head as units of their own (sharding.split_root)
     split_root = strategy.endswith("_split_root")
     strategy = strategy.removesuffix("_split_root")
-    layout = dict(split_root=True, forward_prefetch=2, backward_prefetch=2) if split_root else {}
+    layout = dict(split_root=True) if split_root else {}
     got = _run_sharded(tmp_path, strategy, "float32", **layout)
     assert got["units"] == ["", *(["embed", "head"] if split_root else []), "layers.0", "layers.1"]
     # initial weights: each rank drew the full tensor and kept its shard, so bit-identical
@@ -137,12 +136,3 @@ def test_initial_weights_follow_the_seed():
         if "norm" not in name and "bias" not in name:
             assert not torch.equal(pa, pb), f"{name} ignores the seed"
 
-
-def test_prefetch_plan_names_the_next_units_in_each_pass_order():
-    order = ["root", "embed", "layers.0", "layers.1", "head"]
-    assert prefetch_plan(order, 2) == [
-        ("root", ["embed", "layers.0"]), ("embed", ["layers.0", "layers.1"]),
-        ("layers.0", ["layers.1", "head"]), ("layers.1", ["head"]),
-    ]
-    # backward walks the units the other way; the last unit has nothing to prefetch
-    assert prefetch_plan(order[:0:-1], 1) == [("head", ["layers.1"]), ("layers.1", ["layers.0"]), ("layers.0", ["embed"])]

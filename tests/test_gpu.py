@@ -66,25 +66,6 @@ def test_the_float8_preset_for_two_gpus_runs_as_rank_0_on_one(tmp_path: Path):
     assert two["peak_mem_gb"] < one["peak_mem_gb"] - 0.5 * 16 * two["params"] / 2 / 1e9, (one["peak_mem_gb"], two["peak_mem_gb"])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_all_gathers_in_symmetric_memory_train_as_nccl_buffers_do(tmp_path: Path):
-    """speed.symm_mem: the all-gather outputs in NCCL's symmetric-memory pool (copy-engine
-    gathers where NCCL_CTA_POLICY=2 lets it). A gather is a copy, so the fp32 losses of 4 steps on
-    2 GPUs equal those with ordinary buffers, bit for bit."""
-    losses = {}
-    for name, extra in (("plain", []), ("symm", ["speed.symm_mem=true"])):
-        cwd = tmp_path / name
-        cwd.mkdir()
-        proc = run_cli(["backend=cuda", "model=small", "dist.nproc=2", "precision=fp32", "train.steps=4", "tracking=none", *extra], cwd=cwd, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        (metrics,) = list(cwd.glob("outputs/*/*/metrics.jsonl"))
-        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-        if extra:
-            assert "speed.symm_mem: all-gathers into NCCL symmetric memory" in proc.stdout + proc.stderr
-    assert len(losses["plain"]) == 4 and losses["symm"] == losses["plain"]
-
-
-
 def _fused_fwd_bwd(op: str, case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(outputs, input gradients) of the fused op, in fp32, after a few calls back to back."""
     from src.fusion.cases import _eager, _triton, seed

@@ -99,7 +99,7 @@ def test_what_cannot_run_is_refused_in_one_line(overrides, line):
 
 
 def test_it_stays_off_beyond_one_rank_or_without_the_recipes_it_rides_on():
-    from src.distributed.parallelize import norm_in_copy_in
+    from src.speed.apply import norm_in_copy_in
 
     cfg = compose_config(["speed.norm_in_copy_in=on"])
     try:

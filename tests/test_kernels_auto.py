@@ -78,13 +78,14 @@ def test_on_a_gpu_without_a_diagnosis_auto_times_every_fusable_op_and_says_so(tm
     monkeypatch.setattr(measure_mod, "measure_on_gpu", lambda ops, cfg: measure_mod.measure(ops, cfg, timer))
     cfg = compose_config(["kernels=auto", "model=llama3_tiny", "backend=cuda", "dist.nproc=1", "data.seq_len=64"])
     caplog.set_level(logging.INFO, logger="src.run")
-    choice = apply_auto_choice(cfg, tmp_path)
+    choice = apply_auto_choice(cfg, tmp_path, run_dir=tmp_path)
     assert choice.diagnosis == "" and set(choice.ops) >= {"rms_norm", "swiglu", "cross_entropy"}
     assert all(lines == [MEASURED_ONLY] for lines in choice.ops.values())
     assert {case for case, *_ in calls} >= {"rms_norm", "swiglu", "head_loss", "block"}  # what LLaMA has, timed
     assert set(cfg.kernels.fused) == {"rms_norm", "swiglu", "linear_cross_entropy"}
     assert any("no diagnosis of model=llama3_tiny" in r.getMessage() and "timing alone decides" in r.getMessage() for r in caplog.records)
-    # the run then records that choice (kernels_auto.json, the log) with no diagnosis file to read
+    # the run then records that choice (kernels_auto.json, the log) with no diagnosis file to read: the
+    # timings from the file the launching process wrote
     from src.fusion.registry import FusedModel
     from src.tracking.mlflow_run import NullTracker
     from src.train.records import log_auto_choice
@@ -92,7 +93,8 @@ def test_on_a_gpu_without_a_diagnosis_auto_times_every_fusable_op_and_says_so(tm
     caplog.set_level(logging.INFO, logger="src.train")
     log_auto_choice(cfg, FusedModel(swapped={"rms_norm": 2, "swiglu": 1}), tmp_path, NullTracker())
     record = json.loads((tmp_path / "kernels_auto.json").read_text())
-    assert record["diagnosis"] == "" and set(record["fused"]) == set(cfg.kernels.fused) and set(record["ops"]) == set(cfg.kernels.measured)
+    assert record["diagnosis"] == "" and set(record["fused"]) == set(cfg.kernels.fused) and set(record["ops"]) == set(choice.measured)
+    assert record["measured"] == choice.measured and record["swapped"] == {"rms_norm": 2, "swiglu": 1}
     assert any("from timing on this GPU" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="kernels.diagnosis=nowhere.json: no diagnosis.json there"):
         apply_auto_choice(compose_config(["kernels=auto", "kernels.diagnosis=nowhere.json", "backend=cuda", "dist.nproc=1"]), tmp_path)
@@ -393,10 +395,11 @@ def test_float8_blocks_are_compiled_whenever_they_compile():
     assert measure(["cross_entropy"], _seed_cfg(), loss_only)[-1].op == "cross_entropy"  # bf16: no in-block op, no block
 
 
-def test_auto_writes_each_measured_choice_and_its_reason_into_the_config(tmp_path, monkeypatch):
+def test_auto_writes_each_measured_choice_into_the_config_and_its_timings_and_reasons_beside_it(tmp_path, monkeypatch):
     """apply_auto_choice on a GPU (here: the timings from a stub timer in place of the spawned GPU
-    child): the picks become kernels.fused / compile / optim.impl, the timings kernels.measured, and
-    a pick that is not the fastest timing's says why in kernels.reasons (the float8 block)."""
+    child): the picks become kernels.fused / compile / optim.impl; the timings (measured), and why a
+    pick is not the fastest timing's (reasons: the float8 block), are the choice's and kernels_auto.json's,
+    not settings."""
     import src.fusion.choice as choice_mod
     import src.fusion.measure as measure_mod
     from src.fusion.choice import apply_auto_choice
@@ -413,14 +416,17 @@ def test_auto_writes_each_measured_choice_and_its_reason_into_the_config(tmp_pat
     monkeypatch.setattr(measure_mod, "measure_on_gpu", lambda ops, cfg: measure(ops, cfg, timer))
     cfg = _seed_cfg(precision="fp8", backend="cuda", **{"kernels": "auto", "kernels.diagnosis": str(FIXTURE), "precision.fp8_impl": "triton",
                                                         "precision.fp8_recipe": "rowwise_with_gw_hp"})
-    apply_auto_choice(cfg, tmp_path)
+    choice = apply_auto_choice(cfg, tmp_path, run_dir=tmp_path)
     k = cfg.kernels
     assert list(k.fused) == ["cross_entropy"] and k.compile is True and str(cfg.optim.impl) == "triton"  # compiled blocks drop the Triton norms
-    assert dict(k.reasons) == {"block": FLOAT8_EAGER_BLOCKS}
-    assert k.measured["block"]["picked"] == pytest.approx(12 * 3.55) and k.measured["block"]["compile.host"] == pytest.approx(12 * 3.2)
+    assert "measured" not in k and "reasons" not in k
+    assert choice.reasons == {"block": FLOAT8_EAGER_BLOCKS}
+    assert choice.measured["block"]["picked"] == pytest.approx(12 * 3.55) and choice.measured["block"]["compile.host"] == pytest.approx(12 * 3.2)
+    record = json.loads((tmp_path / "kernels_auto.json").read_text())
+    assert record["measured"] == choice.measured and record["reasons"] == choice.reasons and record["fused"] == ["cross_entropy"]
     bf16 = _seed_cfg(backend="cuda", **{"kernels": "auto", "kernels.diagnosis": str(FIXTURE)})
-    apply_auto_choice(bf16, tmp_path)
-    assert bf16.kernels.compile is False and dict(bf16.kernels.reasons) == {} and list(bf16.kernels.fused) == ["rms_norm", "cross_entropy"]
+    plain = apply_auto_choice(bf16, tmp_path)
+    assert bf16.kernels.compile is False and plain.reasons == {} and list(bf16.kernels.fused) == ["rms_norm", "cross_entropy"]
 
 
 @pytest.mark.parametrize("recipe, grad_weight_in_float8", [("rowwise_with_gw_hp", False), ("rowwise_with_gw_tensorwise", True)])

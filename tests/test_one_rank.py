@@ -137,7 +137,7 @@ def _compare(direct: dict, fsdp2: dict) -> None:
 
 
 def test_one_rank_gives_bf16_gradients_the_same_bits_reduced_in_fp32_as_in_bf16(one_rank_group):
-    """What parallelize's _reduce_dtype relies on: one rank reduces nothing, so bf16 gradients cast
+    """What src/speed/apply.py's _reduce_dtype relies on: one rank reduces nothing, so bf16 gradients cast
     straight into an fp32 buffer are the bits of FSDP2's bf16 buffer upcast afterwards."""
     bf16 = _run("direct", "cpu", torch.bfloat16, torch.bfloat16)
     fp32 = _run("direct", "cpu", torch.bfloat16, torch.float32)
@@ -155,8 +155,7 @@ def test_one_rank_reduces_in_fp32_only_where_bf16_would_round_nothing(overrides,
     from types import SimpleNamespace
 
     from src.config.compose import compose_config
-    from src.distributed.parallelize import _reduce_dtype
-    from src.speed.apply import decide
+    from src.speed.apply import _reduce_dtype, decide
 
     cfg = compose_config(overrides)
     direct = decide(cfg, world, "cuda", str(cfg.precision.reduce_dtype))["one_rank_copies"].on

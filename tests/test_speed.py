@@ -20,6 +20,7 @@ from src.runtime import RunContext
 from src.speed import RECIPES, grad_upcast, keep_unsharded
 from src.speed.apply import decide, install_fsdp
 from src.speed.recipe import FSDP, Recipe
+from src.speed.versions import release, torch_version
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_RANK = ["dist.nproc=1", "train.steps=3", "data.seq_len=32", "data.batch_size=2", "tracking=none", "train.progress=false"]
@@ -33,7 +34,8 @@ def _test_names(path: Path) -> set[str]:
 def test_each_recipe_probes_clean_here_and_names_a_parity_test_that_exists(name):
     recipe = RECIPES[name]
     assert recipe.probe() == [], recipe.probe()
-    if not recipe.native():  # torch 2.15+ keeps unsharded storage itself: no recipe runs there
+    # torch 2.15+ keeps unsharded storage itself: no recipe runs there; a recipe verified on fewer releases is off on the others
+    if not recipe.native() and release(torch_version()) in recipe.torch:
         assert recipe.why_not() is None
     assert recipe.replaces and recipe.gain and "docs/RESULTS.md" in recipe.gain
     path, _, test = recipe.parity.partition("::")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from src.fusion.attention import restore_sdpa_backends, use_sdpa_backend
-from src.train.loop import forward_backward_step, optimizer_step, summarize, train_loop
+from src.train.loop import LoopHooks, Throughput, forward_backward_step, optimizer_step, summarize, train_loop
 
 
 def _run(log_every: int, steps: int, checkpoint_at: int | None = None, grad_clip: float = 0.0):
@@ -24,8 +23,8 @@ def _run(log_every: int, steps: int, checkpoint_at: int | None = None, grad_clip
         calls.append((step, read, norm is not None))
         return loss.detach(), norm
 
-    result = train_loop(step_fn, opt, batches, steps, torch.device("cpu"), 32, 1, 1e3, None, log_every=log_every,
-                        checkpoint_due=lambda n: n == checkpoint_at)
+    result = train_loop(step_fn, opt, batches, steps, torch.device("cpu"), Throughput(32, 1, 1e3, None),
+                        LoopHooks(checkpoint_due=lambda n: n == checkpoint_at), log_every=log_every)
     return result, calls
 
 
@@ -51,23 +50,3 @@ def test_the_unread_steps_train_the_same_weights():
     sparse, _ = _run(log_every=3, steps=6)
     by_step = {s.step: s.loss for s in every.steps}
     assert all(by_step[s.step] == s.loss for s in sparse.steps)
-
-
-def test_sdpa_backend_leaves_only_the_chosen_kernel_on():
-    saved = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "cudnn")}
-    try:
-        use_sdpa_backend("cudnn")
-        assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
-        assert not torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
-        use_sdpa_backend("flash")
-        assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
-        before = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "cudnn")}
-        use_sdpa_backend("default")  # torch's own order: nothing switched
-        assert before == {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "cudnn")}
-        restore_sdpa_backends()  # what a run does at its end: the switches as torch had them before the first change
-        assert saved == {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in ("flash", "mem_efficient", "cudnn")}
-        restore_sdpa_backends()  # nothing changed since: nothing to do
-    finally:
-        for name, on in saved.items():
-            getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
-

@@ -137,7 +137,7 @@ def test_fp8_loss_compares_every_variant_and_control_with_one_bf16_run(tmp_path,
     assert failed.value.code == 1
     assert [name for name, _ in seen[3:]] == ["bf16", "gw_hp", "bf16", "gw_tw", "compiled"]
     fp8_loss.main(argv[:10], runner=lambda name, overrides, args: seen.append((name, overrides)) or base)
-    assert seen[-1] == ("fp8", ["precision=fp8"])  # no --variant: torchao's tensorwise float8
+    assert seen[-1] == ("fp8", ["precision=fp8"])  # no --variant: precision=fp8's default float8
     with pytest.raises(SystemExit) as clash:
         fp8_loss.main([*argv[:10], "--variant", "bf16=precision=fp8"], runner=runner)
     assert clash.value.code == 2

@@ -102,14 +102,6 @@ def explain_parse_error(exc: Exception, overrides: list[str]) -> str:
 
 
 
-# Keys that left their group for `speed` (or went), so an old command line gets the new name.
-MOVED = {
-    **{f"sharding.{k}": f"speed.{k}" for k in ("keep_unsharded", "symm_mem", "forward_prefetch", "backward_prefetch",
-                                              "grad_upcast", "gather_copy_in", "reduce_copy_in", "one_rank_copies")},
-    "optim.cast_in_step": "speed.cast_in_step", "optim.clip_in_update": "speed.clip_in_update", "kernels.cudagraphs": "speed.cudagraphs",
-    "kernels.cpp_wrapper": None, "kernels.static_launch": None, "kernels.max_autotune": None,
-}
-
 def explain_compose_error(exc: Exception, overrides: list[str]) -> str:
     text = str(exc)
     missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
@@ -123,10 +115,6 @@ def explain_compose_error(exc: Exception, overrides: list[str]) -> str:
         m = re.search(r"Key '([^']+)' not in '(\w+)'", str(cause))
         full_key = getattr(cause, "full_key", None) or (m.group(1) if m else "?")
         parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
-        if full_key in MOVED:
-            now = MOVED[full_key]
-            return f"{_override_for(full_key, overrides)}: {full_key} " + (f"is now {now} (the speed group: conf/speed/)" if now else
-                                                                           "was removed: it measured no gain (docs/RESULTS.md)")
         fields = _fields_of(parent)
         hint = f"; valid keys in {parent or 'the config'}: {', '.join(fields)}" if fields else ""
         return f"{_override_for(full_key, overrides)}: unknown key '{full_key}'{hint}"

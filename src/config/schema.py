@@ -56,13 +56,6 @@ class CompileBackend(StrEnum):
     eager = "eager"
 
 
-class SdpaBackend(StrEnum):
-    default = "default"
-    flash = "flash"
-    efficient = "efficient"
-    cudnn = "cudnn"
-
-
 class DeviceType(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
@@ -185,16 +178,16 @@ class PrecisionConfig:
     """dtype of the gradient reduce-scatter / all-reduce; on a mesh of one rank, where nothing is reduced, a
     reduce_dtype equal to param_dtype runs as float32 (the same bits, one cast fewer: src/distributed/parallelize.py)"""
     float8: bool = False
-    """float8 GEMMs in the transformer blocks' nn.Linear layers (torchao Float8Linear; not the head); CUDA, capability 8.9+"""
-    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """float8 GEMMs in the transformer blocks' nn.Linear layers (fp8_impl's casts; not the head unless fp8_head); CUDA, capability 8.9+"""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.rowwise_with_gw_tensorwise
     """float8 scaling: tensorwise (one scale a tensor, cuBLAS), rowwise (a scale per row, CUTLASS), or
     rowwise_with_gw_hp (rowwise output and grad-input GEMMs, the grad-weight GEMM in bf16: no transposed casts of activations),
     or rowwise_with_gw_tensorwise (the same with a float8 grad-weight GEMM on tensorwise dY^T and X^T; fp8_impl=triton only)"""
     fp8_all_gather: bool = True
     """tensorwise under FSDP2: all-gather the weights in float8 (half bf16's bytes); rowwise gathers bf16"""
-    fp8_impl: Fp8Impl = Fp8Impl.torchao
-    """who casts: torchao's Float8Linear (every recipe; fast under kernels=compile), or triton
-    (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand cast in one pass)"""
+    fp8_impl: Fp8Impl = Fp8Impl.triton
+    """who casts: triton (kernels/triton/fp8_linear.py: rowwise_with_gw_hp or rowwise_with_gw_tensorwise, each operand
+    cast in one pass; the one measured faster than bf16), or torchao's Float8Linear (tensorwise, rowwise, rowwise_with_gw_hp)"""
     fp8_fast_accum: bool = False
     """float8 GEMMs' accumulation: false gives the output GEMM fast accumulation (the tensor cores' own
     precision) and promotes the grad-input and grad-weight GEMMs' sums to fp32 along the way, as torchao
@@ -227,9 +220,6 @@ class KernelsConfig:
     """torch.compile each transformer block before sharding"""
     compile_backend: CompileBackend = CompileBackend.inductor
     """torch.compile backend: inductor (generated kernels), or aot_eager / eager to check graph capture alone"""
-    attention: SdpaBackend = SdpaBackend.default
-    """scaled_dot_product_attention's kernel on CUDA: default (torch's order: flash first), or only
-    flash, efficient or cudnn (cuDNN's fused attention, written for Hopper)"""
     fused: list[str] | None = field(default_factory=list)
     """fused Triton variants to swap in (src/fusion/registry.py); null means every one"""
     auto: bool = False
@@ -238,11 +228,6 @@ class KernelsConfig:
     """with auto: diagnosis.json, or the run directory of a task=diagnose run; empty: the newest for this model"""
     compiled: list[str] = field(default_factory=list)
     """ops run under torch.compile on their own, the rest of the model eager (kernels=auto's choice where compile was fastest)"""
-    measured: dict[str, dict[str, float]] = field(default_factory=dict)
-    """kernels=auto on a GPU: op -> candidate -> GPU ms per step, forward and backward, the host
-    ahead; CANDIDATE.host: the host ms to issue them (filled in before the ranks start)"""
-    reasons: dict[str, str] = field(default_factory=dict)
-    """kernels=auto on a GPU: op -> the rule that picked it where GPU time alone would not have; filled in with `measured`"""
     loss_trial: int = 0
     """kernels=auto on a GPU with a fused loss picked: n > 0 alternates it with eager's loss over n pairs of steps and
     keeps it only where its median step is no more than 0.5% slower (src/fusion/trial.py)"""
@@ -262,9 +247,6 @@ class SpeedConfig:
     """FSDP2's upcast of bf16/fp16-reduced gradients to the fp32 parameters by a vectorised Triton kernel (recipe)"""
     reduce_copy_in: Use = Use.auto
     """FSDP2's copy of each unit's gradients into the reduce-scatter input by a vectorised Triton kernel (recipe)"""
-    gather_copy_in: Use = Use.off
-    """two or more ranks: each fp32 shard cast straight into FSDP2's all-gather buffer, no staging copy (recipe;
-    off in every preset until it is measured on two GPUs)"""
     one_rank_copies: Use = Use.auto
     """a one-rank shard group: FSDP2's stand-in copies dropped, each unshard one cast, each reduce no copy (recipe)"""
     cast_in_step: Use = Use.auto
@@ -276,13 +258,6 @@ class SpeedConfig:
     cudagraphs: bool = False
     """Inductor: each compiled graph replayed from a CUDA graph (torch.compile's reduce-overhead), one launch a
     graph; under fsdp2/hsdp it needs keep_unsharded"""
-    forward_prefetch: int = 0
-    """fsdp2/hsdp: each unit's forward also issues the next k units' all-gathers (FSDP2's set_modules_to_forward_prefetch)"""
-    backward_prefetch: int = 0
-    """fsdp2/hsdp: each unit's backward issues the gathers of the next k units backward reaches (set_modules_to_backward_prefetch)"""
-    symm_mem: bool = False
-    """fsdp2/hsdp on CUDA: the all-gathers' buffers in NCCL symmetric memory (FSDP2's set_symm_mem_for_comm,
-    torch 2.13+); with NCCL_CTA_POLICY=2 they run on the copy engines"""
     clip_in_update: bool = True
     """fused AdamW (torch's, or optim.impl=triton's) with optim.grad_clip > 0: the clipping factor applied
     inside the update instead of a pass of its own over the gradients"""
@@ -374,9 +349,6 @@ class OptimConfig:
     state_dtype: StateDtype = StateDtype.float32
     """AdamW's moments (exp_avg, exp_avg_sq): float32, or bfloat16 (impl=triton), rounded stochastically
     in the update: half the moments' memory and bytes"""
-    in_backward: bool = False
-    """fsdp2/hsdp: update each FSDP unit as soon as its gradients are reduced, on FSDP2's
-    post-reduce stream while backward goes on (src/train/step_in_backward.py); needs grad_clip=0"""
     schedule: Schedule = Schedule.constant
     """learning rate per step: constant (the seed's) or cosine (down to min_lr_ratio * lr at the last step)"""
     warmup_steps: int = 0

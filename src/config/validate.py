@@ -106,8 +106,6 @@ def _check_fake(cfg: DictConfig, as_worker: bool) -> None:
     if ck.enabled or ck.resume not in ("auto", "none") or ck.export_safetensors:
         raise ConfigError("dist.fake=true: rank 0 alone holds 1/N of the weights, so it can neither write a whole checkpoint (nor model.safetensors) "
                           "nor load one; set checkpoint.enabled=false checkpoint.resume=none checkpoint.export_safetensors=false")
-    if cfg.speed.symm_mem:
-        raise ConfigError("speed.symm_mem=true maps the other ranks' buffers, and under dist.fake=true they do not exist; drop one of them")
     if cfg.fault.kind != "none" and cfg.fault.rank != 0:
         raise ConfigError(f"fault.rank={cfg.fault.rank} never runs under dist.fake=true (rank 0 alone); set fault.rank=0")
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,9 +38,6 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     split_root: bool = False,
-    symm_mem: bool = False,
-    forward_prefetch: int = 0,
-    backward_prefetch: int = 0,
 ) -> nn.Module:
     """Per-block fully_shard, then the root. Each block's parameters are all-gathered just before its
     forward and freed after it (reshard_after_forward), so peak memory holds one full block at a time.
@@ -67,41 +64,7 @@ def apply_fsdp(
     # The root's parameters (embedding, head) are needed again at the start of backward: keeping
     # them gathered after forward saves one all-gather of the largest matrices for free memory.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
-    if forward_prefetch or backward_prefetch:
-        set_prefetch(model, forward_prefetch, backward_prefetch)
-    if symm_mem:
-        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-            unit.set_symm_mem_for_comm()  # per unit: it changes only the module it is called on
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.info("speed.symm_mem: all-gathers into NCCL symmetric memory (FSDP2's set_symm_mem_for_comm)")
     return model
-
-
-def forward_units(model: nn.Module) -> list[FSDPModule]:
-    """The FSDP units under the root, in the order forward gathers them: the embedding (split
-    root), the blocks, the head (split root, unless it computes the fused loss)."""
-    order = [getattr(model, "embed", None), *model.layers, getattr(model, "head", None)]
-    return [m for m in order if isinstance(m, FSDPModule) and m is not model]
-
-
-def prefetch_plan(order: list, k: int) -> list[tuple[object, list]]:
-    """(unit, the k units after it) for each unit that has any: the explicit prefetch list."""
-    return [(unit, order[i + 1 : i + 1 + k]) for i, unit in enumerate(order) if order[i + 1 : i + 1 + k]]
-
-
-def set_prefetch(model: FSDPModule, forward: int, backward: int) -> None:
-    """Explicit all-gather prefetching. Forward: the root's hook issues the first k units' gathers
-    and each unit the next k, so a gather is queued a unit's compute ahead of its use even when
-    the host queues forward no faster than the GPUs run it (the tuned 2-H200 step: 2 ms of host
-    a block against 1.6-2 ms of kernels, the gathers 0.3-0.5 ms each exposed). Backward: each
-    unit issues the gathers of the k units that backward reaches next (FSDP2 prefetches one)."""
-    units = forward_units(model)
-    if forward:
-        for unit, nxt in prefetch_plan([model, *units], forward):
-            unit.set_modules_to_forward_prefetch(nxt)
-    if backward:
-        for unit, nxt in prefetch_plan(units[::-1], backward):
-            unit.set_modules_to_backward_prefetch(nxt)
 
 
 def _full_init_tensor(kind: str, std: float, shape: torch.Size, seed: int, name: str, device: torch.device) -> torch.Tensor:
@@ -151,23 +114,6 @@ class Parallelized:
     """float8 all-gather: the next step's weight scales, after each optimizer step"""
     speed: list[str] = field(default_factory=list)
     """the speed recipes this run's model runs with (src/speed/); cast_in_step's once the optimizer exists"""
-
-
-def _reduce_dtype(cfg: DictConfig, mesh: DeviceMesh, direct: bool, main: bool) -> str:
-    """precision.reduce_dtype, but float32 where one rank is the whole mesh, FSDP2's one-rank copies are
-    dropped (`direct`: speed.one_rank_copies runs) and the gradients would be "reduced" in the dtype they
-    are computed in (reduce_dtype = param_dtype, below the fp32 parameters'). One rank reduces nothing:
-    FSDP2 copies the bf16 gradients into a bf16 buffer, then casts that to fp32 for the parameters, 10
-    bytes a parameter; cast straight into an fp32 buffer, which is then the fp32 gradient, it is 6, for
-    the same bits (every bf16 value is an fp32 one)."""
-    reduce_dtype = str(cfg.precision.reduce_dtype)
-    if (mesh.size() == 1 and direct and not cfg.sharding.cpu_offload
-            and reduce_dtype == str(cfg.precision.param_dtype) and torch_dtype(reduce_dtype) != torch.float32):
-        if main:
-            log.info("precision.reduce_dtype=%s: one rank reduces nothing, so its %s gradients are cast straight into the "
-                     "fp32 gradient buffer (the same bits, 4 bytes a parameter fewer)", reduce_dtype, reduce_dtype)
-        return "float32"
-    return reduce_dtype
 
 
 def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, device: torch.device) -> Parallelized:
@@ -221,32 +167,14 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
             block.compile(backend=cfg.kernels.compile_backend)
 
     autocast_dtype = None
-    speed_on: list[str] = []
-    from src.speed.tied_embedding import tie_embedding_gradient
+    from src.speed import install
 
-    if tie_embedding_gradient(cfg, model, device, main):  # before sharding: the embedding's class, its Parameter kept
-        speed_on.append("tied_embedding_grad")
-    from src.speed.grad_squares import SQUARES
+    def shard(reduce_dtype: str) -> None:
+        apply_fsdp(model, mesh, mixed_precision_policy(cfg.precision.param_dtype, reduce_dtype),
+                   cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root)
 
-    SQUARES.reset()  # a run before this one in the process may have left the copy-in summing (set below where it applies)
-    if mesh is not None:
-        from src.speed.apply import decide, install_fsdp
-
-        shard_ranks = mesh.size(mesh.ndim - 1)  # the shard dimension: the mesh's last (env.py)
-        direct = decide(cfg, shard_ranks, device.type, str(cfg.precision.reduce_dtype))["one_rank_copies"].on
-        reduce_dtype = _reduce_dtype(cfg, mesh, direct, main)
-        verdicts = decide(cfg, shard_ranks, device.type, reduce_dtype)
-        apply_fsdp(
-            model, mesh, mixed_precision_policy(cfg.precision.param_dtype, reduce_dtype),
-            cfg.sharding.reshard_after_forward, cfg.sharding.cpu_offload, cfg.sharding.split_root, cfg.speed.symm_mem,
-            cfg.speed.forward_prefetch, cfg.speed.backward_prefetch,
-        )
-        speed_on += install_fsdp(model, verdicts, cfg.precision.param_dtype, main)
-        if norm_in_copy_in(cfg, speed_on, mesh.size(), main, model):
-            speed_on.append("norm_in_copy_in")  # taken by the Trainer's clipping (src/speed/grad_squares.py)
-        if verdicts["cast_in_step"].on:
-            speed_on.append("cast_in_step")  # installed by the Trainer, once the optimizer exists
-    elif torch_dtype(cfg.precision.param_dtype) != torch.float32:
+    speed_on = install(cfg, model, device, main, mesh, shard)  # every speed lever, fully_shard in its place among them
+    if mesh is None and torch_dtype(cfg.precision.param_dtype) != torch.float32:
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)
     if cfg.model.hf_path:  # each rank reads only the rows of its own shards
@@ -258,20 +186,3 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
     if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return Parallelized(model, autocast_dtype, after_optimizer, speed_on)
-
-
-def norm_in_copy_in(cfg: DictConfig, speed_on: list[str], mesh_ranks: int, main: bool, model: nn.Module | None = None) -> bool:
-    """speed.norm_in_copy_in: on (and the copy-in summing squares from now on) where one rank is the whole mesh,
-    the copy-in and one-rank recipes run and clipping reads the norm; off, and the copy-in summing nothing,
-    everywhere else (one process may run several)."""
-    from src.speed.apply import asked
-    from src.speed.grad_squares import SQUARES, divides_gradients
-
-    wanted = asked(cfg, "norm_in_copy_in") != "off" and cfg.optim.grad_clip > 0
-    SQUARES.on = (wanted and mesh_ranks == 1 and {"reduce_copy_in", "one_rank_copies"} <= set(speed_on)
-                  and not (model is not None and divides_gradients(model)))
-    if asked(cfg, "norm_in_copy_in") == "on" and not SQUARES.on and main:  # auto where it does not apply: off without a word
-        log.info("speed.norm_in_copy_in: off in this run (it needs one rank, speed.reduce_copy_in and one_rank_copies running, and no "
-                 "gradient divide factor); clipping sums the norm in a pass of its own")
-    return SQUARES.on
-

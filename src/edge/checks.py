@@ -1,4 +1,4 @@
-"""task=infer's own settings checks (src/validate.py runs them): the action, backend, sizes, dtype
+"""task=infer's own settings checks (src/config/validate.py runs them): the action, backend, sizes, dtype
 and target that can run here, refused with the value and the fix before anything starts."""
 from __future__ import annotations
 

@@ -8,15 +8,17 @@ The diagnosis is `diagnosis.json` from `task=diagnose` (src/diagnose/task.py), n
 `kernels.diagnosis` (the file, or a run directory holding diagnose/diagnosis.json); left empty,
 the newest one under ./outputs and ./multirun whose run config has this same model. The choice
 is written into the job's config (`kernels.fused`, `kernels.diagnosis` made absolute) before the
-ranks start, so every rank swaps the same modules and MLflow's params record it; rank 0 also
-logs the reasons, one diagnosis line per op, as `kernels_auto.json`.
+ranks start, so every rank swaps the same modules and MLflow's params record it. The timings and
+the rules behind the picks are outputs, not settings: they go to the run folder's
+`kernels_auto.json` (AUTO_FILE), which rank 0 completes with what the model swapped, logs, and
+stores as an MLflow artifact.
 """
 from __future__ import annotations
 
 import functools
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ from src.fusion.registry import REGISTRY
 from src.profiling.diagnosis import fusable_ops
 
 SEARCH_ROOTS = ("outputs", "multirun")
+AUTO_FILE = "kernels_auto.json"
+"""kernels=auto's record in the run folder: the choice, its timings and reasons, what the model swapped"""
 OPTIMIZER = "adamw"
 """the diagnosis's op for AdamW's kernels: not a module swap, optim.impl (src/fusion/measure.py)"""
 FP8_HEAD_OP = "linear_cross_entropy"
@@ -42,6 +46,11 @@ class AutoChoice:
     """the GPU it was measured on"""
     ops: dict[str, list[str]]
     """registry op -> the diagnosis lines that call for it"""
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+    """on a GPU: op -> candidate -> GPU ms per step, forward and backward, the host ahead;
+    CANDIDATE.host: the host ms to issue them"""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """on a GPU: op -> the rule that picked it where GPU time alone would not have"""
 
     def describe(self) -> str:
         return ", ".join(self.ops) or "nothing (no op is memory-bound or latency-limited)"
@@ -114,8 +123,9 @@ def auto_choice(cfg: DictConfig, cwd: str | Path) -> AutoChoice | None:
         return AutoChoice("", "", {op: [MEASURED_ONLY] for op in (*REGISTRY, OPTIMIZER)})
 
 
-def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) -> AutoChoice | None:
-    """Write the choice into the job's config before the ranks start (see the module docstring).
+def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, run_dir: str | Path | None = None) -> AutoChoice | None:
+    """Write the choice into the job's config before the ranks start (see the module docstring),
+    and return it with its timings and reasons, which also go to `run_dir`'s AUTO_FILE where given.
     On a GPU (and `measure`), the diagnosed ops' candidates are timed first and the fastest of
     eager, torch.compile and the fused kernel is used (src/fusion/measure.py); elsewhere the
     diagnosis alone decides, and the log says so."""
@@ -168,9 +178,10 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True) ->
         cfg.kernels.fused = fused
         cfg.kernels.compiled = compiled
         cfg.kernels.compile = compile_blocks
-        cfg.kernels.measured = measured
-        cfg.kernels.reasons = reasons
         cfg.kernels.diagnosis = choice.diagnosis
+    choice = replace(choice, measured=measured, reasons=reasons)  # a copy: choose() caches the diagnosis's
+    if run_dir is not None:
+        write_choice(choice, None, Path(run_dir) / AUTO_FILE, cfg.kernels)
     return choice
 
 
@@ -188,12 +199,20 @@ def _gpu_present() -> bool:
     return torch.cuda.is_available()  # asks the driver without creating a context in this process
 
 
-def write_choice(choice: AutoChoice, swapped: dict[str, int], path: Path, kernels_cfg: DictConfig | None = None) -> dict:
+def write_choice(choice: AutoChoice, swapped: dict[str, int] | None, path: Path, kernels_cfg: DictConfig | None = None) -> dict:
     """kernels_auto.json: what the diagnosis called for and why, what was timed and chosen (fused,
     compiled; nothing timed without a GPU), and what the model had to swap (0: the op is not a
-    module of this model, e.g. swiglu on the seed's plain SiLU MLP)."""
-    record = {**asdict(choice), "swapped": swapped}
+    module of this model, e.g. swiglu on the seed's plain SiLU MLP; None: not swapped yet)."""
+    record = asdict(choice) if swapped is None else {**asdict(choice), "swapped": swapped}
     if kernels_cfg is not None:
         record.update(OmegaConf.to_container(kernels_cfg, resolve=True))
     path.write_text(json.dumps(record, indent=2))
     return record
+
+
+def read_choice(path: Path) -> AutoChoice | None:
+    """The choice write_choice left at `path` (before the ranks started, with its timings); None where there is none."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return AutoChoice(**{f.name: record[f.name] for f in fields(AutoChoice) if f.name in record})

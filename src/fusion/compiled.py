@@ -32,7 +32,7 @@ def _silu_mul(g, u):
 @functools.cache
 def _compiled(fn):
     """torch.compile(fn), made on first use: importing torch._dynamo costs ~2.5 s, which every
-    run's settings check (src/validate.py reads COMPILABLE) would otherwise pay."""
+    run's settings check (src/config/validate.py reads COMPILABLE) would otherwise pay."""
     return torch.compile(fn, dynamic=False)
 
 

@@ -145,8 +145,8 @@ def optimizer_swappable(cfg: DictConfig) -> str | None:
     o = cfg.optim
     if str(o.impl) != "auto":
         return f"optim.impl={o.impl} is set"
-    if o.grad_clip > 0 or cfg.train.nonfinite == "skip" or o.in_backward:
-        return "the step needs the grad norm before the update (clipping, skipping or the update in backward)"
+    if o.grad_clip > 0 or cfg.train.nonfinite == "skip":
+        return "the step needs the grad norm before the update (clipping or skipping)"
     if cfg.sharding.cpu_offload or cfg.backend.name != "cuda":
         return "the optimizer does not run on a GPU"
     if gathers_float8(cfg.precision, cfg.sharding.strategy):

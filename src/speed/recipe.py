@@ -97,6 +97,9 @@ class Recipe:
     """the knob is true/false (off unless asked for) rather than auto/on/off"""
     native: Callable[[], str | None] = lambda: None
     """what this torch offers itself in the recipe's place (then no recipe runs: the knob takes torch's own); None: nothing"""
+    fsdp: bool = True
+    """a recipe on FSDP2's internals, whose verdict src/speed/apply.py's decide() gives; false: a lever on the model or
+    the step that decides where it runs itself (install() calls it, with or without FSDP2)"""
 
     @property
     def knob(self) -> str:

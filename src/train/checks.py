@@ -1,5 +1,5 @@
 """The training tasks' own settings checks (train, profile, and diagnose, which trains one step):
-src/validate.py runs them after the cross-group rules. Each raises ConfigError with the bad value
+src/config/validate.py runs them after the cross-group rules. Each raises ConfigError with the bad value
 and the fix."""
 from __future__ import annotations
 
@@ -61,20 +61,6 @@ def _check_numbers(cfg: DictConfig) -> None:
         need(0 <= f.step < t.steps, "fault.step", f.step, f"a step of this run, 0 to {t.steps - 1} (steps count from 0)")
 
 
-def _check_in_backward(cfg: DictConfig) -> None:
-    """optim.in_backward updates a unit before backward has reduced the others' gradients: nothing
-    that needs the global norm first, and FSDP2's reduce-scatter to hook."""
-    sharding = cfg.sharding
-    if sharding.strategy not in ("fsdp2", "hsdp"):
-        raise ConfigError(f"optim.in_backward=true updates each FSDP unit when FSDP2 has reduced its gradients, and sharding={sharding.name} has no FSDP units; use sharding=fsdp2 or hsdp")
-    if cfg.optim.grad_clip > 0:
-        raise ConfigError(f"optim.in_backward=true updates units before the global grad norm is known, so optim.grad_clip={cfg.optim.grad_clip} cannot clip; set optim.grad_clip=0")
-    if cfg.train.nonfinite == "skip":
-        raise ConfigError("optim.in_backward=true updates units before the global grad norm is known, so train.nonfinite=skip cannot skip a step; use train.nonfinite=fail")
-    if sharding.cpu_offload:
-        raise ConfigError(f"optim.in_backward=true runs each update on the GPU's post-reduce stream, and sharding={sharding.name} keeps the optimizer in host memory; use sharding=fsdp2")
-
-
 def _check_triton_optimizer(cfg: DictConfig, backend: str) -> None:
     why_not = triton_usable(backend)
     if why_not and (backend == "cuda" or interpreted()):
@@ -110,21 +96,6 @@ def _check_speed(cfg: DictConfig, backend: str) -> None:
         # address records the blocks' graphs again
         raise ConfigError(f"speed.cudagraphs=true replays the compiled blocks with their weights where they were recorded, and "
                           f"sharding={sharding.name} gathers the weights into new memory every step; add speed.keep_unsharded=true (or use speed=graphs)")
-    for knob in ("forward_prefetch", "backward_prefetch"):
-        k = speed[knob]
-        if k < 0:
-            raise ConfigError(f"speed.{knob}={k}: the number of units to prefetch must be 0 (FSDP2's own order) or more")
-        if k and sharding.strategy not in ("fsdp2", "hsdp"):
-            raise ConfigError(f"speed.{knob}={k} prefetches FSDP2's all-gathers, and sharding={sharding.name} gathers nothing; use sharding=fsdp2 or hsdp")
-    if speed.symm_mem:
-        if sharding.strategy not in ("fsdp2", "hsdp") or backend != "cuda" or sharding.cpu_offload:
-            raise ConfigError(f"speed.symm_mem=true puts FSDP2's all-gather buffers in NCCL symmetric memory; with sharding={sharding.name} "
-                              f"backend={backend} use sharding=fsdp2 backend=cuda (without cpu_offload)")
-        from torch.distributed.fsdp import FSDPModule
-
-        if not hasattr(FSDPModule, "set_symm_mem_for_comm"):
-            raise ConfigError(f"speed.symm_mem=true needs FSDP2's set_symm_mem_for_comm (torch 2.13+), which torch {torch.__version__} lacks: "
-                              "drop the override or install a newer torch")
 
 
 def _check_text_file(cfg: DictConfig) -> None:
@@ -251,15 +222,11 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
         raise ConfigError(f"sharding.split_root=true shards the embedding and head apart, and sharding={sharding.name} does not shard; use sharding=fsdp2 or hsdp")
     if cfg.ac.mode == "selective" and cfg.ac.selective != "op" and not (cfg.ac.selective.isdigit() and int(cfg.ac.selective) >= 1):
         raise ConfigError(f"ac.selective={cfg.ac.selective}: op (keep the matmuls' outputs, recompute the rest) or N >= 1 (every Nth block in full)")
-    if cfg.optim.in_backward:
-        _check_in_backward(cfg)
     if cfg.optim.state_dtype != "float32" and cfg.optim.impl != "triton":
         raise ConfigError(f"optim.state_dtype={cfg.optim.state_dtype} keeps AdamW's moments in {cfg.optim.state_dtype}, which only the Triton update "
                           f"rounds stochastically; set optim.impl=triton (now {cfg.optim.impl}), or optim.state_dtype=float32")
     if cfg.optim.impl == "triton":
         _check_triton_optimizer(cfg, backend)
-    if cfg.kernels.attention != "default" and backend != "cuda":
-        raise ConfigError(f"kernels.attention={cfg.kernels.attention} picks a CUDA attention kernel; with backend={backend} use kernels.attention=default")
     _check_speed(cfg, backend)
     if sharding.cpu_offload and backend != "cuda":
         raise ConfigError(f"sharding={sharding.name} offloads to host memory from a GPU; with backend={backend} use sharding=fsdp2")

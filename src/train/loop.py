@@ -118,7 +118,6 @@ def optimizer_step(
     skip_nonfinite: bool = False,
     after_optimizer: Callable[[], None] | None = None,
     need_norm: bool = True,
-    update: Callable[[], object] | None = None,
     clip_in_update: bool = True,
     norm_from: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
@@ -127,26 +126,24 @@ def optimizer_step(
     sync). `after_optimizer` runs after the update (float8: the next step's weight scales).
     `need_norm` false (a step nobody reads, no clipping, no skipping): no norm is computed and None
     returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
-    host launches a step on mini_llm over 2 GPUs. `update` replaces optimizer.step (optim.in_backward:
-    what backward has not already updated). `clip_in_update` (speed.clip_in_update, torch's fused
+    host launches a step on mini_llm over 2 GPUs. `clip_in_update` (speed.clip_in_update, torch's fused
     AdamW or optim.impl=triton's): the clipping factor goes to the update kernel instead of a pass
     over the gradients. `norm_from` (speed.norm_in_copy_in) gives the global norm of the gradients
     in place of get_total_norm's pass over them. An
     optimizer that sums the gradients' squares as it updates (optim.impl=triton) gives the norm of a
     step that only reports it (no clipping, no skipping)."""
-    update = update or optimizer.step
     with mark("optimizer"):
         if not (need_norm or grad_clip > 0 or skip_nonfinite):
-            update()
+            optimizer.step()
             if after_optimizer is not None:
                 after_optimizer()
             return None
-        if update == optimizer.step and grad_clip <= 0 and not skip_nonfinite and norm_in_update(optimizer):
+        if grad_clip <= 0 and not skip_nonfinite and norm_in_update(optimizer):
             # the norm only reported: the update's own pass over the gradients sums their squares
             # (optim.impl=triton), no pass of its own
             optimizer.grad_norm_wanted = True
             try:
-                update()
+                optimizer.step()
             finally:
                 optimizer.grad_norm_wanted = False
             if after_optimizer is not None:
@@ -180,7 +177,7 @@ def optimizer_step(
         elif grad_clip > 0:  # it takes the parameters and scales their .grad (given the gradients it finds none)
             torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
         try:
-            update()
+            optimizer.step()
         finally:
             if folded and hasattr(optimizer, "grad_mul"):  # no factor left for a step() outside this one
                 optimizer.grad_mul = None
@@ -253,124 +250,152 @@ class LoopResult:
     """the steps done when it stopped (the step count of the checkpoint it saved then)"""
 
 
+@dataclass
+class Throughput:
+    """What turns a step time into tokens/s and MFU."""
+
+    tokens_per_step_per_device: int
+    world_size: int
+    flops_per_token: float
+    peak_flops: float | None
+
+
+@dataclass
+class LoopHooks:
+    """What the loop calls beside the steps: `on_step` with each read step's figures (logging, progress,
+    profiling), `checkpoint_due(steps_done)` and `save_checkpoint(steps_done)`, and `stop_due()`, asked
+    before each step (the same answer on every rank): a signal to stop on (src/train/preempt.py), or 0."""
+
+    on_step: Iterable[Callable[[StepStats], None]] = ()
+    checkpoint_due: Callable[[int], bool] = lambda steps_done: False
+    save_checkpoint: Callable[[int], None] | None = None
+    stop_due: Callable[[], int] | None = None
+
+
+class StepClock:
+    """Step time between two reads over the steps between them, host queue time beside it, and the
+    overhead that follows a read (callbacks, checkpoint), counted apart so its share can be reported.
+    On a GPU the clock is the device's (the host reads a step late by design: it queues the next one
+    first, so host clocks would put part of one step in the next); elsewhere the host's."""
+
+    def __init__(self, device: torch.device, start_step: int):
+        self.device = device
+        self.start = time.perf_counter()
+        self.overhead = 0.0
+        self.queued_s = 0.0  # host time spent queuing the steps since the last read
+        self.last_read: tuple[int, float | torch.cuda.Event] = (start_step - 1, self.now())  # (step, when it ended)
+
+    def now(self) -> float | torch.cuda.Event:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def interval(self, step: int, end: float | torch.cuda.Event) -> tuple[float, float]:
+        """(mean step time, mean host queue time) over the steps since the last read, which `step` becomes."""
+        since, t0 = self.last_read
+        dt = (t0.elapsed_time(end) / 1e3 if isinstance(t0, torch.cuda.Event) else end - t0) / (step - since)
+        host_dt, self.queued_s = self.queued_s / (step - since), 0.0
+        self.last_read = (step, end)
+        return dt, host_dt
+
+    def restart(self, step: int) -> None:
+        """A step read at once (a CPU, a checkpoint): the device waited for the host meanwhile, so the
+        next interval starts now, after the callbacks and the save, which are overhead."""
+        self.last_read = (step, self.now())
+
+
+class _Reads:
+    """A read step's figures into StepStats, checked (train.nonfinite), handed to the hooks, and
+    checkpointed where due."""
+
+    def __init__(self, clock: StepClock, rate: Throughput, hooks: LoopHooks, nonfinite: str, start_step: int):
+        self.clock, self.rate, self.hooks, self.nonfinite = clock, rate, hooks, nonfinite
+        self.results: list[StepStats] = []
+        self.saved_at = start_step  # the step count of the newest checkpoint (where the run resumed from, at first)
+
+    def record(self, step: int, readback: Readback, lr: float | None, ckpt: bool) -> None:
+        loss_v, norm_v, mem_alloc, mem_reserved = readback.read()
+        t1 = time.perf_counter()
+        dt, host_dt = self.clock.interval(step, readback.event if readback.event is not None else t1)
+        if self.nonfinite == "fail" and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
+            # Checked before any checkpoint of this step is written: NaN weights are never saved.
+            raise NonFiniteLoss(f"non-finite loss {loss_v} (grad norm {norm_v}) at step {step}")
+        r = self.rate
+        tps_dev = r.tokens_per_step_per_device / dt
+        stats = StepStats(step=step, loss=loss_v, grad_norm=norm_v, step_time_s=dt, tokens_per_s=tps_dev * r.world_size,
+                          tokens_per_s_per_device=tps_dev, mfu=mfu_percent(r.flops_per_token, tps_dev, r.peak_flops),
+                          peak_mem_alloc_gb=mem_alloc, peak_mem_reserved_gb=mem_reserved, rank0_peak_mem_alloc_gb=readback.local_alloc_gb,
+                          lr=lr, host_rss_mb=host_rss_mb(), host_step_time_s=host_dt)
+        self.results.append(stats)
+        for callback in self.hooks.on_step:
+            callback(stats)
+        self.clock.overhead += time.perf_counter() - t1
+        if ckpt and self.hooks.save_checkpoint is not None:
+            self.hooks.save_checkpoint(step + 1)
+            self.saved_at = step + 1
+        if readback.event is None or ckpt:
+            self.clock.restart(step)
+
+    def save_on_stop(self, step: int) -> None:
+        """The steps run so far saved, where they are not already (a stop signal)."""
+        if self.hooks.save_checkpoint is not None and self.saved_at != step:
+            t_save = time.perf_counter()
+            self.hooks.save_checkpoint(step)
+            self.clock.overhead += time.perf_counter() - t_save
+
+
 def train_loop(
     step_fn: Callable[[int, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]],
     optimizer: torch.optim.Optimizer,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
     device: torch.device,
-    tokens_per_step_per_device: int,
-    world_size: int,
-    flops_per_token: float,
-    peak_flops: float | None,
+    rate: Throughput,
+    hooks: LoopHooks | None = None,
     log_every: int = 1,
-    on_step: Iterable[Callable[[StepStats], None]] = (),
     start_step: int = 0,
-    checkpoint_due: Callable[[int], bool] = lambda steps_done: False,
-    save_checkpoint: Callable[[int], None] | None = None,
     nonfinite: str = "fail",
-    stop_due: Callable[[], int] | None = None,
 ) -> LoopResult:
     """Run `steps` optimizer steps: `step_fn(step, inputs, targets, read)` is one (Trainer.run_step)
     and returns (loss, grad norm) as device tensors, the norm None when the step is not read (`read`
     false: neither logged nor checkpointed nor last) and nothing needs it; `optimizer` is read for
     the learning rate it used.
     A logged step's figures are read after the next step is queued (Readback), so reading them
-    never leaves the device idle; a checkpoint step and the last one are read at once. Step time is
-    the time between two reads over the steps between them (data, forward, backward, optimizer);
-    what follows a read (callbacks, checkpoint) is counted apart as overhead so its share of the
-    step can be reported. Steps count from 0: `start_step` is the first one run, a checkpoint after
-    N steps resumes at N. `stop_due()`, asked before each step (the same answer on every rank), gives
-    a signal to stop on: the steps run so far are saved (save_checkpoint) and the loop ends."""
-    results: list[StepStats] = []
+    never leaves the device idle; a checkpoint step and the last one are read at once (StepClock
+    says how the time is counted). Steps count from 0: `start_step` is the first one run, a
+    checkpoint after N steps resumes at N. A stop signal (LoopHooks.stop_due) saves the steps run
+    so far and ends the loop."""
+    hooks = hooks or LoopHooks()
+    clock = StepClock(device, start_step)
+    reads = _Reads(clock, rate, hooks, nonfinite, start_step)
     skipped: list[int] = []
-    overhead = 0.0
-    start = time.perf_counter()
-
-    def clock() -> float | torch.cuda.Event:
-        """Now, on the device's clock on a GPU (where the host reads a step late by design: it queues
-        the next one first, so host clocks would put part of one step in the next), else the host's."""
-        if device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(t0: float | torch.cuda.Event, t1: float | torch.cuda.Event) -> float:
-        return t0.elapsed_time(t1) / 1e3 if isinstance(t0, torch.cuda.Event) else t1 - t0
-
-    last_read: tuple[int, float | torch.cuda.Event] = (start_step - 1, clock())  # (step, when it ended)
-    queued_s = 0.0  # host time spent queuing the steps since the last read
     pending: tuple[int, Readback, float | None, bool] | None = None  # a logged step not yet read
-    saved_at = start_step  # the step count of the newest checkpoint (where the run resumed from, at first)
     stopped_by = stopped_at = 0
-
-    def record(step: int, readback: Readback, lr: float | None, ckpt: bool) -> None:
-        nonlocal last_read, overhead, queued_s, saved_at
-        loss_v, norm_v, mem_alloc, mem_reserved = readback.read()
-        t1 = time.perf_counter()
-        since, t0 = last_read
-        end = readback.event if readback.event is not None else t1
-        dt = seconds(t0, end) / (step - since)  # mean step time since the last step read
-        host_dt, queued_s = queued_s / (step - since), 0.0
-        last_read = (step, end)
-        if nonfinite == "fail" and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
-            # Checked before any checkpoint of this step is written: NaN weights are never saved.
-            raise NonFiniteLoss(f"non-finite loss {loss_v} (grad norm {norm_v}) at step {step}")
-        tps_dev = tokens_per_step_per_device / dt
-        stats = StepStats(
-            step=step,
-            loss=loss_v,
-            grad_norm=norm_v,
-            step_time_s=dt,
-            tokens_per_s=tps_dev * world_size,
-            tokens_per_s_per_device=tps_dev,
-            mfu=mfu_percent(flops_per_token, tps_dev, peak_flops),
-            peak_mem_alloc_gb=mem_alloc,
-            peak_mem_reserved_gb=mem_reserved,
-            rank0_peak_mem_alloc_gb=readback.local_alloc_gb,
-            lr=lr,
-            host_rss_mb=host_rss_mb(),
-            host_step_time_s=host_dt,
-        )
-        results.append(stats)
-        for callback in on_step:
-            callback(stats)
-        overhead += time.perf_counter() - t1
-        if ckpt and save_checkpoint is not None:
-            save_checkpoint(step + 1)
-            saved_at = step + 1
-        if readback.event is None or ckpt:
-            # read at once (a CPU, a checkpoint): the device waited for the host meanwhile, so the
-            # next interval starts after the callbacks and the save, which are overhead
-            last_read = (step, clock())
-
     for step in range(start_step, steps):
-        stopped_by = stop_due() if stop_due is not None else 0
+        stopped_by = hooks.stop_due() if hooks.stop_due is not None else 0
         if stopped_by:
             stopped_at = step
             if pending is not None:
-                record(*pending)
+                reads.record(*pending)
                 pending = None
-            if save_checkpoint is not None and saved_at != step:
-                t_save = time.perf_counter()
-                save_checkpoint(step)
-                overhead += time.perf_counter() - t_save
+            reads.save_on_stop(step)
             break
         t_queue = time.perf_counter()
-        ckpt = checkpoint_due(step + 1)
+        ckpt = hooks.checkpoint_due(step + 1)
         read = not (step + 1) % log_every or step == steps - 1 or ckpt
         inputs, targets = next(batches)
         try:
             loss, norm = step_fn(step, inputs, targets, read)
-            queued_s += time.perf_counter() - t_queue
+            clock.queued_s += time.perf_counter() - t_queue
         except BaseException:
             if pending is not None:  # the last step that finished is still logged before the error
                 with contextlib.suppress(Exception):
-                    record(*pending)
+                    reads.record(*pending)
             raise
         if pending is not None:  # the previous logged step, read now that this one is queued behind it
-            record(*pending)
+            reads.record(*pending)
             pending = None
         # train_step already synced on the norm to decide; reading it again costs no device time.
         if nonfinite == "skip" and not bool(torch.isfinite(norm)):
@@ -382,11 +407,10 @@ def train_loop(
         readback = Readback(loss, norm, peak_memory_gb(device))
         lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
         if ckpt or step == steps - 1 or readback.event is None:
-            # a checkpoint is of this step's weights, checked first; on a CPU the step is done already
-            record(step, readback, lr, ckpt)
+            reads.record(step, readback, lr, ckpt)  # a checkpoint is of this step's weights, checked first; on a CPU the step is done already
         else:
             pending = (step, readback, lr, ckpt)
-    return LoopResult(results, overhead, time.perf_counter() - start, skipped, stopped_by, stopped_at)
+    return LoopResult(reads.results, clock.overhead, time.perf_counter() - clock.start, skipped, stopped_by, stopped_at)
 
 
 def _skipped(result: LoopResult) -> dict:

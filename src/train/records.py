@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,15 +28,18 @@ log = logging.getLogger("src.train")
 
 def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, tracker) -> None:
     """kernels=auto: say what the diagnosis (or, with none, the timing on this GPU) chose and why, on the
-    console and in MLflow."""
-    from src.fusion.choice import MEASURED_ONLY, AutoChoice, choose, write_choice
+    console and in MLflow (rank 0). The timings come from the AUTO_FILE the launching process wrote
+    into `run_dir` before the ranks started (none under an external launcher: nothing was timed)."""
+    from src.fusion.choice import AUTO_FILE, MEASURED_ONLY, AutoChoice, choose, read_choice, write_choice
 
+    timed = read_choice(run_dir / AUTO_FILE) if run_dir is not None else None
+    measured, why = (timed.measured, timed.reasons) if timed is not None else ({}, {})
     if cfg.kernels.diagnosis:
-        choice = choose(Path(cfg.kernels.diagnosis))
+        choice = replace(choose(Path(cfg.kernels.diagnosis)), measured=measured, reasons=why)
         log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
     else:  # no diagnosis of this model: preflight timed every fusable op here, and cfg.kernels holds its picks
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-        choice = AutoChoice("", device, {op: [MEASURED_ONLY] for op in cfg.kernels.measured})
+        choice = AutoChoice("", device, {op: [MEASURED_ONLY] for op in measured}, measured, why)
         log.info("kernels=auto from timing on this GPU (%s), no diagnosis: fused %s, compiled %s", device or "unknown GPU",
                  ", ".join(cfg.kernels.fused) or "none", ", ".join(cfg.kernels.compiled) or "none")
     for op, reasons in choice.ops.items():
@@ -44,20 +48,21 @@ def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, 
         else:
             note = "" if kernels.swapped.get(op, 1) else "  (this model has none to swap)"
         log.info("  %s%s <- %s", op, note, "; ".join(reasons))
-    for op, ms in cfg.kernels.measured.items():
+    for op, ms in choice.measured.items():
         log.info("  measured %s: %s%s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
-                 f"; {cfg.kernels.reasons[op]}" if op in cfg.kernels.reasons else "")
+                 f"; {choice.reasons[op]}" if op in choice.reasons else "")
     tracker.set_tags({
         "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis or "none",
         "kernels.auto.fused": ",".join(cfg.kernels.fused) or "none", "kernels.auto.compiled": ",".join(cfg.kernels.compiled) or "none",
         "kernels.auto.compile_blocks": str(bool(cfg.kernels.compile)).lower(),
-        "kernels.auto.decided_by": "measurement" if cfg.kernels.measured else "diagnosis", "kernels.auto.optimizer": str(cfg.optim.impl),
-        **{f"kernels.auto.why.{op}": why for op, why in cfg.kernels.reasons.items()},
+        "kernels.auto.decided_by": "measurement" if choice.measured else "diagnosis", "kernels.auto.optimizer": str(cfg.optim.impl),
+        **{f"kernels.auto.why.{op}": rule for op, rule in choice.reasons.items()},
     })
-    # the timings also travel as params (the flattened config): kernels.measured.OP.CANDIDATE
+    # the choice itself is in the params (the flattened config: kernels.fused, kernels.compiled, kernels.compile,
+    # optim.impl); the timings are in the file
     if run_dir is not None:
-        write_choice(choice, kernels.swapped, run_dir / "kernels_auto.json", cfg.kernels)
-        tracker.log_artifact(run_dir / "kernels_auto.json")
+        write_choice(choice, kernels.swapped, run_dir / AUTO_FILE, cfg.kernels)
+        tracker.log_artifact(run_dir / AUTO_FILE)
 
 
 def make_tracker(cfg: DictConfig, ctx: RunContext, env: DistEnv, run_dir: Path | None):

@@ -30,7 +30,6 @@ from src.distributed.cluster import submitit_job
 from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
-from src.fusion.attention import use_sdpa_backend
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
 from src.fusion.trial import LossTrial
 from src.models import meta_model
@@ -45,14 +44,21 @@ from src.tracking.curves import plot_curves, read_metrics
 from src.tracking.mlflow_run import RUN_ARTIFACTS, default_run_name, start_tracker, write_json
 from src.train.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from src.train.faults import inject
-from src.train.loop import LoopResult, forward_backward_step, optimizer_step, summarize, train_loop
+from src.train.loop import (
+    LoopHooks,
+    LoopResult,
+    Throughput,
+    forward_backward_step,
+    optimizer_step,
+    summarize,
+    train_loop,
+)
 from src.train.metrics import peak_flops, reset_peak_memory
 from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.preempt import STOP_FILE, StopRequest, stop_signals
 from src.train.progress import ProgressReporter
 from src.train.records import MetricsFile, log_auto_choice, make_tracker
 from src.train.schedule import lr_at
-from src.train.step_in_backward import StepInBackward
 
 log = logging.getLogger("src.train")
 
@@ -103,7 +109,6 @@ class Trainer:
         self.n_params = model.num_params(non_embedding=False)
         self.fpt = model.flops_per_token(cfg.data.seq_len)  # src/models/protocol.py: torchtitan's count
         self.kernels = self._swap_kernels(model)
-        use_sdpa_backend(cfg.kernels.attention)  # before compile traces the blocks
         mesh = None
         if cfg.sharding.strategy in ("fsdp2", "hsdp"):
             mesh = build_mesh(env.device.type, env.world_size, cfg.sharding.strategy, cfg.sharding.replicate)
@@ -113,8 +118,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, env.device.type, cfg.sharding.cpu_offload, cfg.train.seed)
         if "cast_in_step" in self.speed:
             self._cast_in_step()
-        self.in_backward = StepInBackward(self.model, self.optimizer) if cfg.optim.in_backward else None
-        self.units_stepped_in_backward: int | None = None
         self._checkpoint_and_resume()
         self.batches = TokenBatches(
             cfg.data.source, cfg.model.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed,
@@ -268,17 +271,18 @@ class Trainer:
         reset_peak_memory(env.device)
         callbacks = self.callbacks if self.clocks is None else [*self.callbacks, self.clocks.start_after(self.start_step + cfg.train.untimed_steps - 1)]
         try:
-            result = train_loop(
-                self.run_step, self.optimizer, self.batches, cfg.train.steps, env.device,
-                tokens_per_step_per_device=cfg.data.batch_size * cfg.data.seq_len,
-                world_size=env.world_size, flops_per_token=self.fpt, peak_flops=self.peak,
-                log_every=cfg.train.log_every, on_step=callbacks,
-                start_step=self.start_step,
+            hooks = LoopHooks(
+                on_step=callbacks,
                 checkpoint_due=(lambda n: ck.enabled and ((ck.interval > 0 and n % ck.interval == 0) or n == cfg.train.steps)),
                 save_checkpoint=self.checkpointer.save if self.checkpointer is not None else None,
+                stop_due=self.stop.agreed if self.stop is not None else None,
+            )
+            result = train_loop(
+                self.run_step, self.optimizer, self.batches, cfg.train.steps, env.device,
+                Throughput(cfg.data.batch_size * cfg.data.seq_len, env.world_size, self.fpt, self.peak),
+                hooks, log_every=cfg.train.log_every, start_step=self.start_step,
                 # dist.fake: the gathered weights are not the model's, so a NaN says nothing of the run
                 nonfinite="unchecked" if cfg.dist.fake and cfg.train.nonfinite == "fail" else cfg.train.nonfinite,
-                stop_due=self.stop.agreed if self.stop is not None else None,
             )
             if self.checkpointer is not None:
                 self.checkpointer.wait()
@@ -324,17 +328,8 @@ class Trainer:
         loss = self.forward_backward_step(inputs, targets)
         norm = optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.mark,
                               self.cfg.train.nonfinite == "skip", self.after_optimizer, need_norm,
-                              self._update_rest if self.in_backward is not None else None, self.cfg.speed.clip_in_update, norm_from)
+                              clip_in_update=self.cfg.speed.clip_in_update, norm_from=norm_from)
         return loss.detach(), norm
-
-    def _update_rest(self) -> None:
-        """optim.in_backward: the units whose update did not run inside backward; the count that did
-        goes to the log once and to summary.json (0 would mean FSDP2 never called the hooks)."""
-        n = self.in_backward.finish()
-        if self.units_stepped_in_backward is None and self.env.is_main:
-            log.info("optim.in_backward: %d of %d FSDP units updated inside backward, as their gradients were reduced",
-                     n, len(self.in_backward.units))
-        self.units_stepped_in_backward = n
 
     def run_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What train_loop calls per step: the step's learning rate, train_step (inside ncu's range
@@ -380,7 +375,6 @@ class Trainer:
             "params": self.n_params,
             "flops_per_token": self.fpt,
             "optim_impl": optimizer_impl(cfg.optim.impl, env.device.type, cfg.sharding.cpu_offload),
-            "optim_units_in_backward": self.units_stepped_in_backward,
             "speed_recipes": list(self.speed),
             "torch_version": torch.__version__,
             "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else env.device.type,

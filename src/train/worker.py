@@ -10,7 +10,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.distributed.env import shutdown
 from src.distributed.launch import restore_rank_signals
-from src.fusion.attention import restore_sdpa_backends
 from src.runtime import RunContext
 from src.speed import restore_all
 from src.speed.inductor import inductor_config, release_cuda_graphs
@@ -37,9 +36,8 @@ def train(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                     try:
                         free(trainer)
                     finally:
-                        # torch's own FSDP2 functions and attention switches back: the next run in this process decides its own
+                        # torch's own FSDP2 functions back: the next run in this process decides its own
                         restore_all()
-                        restore_sdpa_backends()
 
 
 def free(trainer: Trainer) -> None:
