@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # lowest first; a module belongs to the longest prefix that names it
 LAYERS: list[tuple[str, ...]] = [
-    ("kernels",),
+    ("perflab_kernels",),
     ("src.dtypes", "src.runtime", "src.config", "src.fusion.ops"),
     ("src.models", "src.data"),
     ("src.distributed", "src.speed", "src.fusion", "src.profiling", "src.tracking"),
@@ -32,15 +32,21 @@ def layer(module: str) -> int | None:
     return found
 
 
+# import names whose folder is named otherwise (pyproject.toml's package-dir)
+PACKAGE_DIRS = {"perflab_kernels": "kernels"}
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    folders = {folder: name for name, folder in PACKAGE_DIRS.items()}
+    return ".".join([folders.get(parts[0], parts[0]), *parts[1:]])
 
 
 def is_module(name: str) -> bool:
-    path = ROOT.joinpath(*name.split("."))
+    top, *rest = name.split(".")
+    path = ROOT.joinpath(PACKAGE_DIRS.get(top, top), *rest)
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-import kernels.triton.fp8_linear as fp8
+import perflab_kernels.triton.fp8_linear as fp8
 from benchmarks.fp8_gemms import add_block_shape_args, block_linears
 from src.distributed.float8 import TRITON_RECIPES
 from src.fusion.timing import chain_ms, copy_ceiling_tbs, graph_ms, host_us_per_call

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.triton.fp8_linear import E4M3, E4M3_MAX
+from perflab_kernels.triton.fp8_linear import E4M3, E4M3_MAX
 from src.fusion.timing import host_us_per_call, median_ms
 
 

@@ -53,7 +53,7 @@ def adamw_rows(numels: list[int], device: torch.device, blocks: tuple[int, ...] 
     step runs it), and the TB/s of the bytes each moves."""
     import statistics
 
-    import kernels.triton.adamw as aw
+    import perflab_kernels.triton.adamw as aw
 
     params = [torch.randn(n, device=device) * 0.02 for n in numels]
     grads = [torch.randn(n, device=device) * 1e-3 for n in numels]
@@ -91,8 +91,8 @@ def _dw_reduce_rows(programs_per_sm: tuple[int, ...] = (2, 4), widths: tuple[int
     tile shapes. Bytes: the partials read once, dw written once."""
     import triton
 
-    import kernels.triton.rms_norm as rn
-    from kernels.triton.device import sm_count
+    import perflab_kernels.triton.rms_norm as rn
+    from perflab_kernels.triton.device import sm_count
 
     device = torch.device("cuda")
     sms = sm_count(torch.cuda.current_device())
@@ -150,7 +150,7 @@ def _python_function_floor(shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
 def _rms_norm_bodies(setting: str, shape: tuple[int, int] = (8192, 2048)) -> list[dict]:
     """Host us of RMSNorm's forward and backward launchers called directly on this thread, no
     autograd: what the fused op's own Python and launches cost, apart from the engine's."""
-    import kernels.triton.rms_norm as rn
+    import perflab_kernels.triton.rms_norm as rn
 
     device = torch.device("cuda")
     x = torch.randn(shape, device=device, dtype=torch.bfloat16)
@@ -192,9 +192,9 @@ def _size_matched_copies() -> list[dict]:
 
 
 def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
-    import kernels.triton.cross_entropy as ce
-    import kernels.triton.rms_norm as rn
-    import kernels.triton.softmax as sm
+    import perflab_kernels.triton.cross_entropy as ce
+    import perflab_kernels.triton.rms_norm as rn
+    import perflab_kernels.triton.softmax as sm
 
     rows: list[dict] = []
     if "adamw" in groups:
@@ -227,7 +227,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
     if "rms_dw" in groups:
         rows += _dw_reduce_rows()
     if "launch" in groups:  # host us per call: Triton's kernel[grid] against kernels/triton/launch.py's cache
-        from kernels.triton import launch
+        from perflab_kernels.triton import launch
 
         rows += _python_function_floor()
         try:
@@ -241,7 +241,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
         finally:
             launch.ENABLED = True
     if "pdl" in groups:  # programmatic dependent launch: each kernel placed while the one before it runs
-        from kernels.triton import pdl
+        from perflab_kernels.triton import pdl
 
         saved_pdl = pdl.ENABLED, rn.DW_DEPENDENT
         norms = [("rms_norm", [8192, 2048]), ("add_rms_norm", [8192, 2048]), ("rms_norm", [8192, 4096])]

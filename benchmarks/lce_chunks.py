@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.triton.linear_cross_entropy import chunk_rows, fused_linear_cross_entropy
+from perflab_kernels.triton.linear_cross_entropy import chunk_rows, fused_linear_cross_entropy
 from src.fusion.timing import median_ms, peak_mb
 
 DEFAULT_SHAPES = ["8192x2048x128256", "8192x4096x128256", "16384x2048x32000"]

@@ -35,7 +35,7 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("optimizer_in_step needs a CUDA GPU")
-    from kernels.triton.adamw import TritonAdamW, local_shard
+    from perflab_kernels.triton.adamw import TritonAdamW, local_shard
 
     classes = (torch.optim.AdamW, TritonAdamW)  # optim.impl=triton's step is its own
     steps = {cls: cls.step for cls in classes}  # AdamW's may be Adam's, inherited

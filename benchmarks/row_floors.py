@@ -87,7 +87,7 @@ def cases(M: int, N: int) -> list[tuple[str, int, object]]:
     """(name, bytes it must move, make_run) for each kernel at M x N bf16; make_run builds one call
     on fresh tensors (chain_ms builds several). The floors take their block, warps, stages and grid
     from RMSNorm's own launch plans (bf16, no residual, PDL off), so they follow its settings."""
-    import kernels.triton.rms_norm as rn
+    import perflab_kernels.triton.rms_norm as rn
 
     device = torch.device("cuda")
     index = torch.cuda.current_device()

@@ -153,7 +153,9 @@ def _activation_bytes(cfg: DictConfig, shape: _Shape, act_bytes: int) -> float:
     # linear + cross-entropy never forms them, one chunk of rows at a time (its chunk_rows).
     fused = selected_ops(cfg.kernels.fused)
     if "linear_cross_entropy" in fused:
-        from kernels.triton.linear_cross_entropy import chunk_rows  # only where the fused head runs: it needs Triton
+        from perflab_kernels.triton.linear_cross_entropy import (
+            chunk_rows,  # only where the fused head runs: it needs Triton
+        )
 
         logits = chunk_rows(tokens, shape.vocab, act_bytes) * shape.vocab * act_bytes
         # precision.fp8_head: W and the hidden input in e4m3 (a byte an element) beside them

@@ -98,7 +98,7 @@ def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao", recipe: str
             model = MiniLLM(vocab_size=256, dim=64, n_layers=2, n_heads=4)
         after = None
         if float8 and impl == "triton":
-            from kernels.triton.fp8_linear import Float8RowwiseLinear
+            from perflab_kernels.triton.fp8_linear import Float8RowwiseLinear
 
             assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, impl="triton", fold_activation=fold) == 8
             assert type(model.head) is torch.nn.Linear and type(model.layers[1].ffn.down) is Float8RowwiseLinear

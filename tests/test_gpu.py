@@ -94,7 +94,7 @@ def test_kernels_launched_with_pdl_match_torch(op, monkeypatch):
     """With programmatic dependent launch on (kernels/triton/pdl.py) each kernel waits for the one
     before it: outputs and gradients equal those without it bit for bit, and torch's forward within
     bf16's tolerance."""
-    from kernels.triton import pdl
+    from perflab_kernels.triton import pdl
     from src.fusion.cases import make_case
 
     case = make_case(op, [1031, 2048] if op != "cross_entropy" else [1031, 32000])
@@ -116,8 +116,8 @@ def test_rms_norm_dw_as_a_dependent_launch_gives_the_same_bits(op, width, monkey
     """RMSNorm's dw launched as a PDL dependent of its backward (rms_norm.DW_DEPENDENT, PDL between
     ops off): dw waits for every partial, so outputs and gradients equal the plain launches' bit for
     bit, replayed from a CUDA graph too (where the dependency is a programmatic graph edge)."""
-    import kernels.triton.rms_norm as rn
-    from kernels.triton import pdl
+    import perflab_kernels.triton.rms_norm as rn
+    from perflab_kernels.triton import pdl
     from src.fusion.cases import make_case
     from src.fusion.timing import _captured
 
@@ -152,7 +152,7 @@ def test_rms_norm_backward_compiles_and_matches_torch_on_wide_rows(width, dtype)
     """The pipelined backward's stages shrink with the row (kernels/triton/device.py): with the
     residual's gradient, 3 loads a stage, every width up to the 65536 the config allows compiles
     and gives torch's gradients; 3000 and 4096 take the 4096 block's own forward warps."""
-    from kernels.triton.rms_norm import fused_add_rms_norm
+    from perflab_kernels.triton.rms_norm import fused_add_rms_norm
 
     torch.manual_seed(0)
     x, r, ds, dy = (torch.randn(37, width, device="cuda", dtype=dtype) for _ in range(4))
@@ -189,11 +189,11 @@ def test_cached_launches_give_what_plain_launches_give(op):
     the same launches through Triton's own `kernel[grid]`, over inputs that change how Triton
     specialises a kernel (rows not divisible by 16, one row, a pointer off 16-byte alignment) and
     run back to back in one process, so a key that mixed them up would hand one the other's kernel."""
-    import kernels.triton.cross_entropy as ce
-    import kernels.triton.rms_norm as rn
-    import kernels.triton.softmax as sm
-    import kernels.triton.swiglu as sw
-    from kernels.triton.launch import Launcher
+    import perflab_kernels.triton.cross_entropy as ce
+    import perflab_kernels.triton.rms_norm as rn
+    import perflab_kernels.triton.softmax as sm
+    import perflab_kernels.triton.swiglu as sw
+    from perflab_kernels.triton.launch import Launcher
     from src.fusion.cases import _triton, make_case, seed
 
     launchers = [v for m in (rn, sm, sw, ce) for v in vars(m).values() if isinstance(v, Launcher)]
@@ -393,7 +393,7 @@ def test_fused_norms_trace_into_one_compiled_graph(dtype):
     value (an H200 measured 1.9e-5 on a dr of up to 41 in fp32, 0.375 in bf16)."""
     import torch._dynamo
 
-    from kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
+    from perflab_kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm
 
     def block(x, r, w1, w2):
         s, y = fused_add_rms_norm(x * 0.5, r, w1, 1e-6)

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton.chunk_cat import launch_checked  # noqa: E402
+from perflab_kernels.triton.chunk_cat import launch_checked  # noqa: E402
 from src.config.compose import compose_config  # noqa: E402
 from src.speed.grad_squares import SQUARES, GradSquares  # noqa: E402
 
@@ -122,7 +122,7 @@ def test_a_one_rank_run_clips_with_the_norm_from_the_copy_in(tmp_path, in_proces
     of its own), the recipe list says so, and the norms are those of the same run with it off (to
     fp32's rounding at the first step, the same gradients; after it a clipping factor a unit of fp32's
     last place apart can flip a bf16 rounding of the weights, and the runs drift as such runs do)."""
-    import kernels.triton.chunk_cat as chunk_cat
+    import perflab_kernels.triton.chunk_cat as chunk_cat
     from tests.conftest import train_on_and_off
 
     taken, took = [], []

@@ -8,7 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.cast import upcast_fp32  # noqa: E402
+from perflab_kernels.triton.cast import upcast_fp32  # noqa: E402
 from src.speed import grad_upcast  # noqa: E402
 from tests.conftest import needs_gpu  # noqa: E402
 from tests.spawned_ranks import spawn_ranks  # noqa: E402
@@ -93,7 +93,7 @@ def test_fsdp2_gradients_upcast_by_triton_equal_torchs_on_gloo(tmp_path):
 
     out = tmp_path / "out.pt"
     spawn_ranks(gloo_grads_per_route, (str(tmp_path / "init"), str(out), 2, torch.bfloat16, grad_upcast.install, grad_upcast.restore,
-                                       "kernels.triton.cast", "upcast_fp32"), 2)
+                                       "perflab_kernels.triton.cast", "upcast_fp32"), 2)
     got = torch.load(out)
     ours, torchs = got["grads"]["recipe"], got["grads"]["torch"]
     assert all(g.dtype == torch.float32 for g in ours) and len(ours) == 4
@@ -135,7 +135,7 @@ def test_speed_grad_upcast_decides_the_route(use, device, reduce_dtype, runs):
 def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
     """One NCCL rank, a bf16 reduce under fp32 parameters: the sharded fp32 gradients after one
     backward are the same bits with either upcast, and the Triton kernel ran once a unit."""
-    import kernels.triton.cast as cast
+    import perflab_kernels.triton.cast as cast
     from tests.fsdp_one_rank import sharded_grads_per_route
 
     calls = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.triton.adamw import TritonAdamW, global_norm_from_squares
+from perflab_kernels.triton.adamw import TritonAdamW, global_norm_from_squares
 from src.config.compose import ConfigError, compose_config
 from src.runtime import RunContext
 from src.train.optimizer import build_optimizer, norm_in_update
@@ -56,7 +56,7 @@ def test_triton_adamw_follows_torchs_adamw_over_steps_and_sums_the_squared_gradi
 def test_the_kernel_reads_bf16_gradients_as_their_fp32_values():
     """FSDP2 with reduce_dtype below fp32 and no upcast would hand bf16 gradients: the kernel reads
     them as fp32 (exactly), so the update equals the fp32 update of the same values."""
-    from kernels.triton.adamw import TileTable, adamw_step_
+    from perflab_kernels.triton.adamw import TileTable, adamw_step_
 
     params = [p.detach() for p in _params()]
     want = [p.clone() for p in params]
@@ -80,8 +80,8 @@ def test_the_clipping_factor_multiplied_in_the_update_gives_the_clipped_gradient
     and the squares summed are the unclipped gradients'. On CUDA torch rounds the fp32 factor to
     bf16 gradients' dtype before multiplying; off CUDA the second case takes that rounding here, against
     a factor the reference rounds itself."""
-    from kernels.triton import adamw
-    from kernels.triton.adamw import TileTable, adamw_step_
+    from perflab_kernels.triton import adamw
+    from perflab_kernels.triton.adamw import TileTable, adamw_step_
 
     if as_on_cuda and DEVICE == "cuda":
         pytest.skip("on CUDA the first case is torch's own rounding")
@@ -116,7 +116,7 @@ def test_the_update_writes_each_parameters_bf16_cast_rounded_as_torchs():
     """adamw_step_ with copies: the same update, and each copy is the updated parameter's
     .to(torch.bfloat16) bit for bit (rounded to nearest even by the bits, in the interpreter as on
     the GPU), for values on rounding ties, at overflow, subnormal and infinite; NaN stays NaN."""
-    from kernels.triton.adamw import TileTable, adamw_step_
+    from perflab_kernels.triton.adamw import TileTable, adamw_step_
 
     params = [p.detach() for p in _params()]
     # ties between two bf16 values (odd and even lower halves), the largest finite fp32 (rounds to
@@ -208,7 +208,7 @@ def test_the_interpreter_is_read_as_triton_reads_it(monkeypatch, value):
     """TRITON_INTERPRET as Triton's own knob parses it: each spelling that makes Triton interpret lets a
     CPU run of the Triton optimizer through the checks (only "1" did, and `true` was refused with a
     line asking for TRITON_INTERPRET=1); "0" is refused."""
-    from kernels.triton.device import interpreted
+    from perflab_kernels.triton.device import interpreted
     from src.config.validate import validate
     from src.fusion.registry import interpreter_fault
 
@@ -332,7 +332,7 @@ def test_one_rank_sums_the_norm_without_a_collective(tmp_path: Path, monkeypatch
 def test_tensors_off_a_16_byte_boundary_take_the_unhinted_path_and_the_same_update():
     """A parameter that is a view one element into its buffer (4 bytes off 16): the launch drops its
     alignment hints and the update equals the aligned tensors' update of the same values."""
-    from kernels.triton.adamw import TileTable, adamw_step_
+    from perflab_kernels.triton.adamw import TileTable, adamw_step_
 
     g = torch.Generator().manual_seed(3)
     n = 40000  # two whole 16K-element tiles (the unmasked path) and a part
@@ -403,7 +403,7 @@ def test_bf16_moments_are_rounded_stochastically_unbiased_and_the_same_bits_howe
     Rounded stochastically each element is 1 or 1.0078, and their mean is 1.003. The bits are a
     hash of (the step's key, random base + index): the tensor updated in two parts whose bases
     continue each other (an FSDP2 shard's) gives the same bits as whole; another key, other bits."""
-    from kernels.triton.adamw import TileTable, adamw_step_
+    from perflab_kernels.triton.adamw import TileTable, adamw_step_
 
     n, half = 40000, 17000
     hyper = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
@@ -538,7 +538,7 @@ def test_bf16_moments_of_fsdp2_shards_are_the_unsharded_optimizers_bits(tmp_path
 def test_the_first_step_compiles_the_norm_summing_variant_too():
     """A run that reads the norm at its logging steps only would compile the summing variant at the
     first of them, mid-run: the first step compiles both, and that later step compiles nothing."""
-    from kernels.triton.adamw import _BOTH_COMPILED, _adamw_tiles
+    from perflab_kernels.triton.adamw import _BOTH_COMPILED, _adamw_tiles
 
     kernels = _adamw_tiles.device_caches[torch.cuda.current_device()][0]
     kernels.clear()  # what earlier tests compiled (loaded again from Triton's disk cache if asked for)

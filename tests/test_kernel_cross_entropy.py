@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.cross_entropy import FusedCrossEntropyLoss, fused_cross_entropy  # noqa: E402
+from perflab_kernels.triton.cross_entropy import FusedCrossEntropyLoss, fused_cross_entropy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2)}
@@ -53,7 +53,7 @@ def test_module_is_a_drop_in_for_nn_cross_entropy_loss():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_row_in_registers_variant_matches_torch(monkeypatch, dtype):
     """Rows up to ROW_IN_REGISTERS_MAX wide are read once into registers instead of in blocks."""
-    import kernels.triton.cross_entropy as ce
+    import perflab_kernels.triton.cross_entropy as ce
 
     monkeypatch.setattr(ce, "ROW_IN_REGISTERS_MAX", 4096)
     assert ce.launch_settings(3000)[2] and not ce.launch_settings(5000)[2]
@@ -75,7 +75,7 @@ def test_the_row_in_registers_variant_matches_torch(monkeypatch, dtype):
 def test_a_unit_incoming_gradient_leaves_the_fused_gradient_as_written():
     """loss.backward() passes 1: backward skips its scaling pass on the device, the gradient is the
     one the forward kernel wrote; any other incoming gradient scales it in place."""
-    from kernels.triton.cross_entropy import scale_unless_one_
+    from perflab_kernels.triton.cross_entropy import scale_unless_one_
 
     t = torch.randn(3, 1000, device=DEVICE)
     before = t.clone()

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from kernels.triton.device import MARKED_CONSTANT, constant_for_compile
+from perflab_kernels.triton.device import MARKED_CONSTANT, constant_for_compile
 from tests.conftest import REPO
 
 

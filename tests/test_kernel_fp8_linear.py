@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels.triton import device, fp8_linear  # noqa: E402
-from kernels.triton.fp8_linear import (  # noqa: E402
+from perflab_kernels.triton import device, fp8_linear  # noqa: E402
+from perflab_kernels.triton.fp8_linear import (  # noqa: E402
     E4M3,
     Float8RowwiseLinear,
     Float8RowwiseLinearFunction,

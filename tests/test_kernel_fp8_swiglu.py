@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels.triton import fp8_swiglu  # noqa: E402
-from kernels.triton.fp8_linear import Float8RowwiseLinearFunction, rowwise_e4m3, swap_to_float8  # noqa: E402
-from kernels.triton.fp8_swiglu import Float8SwiGLUFunction, fold_swiglu, rowwise_pair_e4m3, swiglu_grad_e4m3  # noqa: E402
+from perflab_kernels.triton import fp8_swiglu  # noqa: E402
+from perflab_kernels.triton.fp8_linear import Float8RowwiseLinearFunction, rowwise_e4m3, swap_to_float8  # noqa: E402
+from perflab_kernels.triton.fp8_swiglu import Float8SwiGLUFunction, fold_swiglu, rowwise_pair_e4m3, swiglu_grad_e4m3  # noqa: E402
 from src.models.layers import SwiGLUFeedForward  # noqa: E402
 from tests.test_kernel_fp8_linear import _bits, _silu_as_stored, _within_an_e4m3_step  # noqa: E402  (the same checks as the linear's casts)
 
@@ -32,7 +32,7 @@ def _gate_up(rows: int, hidden: int, seed: int) -> torch.Tensor:
 def test_rowwise_cast_with_swiglu_casts_the_activation_as_stored(rows, hidden, max_block, monkeypatch):
     """act="swiglu" on the halves of one [G | U] tensor (strided views, as the MLP hands them): the cast
     of silu(G) * U as eager stores it (silu(G) rounded to bf16, then the product)."""
-    from kernels.triton import fp8_linear
+    from perflab_kernels.triton import fp8_linear
 
     if max_block:
         monkeypatch.setattr(fp8_linear, "MAX_BLOCK", max_block)

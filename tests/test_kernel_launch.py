@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from kernels.triton.launch import Launcher, arg_key  # noqa: E402
+from perflab_kernels.triton.launch import Launcher, arg_key  # noqa: E402
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def test_kernels_call_jit_functions_by_their_own_names():
 
     offenders = []
     for path in sorted(Path(__file__).parents[1].joinpath("kernels", "triton").glob("*.py")):
-        module = importlib.import_module(f"kernels.triton.{path.stem}")
+        module = importlib.import_module(f"perflab_kernels.triton.{path.stem}")
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in fn.decorator_list):
                 continue

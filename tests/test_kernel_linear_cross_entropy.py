@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.linear_cross_entropy import (  # noqa: E402
+from perflab_kernels.triton.linear_cross_entropy import (  # noqa: E402
     LOGITS_CHUNK_BYTES,
     MIN_CHUNK_ROWS,
     LinearCrossEntropyHead,
@@ -79,7 +79,7 @@ FLOAT8_TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 3e-2)}
 
 def _float8_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden @ weight.T from their rowwise e4m3 casts, in fp32, rounded to hidden's dtype as _scaled_mm's output is."""
-    from kernels.triton.fp8_linear import rowwise_e4m3
+    from perflab_kernels.triton.fp8_linear import rowwise_e4m3
 
     h8, h_inv = rowwise_e4m3(hidden)
     w8, w_inv = rowwise_e4m3(weight)

@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.rms_norm import FusedRMSNorm, fused_add_rms_norm, fused_rms_norm  # noqa: E402
+from perflab_kernels.triton.rms_norm import FusedRMSNorm, fused_add_rms_norm, fused_rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (atol, rtol) per dtype. fp32: the kernel and torch sum in a different order; bf16: outputs are
@@ -51,8 +51,8 @@ def test_multi_row_tiles_match_torch(shape, rows, monkeypatch):
     """Several rows per tile (FWD_ROWS, BWD_ROWS): row counts that do not divide into tiles, and
     backward programs whose rows end inside a tile, give torch's results, with and without the add;
     so does a forward whose programs loop over several tiles (FWD_PROGRAMS_PER_SM > 0)."""
-    import kernels.triton.device as device
-    import kernels.triton.rms_norm as rn
+    import perflab_kernels.triton.device as device
+    import perflab_kernels.triton.rms_norm as rn
 
     monkeypatch.setattr(device, "INTERPRETER_ROWS", 1)  # the tiles asked for, in the interpreter too
     monkeypatch.setattr(rn, "FWD_ROWS", rows[0])
@@ -276,7 +276,7 @@ def test_pipeline_stages_fit_shared_memory(monkeypatch):
     fewer for wide rows, and 1 (the loop as written) when one stage alone would not fit: on an
     H200 (227 KB) the RMSNorm backward with the residual at 16384 bf16 columns (96 KB a stage) takes
     3, at 65536 fp32 (768 KB) 1."""
-    from kernels.triton import device
+    from perflab_kernels.triton import device
 
     monkeypatch.setattr(device, "smem_per_block", lambda index: 232448)
     assert device.pipeline_stages(4, 3 * 2048 * 2, 0) == 4

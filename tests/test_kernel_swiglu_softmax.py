@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.softmax import FusedSoftmax, fused_softmax  # noqa: E402
-from kernels.triton.swiglu import FusedSiLUMul, fused_swiglu  # noqa: E402
+from perflab_kernels.triton.softmax import FusedSoftmax, fused_softmax  # noqa: E402
+from perflab_kernels.triton.swiglu import FusedSiLUMul, fused_swiglu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Elementwise in fp32 inside the kernel, rounded once on store: within a couple of bf16 ulps of
@@ -66,7 +66,7 @@ def test_softmax_matches_torch(shape, dtype):
 def test_softmax_looped_programs_match_torch(programs_stages, monkeypatch):
     """Programs that each walk several rows (PROGRAMS_PER_SM > 0, pipelined): 2 or 4 programs on a
     CPU over 11 rows, so rows split unevenly, give torch's forward and backward."""
-    import kernels.triton.softmax as sm
+    import perflab_kernels.triton.softmax as sm
 
     monkeypatch.setattr(sm, "PROGRAMS_PER_SM", programs_stages[0])
     monkeypatch.setattr(sm, "STAGES", programs_stages[1])

@@ -435,7 +435,7 @@ def test_the_timed_block_has_the_runs_float8_linears(recipe, grad_weight_in_floa
     the run's float8 ones (the casts are part of what a candidate costs); in bf16 they stay nn.Linear."""
     import torch
 
-    from kernels.triton.fp8_linear import Float8RowwiseLinear
+    from perflab_kernels.triton.fp8_linear import Float8RowwiseLinear
     from src.fusion.measure import build_block
 
     fp8 = _seed_cfg(precision="fp8", **{"precision.fp8_impl": "triton", "precision.fp8_recipe": recipe, "model": "tiny"})

@@ -70,7 +70,7 @@ def _run(choice: str, device: str, param_dtype, reduce_dtype, offload: bool = Fa
     for layer in (model[0], model[2], model[3]):
         layer.register_forward_pre_hook(lambda m, _: gathered.append(m.weight.detach().clone()))
     if optimizer == "triton":
-        from kernels.triton.adamw import TritonAdamW
+        from perflab_kernels.triton.adamw import TritonAdamW
 
         opt = TritonAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     else:
@@ -351,7 +351,7 @@ def test_cast_in_step_needs_the_direct_unshard_and_an_optimizer_that_writes_copi
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from kernels.triton.adamw import TritonAdamW
+    from perflab_kernels.triton.adamw import TritonAdamW
 
     model = _model()
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -372,7 +372,7 @@ def test_a_checkpoint_loaded_into_kept_parameters_is_cast_at_the_next_unshard(on
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from kernels.triton.adamw import TritonAdamW
+    from perflab_kernels.triton.adamw import TritonAdamW
 
     dev = one_rank_device
     assert one_rank.use_direct_unshard()
@@ -406,7 +406,7 @@ def test_a_kept_storage_freed_behind_cast_in_step_is_not_written_and_is_cast_aga
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from kernels.triton.adamw import TritonAdamW
+    from perflab_kernels.triton.adamw import TritonAdamW
 
     dev = one_rank_device
     assert one_rank.use_direct_unshard()

@@ -8,7 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.chunk_cat import SLOTS, chunk_cat, takes  # noqa: E402
+from perflab_kernels.triton.chunk_cat import SLOTS, chunk_cat, takes  # noqa: E402
 from src.speed import reduce_copy_in  # noqa: E402
 from tests.conftest import needs_gpu  # noqa: E402
 from tests.spawned_ranks import spawn_ranks  # noqa: E402
@@ -55,7 +55,7 @@ def test_more_gradients_than_one_launch_holds():
 def test_the_copy_with_squares_writes_the_same_bits_and_each_programs_sum_of_squares(world, count):
     """speed.norm_in_copy_in's launch: the copy as without it, and per row one sum of squares per
     program in the output's order (19 gradients: three launches, each writing after the last's)."""
-    from kernels.triton.chunk_cat import BLOCK, launch_checked, tiles_a_row
+    from perflab_kernels.triton.chunk_cat import BLOCK, launch_checked, tiles_a_row
 
     grads = _grads(world, torch.bfloat16, count=count)
     n = sum(t.numel() for t in grads)
@@ -121,7 +121,7 @@ def test_fsdp2_gradients_copied_by_triton_equal_torchs_on_gloo(tmp_path, reduce_
 
     out = tmp_path / "out.pt"
     spawn_ranks(gloo_grads_per_route, (str(tmp_path / "init"), str(out), 2, reduce_dtype, reduce_copy_in.install, reduce_copy_in.restore,
-                                       "kernels.triton.chunk_cat", "launch_checked"), 2)
+                                       "perflab_kernels.triton.chunk_cat", "launch_checked"), 2)
     got = torch.load(out)
     assert all(torch.equal(a, b) for a, b in zip(got["grads"]["recipe"], got["grads"]["torch"]))
     assert len(got["grads"]["recipe"]) == 4 and got["calls"] == 2  # each linear's unit: weight and bias
@@ -150,7 +150,7 @@ def test_speed_reduce_copy_in_decides_the_route(use, device, routed):
 def test_fsdp2_gradients_copied_by_triton_equal_torchs(monkeypatch, reduce_dtype):
     """One NCCL rank, bf16 compute: the sharded fp32 gradients after one backward are the same bits
     with either copy-in, and the Triton kernel ran once a unit."""
-    import kernels.triton.chunk_cat as kernel
+    import perflab_kernels.triton.chunk_cat as kernel
     from tests.fsdp_one_rank import sharded_grads_per_route
 
     calls = []

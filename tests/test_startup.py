@@ -10,7 +10,7 @@ from tests.conftest import REPO
 
 
 def test_importing_the_kernels_leaves_dynamo_unloaded():
-    code = "import sys, kernels.triton.device, kernels.triton.pdl, src.fusion.choice; print('torch._dynamo' in sys.modules)"
+    code = "import sys, perflab_kernels.triton.device, perflab_kernels.triton.pdl, src.fusion.choice; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

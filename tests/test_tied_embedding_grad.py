@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels.triton.embedding_grad import (  # noqa: E402
+from perflab_kernels.triton.embedding_grad import (  # noqa: E402
     NROWS,
     TORCH_SORT_PATH_ABOVE,
     TiedEmbedding,
@@ -163,7 +163,7 @@ def test_where_torch_sums_with_atomics_the_backward_gives_torchs_own_gradient(mo
     """torch's fused atomic kernel (an order that changes run to run) takes a small, narrow table:
     torch_sums_atomically follows its heuristic, and there the embedding's backward hands autograd
     torch's own gradient, leaving nothing for the hook."""
-    from kernels.triton import embedding_grad
+    from perflab_kernels.triton import embedding_grad
 
     assert torch_sums_atomically(3200, 64, 24, sms=132)  # 64 blocks of a kernel per id, 384 partials: atomics
     assert torch_sums_atomically(3104, 61, 37, sms=132)
@@ -202,7 +202,7 @@ def test_an_untied_model_is_refused_in_one_line(overrides, line):
 
 
 def test_where_it_stays_off(monkeypatch):
-    from kernels.triton.device import interpreted
+    from perflab_kernels.triton.device import interpreted
     from src.models import build_model
     from src.speed import tied_embedding
     from src.speed.tied_embedding import why_off

@@ -13,7 +13,7 @@ import torch.utils._triton
 
 torch.utils._triton.has_triton = lambda *args, **kwargs: True  # read by Dynamo's variable builder at each call (2.15 passes include_cpu)
 
-from kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm  # noqa: E402
+from perflab_kernels.triton.rms_norm import fused_add_rms_norm, fused_rms_norm  # noqa: E402
 
 
 class Traced(Exception):

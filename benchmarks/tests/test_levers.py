@@ -181,7 +181,7 @@ def test_fp8_casts_run_each_linears_casts_as_the_linear_does(monkeypatch):
     pytest.importorskip("triton")
     import torch
 
-    import kernels.triton.fp8_linear as fp8
+    import perflab_kernels.triton.fp8_linear as fp8
     from benchmarks import fp8_casts
 
     passes = fp8_casts.linear_passes(32, 16, 64, "rowwise_with_gw_tensorwise")

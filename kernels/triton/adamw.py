@@ -37,11 +37,11 @@ import math
 
 import torch
 import torch.distributed as dist
+
 import triton
 import triton.language as tl
-
-from kernels.triton.device import interpreted
-from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
+from perflab_kernels.triton.device import interpreted
+from perflab_kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 
 # A program takes TILE = BLOCK x ITERS elements of one tensor (16 fp32 elements a thread per stream
 # at 4 warps a pass, as the gradient upcast in kernels/triton/cast.py streams fastest with), so the

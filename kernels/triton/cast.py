@@ -13,10 +13,10 @@ little faster at every size than wider blocks at 8 warps.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.launch import Launcher
+from perflab_kernels.triton.launch import Launcher
 
 BLOCK, NUM_WARPS = 2048, 4
 UPCAST_DTYPES = (torch.bfloat16, torch.float16)

@@ -21,10 +21,10 @@ over them (speed.norm_in_copy_in, src/speed/grad_squares.py).
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.launch import Launcher
+from perflab_kernels.triton.launch import Launcher
 
 # The block and warps of kernels/triton/cast.py, whose sweep found them a little ahead of wider blocks
 # at 8 warps; the slots hold a mini_llm block's gradients in one launch.

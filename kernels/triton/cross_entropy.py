@@ -17,13 +17,13 @@ the first pass also sums the row for it.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton import pdl
-from kernels.triton.device import device_index, sm_count
-from kernels.triton.launch import Launcher
-from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
+from perflab_kernels.triton import pdl
+from perflab_kernels.triton.device import device_index, sm_count
+from perflab_kernels.triton.launch import Launcher
+from perflab_kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
 
 # Launch settings at the seed's shape (benchmarks/kernel_configs.py sweeps them): the row in blocks
 # of BLOCK, two passes, the second served from L2 (the rows all SMs hold at once fit in L2 many times

@@ -34,11 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 import triton
 import triton.language as tl
-
-from kernels.triton.device import device_index, kernels_run_on, sm_count
-from kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
+from perflab_kernels.triton.device import device_index, kernels_run_on, sm_count
+from perflab_kernels.triton.rounding import bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
 
 NROWS = 10  # torch's NROWS_PER_THREAD: rows in a partial segment
 TORCH_SORT_PATH_ABOVE = 3072  # torch's CUDA embedding backward sorts the ids above this many (below: another order)

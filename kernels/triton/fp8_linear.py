@@ -52,13 +52,16 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 import triton
 import triton.language as tl
-
-from kernels.triton.device import device_index, pipeline_stages, rows_per_tile, sm_count
-from kernels.triton.launch import Launcher, meta_key
-from kernels.triton.rounding import INTERPRETED, bf16_rne  # by name in the kernels: kernels/triton/pdl.py says why
-from kernels.triton.rows import warps_for
+from perflab_kernels.triton.device import device_index, pipeline_stages, rows_per_tile, sm_count
+from perflab_kernels.triton.launch import Launcher, meta_key
+from perflab_kernels.triton.rounding import (  # by name in the kernels: kernels/triton/pdl.py says why
+    INTERPRETED,
+    bf16_rne,
+)
+from perflab_kernels.triton.rows import warps_for
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # e4m3's largest finite value; pow2_scale's bit constants encode it as 1.75 * 2**8

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
 import triton
 import triton.language as tl
-
-from kernels.triton.device import rows_per_tile
-from kernels.triton.fp8_linear import (
+from perflab_kernels.triton.device import rows_per_tile
+from perflab_kernels.triton.fp8_linear import (
     E4M3,
     MAX_BLOCK,
     ROWWISE_WARPS,
@@ -45,8 +45,8 @@ from kernels.triton.fp8_linear import (
     transposed_e4m3,
     transposed_from_rowwise,
 )
-from kernels.triton.launch import Launcher, meta_key
-from kernels.triton.rows import warps_for
+from perflab_kernels.triton.launch import Launcher, meta_key
+from perflab_kernels.triton.rows import warps_for
 
 # The gradient cast computes dG and dU from three tensors a chunk. A row of LLaMA 3.2 1B's hidden
 # width in one pass at 32 warps beat two chunks at 8 warps (the second pass re-reading the row) and

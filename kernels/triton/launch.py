@@ -18,6 +18,7 @@ while a launch hook is set (profilers such as Proton read each launch's metadata
 from __future__ import annotations
 
 import torch
+
 from triton import knobs
 
 # False sends every launch through `kernel[grid]` (benchmarks/kernel_configs.py's launch group

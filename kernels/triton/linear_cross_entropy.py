@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.triton.cross_entropy import count_valid, cross_entropy_grad_, scale_unless_one_
+from perflab_kernels.triton.cross_entropy import count_valid, cross_entropy_grad_, scale_unless_one_
 
 LOGITS_CHUNK_BYTES = 128 * 2**20
 MIN_CHUNK_ROWS = 2048
@@ -109,7 +109,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _float8_operands(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h8, h_inv, w8, w_inv): the hidden input and W in e4m3, a scale a row each (fp8_linear's rowwise
     cast), w_inv viewed (1, V) as _scaled_mm's scale_b."""
-    from kernels.triton.fp8_linear import rowwise_e4m3
+    from perflab_kernels.triton.fp8_linear import rowwise_e4m3
 
     dim, vocab = h.shape[1], w.shape[0]
     if dim % FLOAT8_ALIGN or vocab % FLOAT8_ALIGN:

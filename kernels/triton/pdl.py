@@ -19,7 +19,7 @@ others level. Inside one op, a launch that always follows another (RMSNorm's dw 
 dependent on its own: `available` says whether the device can. Triton's interpreter has no
 griddepcontrol, so under TRITON_INTERPRET=1 neither is used.
 
-Kernels call `gdc_prologue` by its own name (`from kernels.triton.pdl import gdc_prologue`), never
+Kernels call `gdc_prologue` by its own name (`from perflab_kernels.triton.pdl import gdc_prologue`), never
 as `pdl.gdc_prologue`: under torch.compile Inductor copies a user kernel's source into a module of
 its own and imports the JIT functions it calls by name, so a module it hangs off is undefined there
 (a compiled block with the fused norms failed with NameError 'pdl').
@@ -27,10 +27,10 @@ its own and imports the JIT functions it calls by name, so a module it hangs off
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.device import compute_major, constant_for_compile, device_index, interpreted
+from perflab_kernels.triton.device import compute_major, constant_for_compile, device_index, interpreted
 
 ENABLED = False
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
 import triton
 import triton.language as tl
-
-from kernels.triton import pdl
-from kernels.triton.device import device_index, pipeline_stages, rows_per_tile, sm_count
-from kernels.triton.launch import Launcher, meta_key
-from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
-from kernels.triton.rows import as_shape, by_width, row_major, warps_for
+from perflab_kernels.triton import pdl
+from perflab_kernels.triton.device import device_index, pipeline_stages, rows_per_tile, sm_count
+from perflab_kernels.triton.launch import Launcher, meta_key
+from perflab_kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
+from perflab_kernels.triton.rows import as_shape, by_width, row_major, warps_for
 
 
 @triton.jit

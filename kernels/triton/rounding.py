@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from kernels.triton.device import interpreted
+from perflab_kernels.triton.device import interpreted
 
 # Whether this process runs Triton's interpreter (read at import, as triton.jit reads it). A rounding
 # that a GPU's conversion does by itself, to nearest even, is done by the bits only there: on a GPU

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
 import triton
 import triton.language as tl
-
-from kernels.triton import pdl
-from kernels.triton.device import device_index, pipeline_stages, sm_count
-from kernels.triton.launch import Launcher
-from kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
-from kernels.triton.rows import as_rows, as_shape
+from perflab_kernels.triton import pdl
+from perflab_kernels.triton.device import device_index, pipeline_stages, sm_count
+from perflab_kernels.triton.launch import Launcher
+from perflab_kernels.triton.pdl import gdc_prologue  # by name in the kernels: kernels/triton/pdl.py says why
+from perflab_kernels.triton.rows import as_rows, as_shape
 
 MAX_COLS = 65536
 # Programs: 0 launches one a row; N > 0 launches N per SM, each looping over rows with STAGES

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
 import triton
 import triton.language as tl
-
-from kernels.triton.launch import Launcher
+from perflab_kernels.triton.launch import Launcher
 
 BLOCK = 4096
 

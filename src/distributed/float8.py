@@ -129,7 +129,7 @@ def head_refusal(precision, fused: list[str], model_cfg) -> str | None:
 
 def float8_head(model: nn.Module) -> bool:
     """Set the fused head's logits GEMM to float8 (precision.fp8_head); whether the model has that head."""
-    from kernels.triton.linear_cross_entropy import LinearCrossEntropyHead
+    from perflab_kernels.triton.linear_cross_entropy import LinearCrossEntropyHead
 
     head = getattr(model, "head", None)
     if not isinstance(head, LinearCrossEntropyHead):
@@ -166,8 +166,8 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gath
     (fp8_swiglu.fold_swiglu); act_in_cast says when. `fast_accum` (precision.fp8_fast_accum): the
     grad-input and grad-weight GEMMs with fast accumulation too, not only the output GEMM."""
     if impl == "triton":
-        from kernels.triton.fp8_linear import fold_mlp_activation, swap_to_float8
-        from kernels.triton.fp8_swiglu import fold_swiglu
+        from perflab_kernels.triton.fp8_linear import fold_mlp_activation, swap_to_float8
+        from perflab_kernels.triton.fp8_swiglu import fold_swiglu
         from src.models.layers import SwiGLUFeedForward
 
         if str(recipe) not in TRITON_RECIPES:

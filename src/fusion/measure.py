@@ -286,7 +286,7 @@ def _time_optimizer(use: Use, candidate: str, hyper: DictConfig, log_every: int,
     """One step's AdamW over parameter shards of `use.shape`'s sizes (fp32 parameters, gradients
     and moments, as FSDP2 holds them): "eager" is torch's fused AdamW plus get_total_norm on one
     step in `log_every` (the steps the loop reads), "triton" the one launch with the squares summed."""
-    from kernels.triton.adamw import TritonAdamW
+    from perflab_kernels.triton.adamw import TritonAdamW
 
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, device=device, generator=gen)) for n in use.shape]
@@ -317,10 +317,10 @@ def _head_loss(candidate: str, loss_fp32: bool) -> Callable:
 
         return torch.compile(fn, dynamic=False) if candidate == "compile" else fn
     if candidate == "triton":
-        from kernels.triton.cross_entropy import fused_cross_entropy
+        from perflab_kernels.triton.cross_entropy import fused_cross_entropy
 
         return lambda h, w, t: fused_cross_entropy(h @ w.t(), t)
-    from kernels.triton.linear_cross_entropy import fused_linear_cross_entropy
+    from perflab_kernels.triton.linear_cross_entropy import fused_linear_cross_entropy
 
     return fused_linear_cross_entropy
 

@@ -83,61 +83,61 @@ _MEASURE = "src.fusion.measure"
 # is LLaMA-7B's), the seed's vocabulary, softmax over the keys of attention scores written out.
 OPS: tuple[Op, ...] = (
     Op(
-        "rms_norm", "kernels.triton.rms_norm",
+        "rms_norm", "perflab_kernels.triton.rms_norm",
         triton=Swap(modules=f"{_REGISTRY}:_swap_rms_norm"),
         compiled=Swap(modules=f"{_COMPILED}:_swap_rms_norm"),
         benches=(
-            Bench("rms_norm", f"{_CASES}:rms_norm_case", f"{_CASES}:eager_rms_norm", "kernels.triton.rms_norm:fused_rms_norm",
+            Bench("rms_norm", f"{_CASES}:rms_norm_case", f"{_CASES}:eager_rms_norm", "perflab_kernels.triton.rms_norm:fused_rms_norm",
                   ((8192, 2048), (8192, 4096)), liger=f"{_CASES}:liger_rms_norm"),
             Bench("add_rms_norm", f"{_CASES}:add_rms_norm_case", f"{_CASES}:eager_add_rms_norm",
-                  "kernels.triton.rms_norm:fused_add_rms_norm", ((8192, 2048),)),
+                  "perflab_kernels.triton.rms_norm:fused_add_rms_norm", ((8192, 2048),)),
         ),
         measured=f"{_MEASURE}:norm_uses",
         diagnosed=(("rms_norm", "fused Triton RMSNorm (+ residual add)"), ("add", "residual add fused into Triton RMSNorm")),
         in_block=True, max_dim=65536,
     ),
     Op(
-        "swiglu", "kernels.triton.swiglu",
+        "swiglu", "perflab_kernels.triton.swiglu",
         triton=Swap(modules=f"{_REGISTRY}:_swap_swiglu"),
         compiled=Swap(modules=f"{_COMPILED}:_swap_swiglu"),
-        benches=(Bench("swiglu", f"{_CASES}:swiglu_case", f"{_CASES}:eager_swiglu", "kernels.triton.swiglu:fused_swiglu",
+        benches=(Bench("swiglu", f"{_CASES}:swiglu_case", f"{_CASES}:eager_swiglu", "perflab_kernels.triton.swiglu:fused_swiglu",
                        ((8192, 8192), (8192, 11008)), liger=f"{_CASES}:liger_swiglu"),),
         measured=f"{_MEASURE}:swiglu_uses",
         diagnosed=(("silu", "fused Triton SiLU-mul"), ("mul", "fused Triton SiLU-mul")),
         in_block=True,
     ),
     Op(
-        "softmax", "kernels.triton.softmax",
+        "softmax", "perflab_kernels.triton.softmax",
         triton=Swap(modules=f"{_REGISTRY}:_swap_softmax"),
-        benches=(Bench("softmax", f"{_CASES}:softmax_case", f"{_CASES}:eager_softmax", "kernels.triton.softmax:fused_softmax",
+        benches=(Bench("softmax", f"{_CASES}:softmax_case", f"{_CASES}:eager_softmax", "perflab_kernels.triton.softmax:fused_softmax",
                        ((8192, 4096),)),),
         # not measured: attention's softmax runs inside scaled_dot_product_attention, no module to swap
         diagnosed=(("softmax", "fused Triton softmax"),),
         in_block=True, max_dim=65536,
     ),
     Op(
-        "cross_entropy", "kernels.triton.cross_entropy",
+        "cross_entropy", "perflab_kernels.triton.cross_entropy",
         triton=Swap(loss=f"{_REGISTRY}:_fused_cross_entropy"),
         compiled=Swap(loss=f"{_COMPILED}:compiled_cross_entropy"),
         benches=(Bench("cross_entropy", f"{_CASES}:cross_entropy_case", f"{_CASES}:eager_cross_entropy",
-                       "kernels.triton.cross_entropy:fused_cross_entropy", ((8192, 32000),),
+                       "perflab_kernels.triton.cross_entropy:fused_cross_entropy", ((8192, 32000),),
                        liger=f"{_CASES}:liger_cross_entropy", gradient_in_forward=True),),
         measured=f"{_MEASURE}:head_loss_uses",
         diagnosed=(("cross_entropy", "fused Triton cross-entropy (loss and gradient in one pass)"),),
         loss=True,
     ),
     Op(
-        "linear_cross_entropy", "kernels.triton.linear_cross_entropy",
+        "linear_cross_entropy", "perflab_kernels.triton.linear_cross_entropy",
         triton=Swap(modules=f"{_REGISTRY}:_swap_head"),
         benches=(Bench("linear_cross_entropy", f"{_CASES}:linear_cross_entropy_case", f"{_CASES}:eager_linear_cross_entropy",
-                       "kernels.triton.linear_cross_entropy:fused_linear_cross_entropy", ((8192, 2048, 32000),),
+                       "perflab_kernels.triton.linear_cross_entropy:fused_linear_cross_entropy", ((8192, 2048, 32000),),
                        dims=("tokens", "dim", "vocab"), liger=f"{_CASES}:liger_linear_cross_entropy", gradient_in_forward=True),),
         measured=f"{_MEASURE}:head_loss_uses",
         # a diagnosis names cross_entropy; kernels=auto times this one as that op's candidate
         loss=True, loss_in_model=True, replaces=("cross_entropy",),
     ),
     Op(
-        "adamw", "kernels.triton.adamw",
+        "adamw", "perflab_kernels.triton.adamw",
         # optim.impl=triton, not a swap: kernels=auto times it against torch's fused AdamW
         measured=f"{_MEASURE}:optimizer_uses",
         diagnosed=(("adamw", "AdamW in one Triton launch, the grad norm read in its pass (optim.impl=triton; "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from kernels.triton.device import interpreted
+from perflab_kernels.triton.device import interpreted
 from src.fusion.ops import OPS, Op, load
 from src.models.layers import SiLUMul
 
@@ -36,26 +36,26 @@ def swap_modules(model: nn.Module, match: Callable[[nn.Module], bool], make: Cal
 
 
 def _swap_rms_norm(model: nn.Module) -> int:
-    from kernels.triton.rms_norm import FusedRMSNorm
+    from perflab_kernels.triton.rms_norm import FusedRMSNorm
 
     # FusedRMSNorm also has add_forward: the block's residual add joins its second norm.
     return swap_modules(model, lambda m: isinstance(m, nn.RMSNorm), FusedRMSNorm.from_module)
 
 
 def _swap_swiglu(model: nn.Module) -> int:
-    from kernels.triton.swiglu import FusedSiLUMul
+    from perflab_kernels.triton.swiglu import FusedSiLUMul
 
     return swap_modules(model, lambda m: isinstance(m, SiLUMul), lambda m: FusedSiLUMul())
 
 
 def _swap_softmax(model: nn.Module) -> int:
-    from kernels.triton.softmax import FusedSoftmax
+    from perflab_kernels.triton.softmax import FusedSoftmax
 
     return swap_modules(model, lambda m: isinstance(m, nn.Softmax) and m.dim in (-1, None), lambda m: FusedSoftmax())
 
 
 def _swap_head(model: nn.Module) -> int:
-    from kernels.triton.linear_cross_entropy import LinearCrossEntropyHead
+    from perflab_kernels.triton.linear_cross_entropy import LinearCrossEntropyHead
 
     head = getattr(model, "head", None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
@@ -65,7 +65,7 @@ def _swap_head(model: nn.Module) -> int:
 
 
 def _fused_cross_entropy(logits, targets, label_smoothing: float = 0.0):
-    from kernels.triton.cross_entropy import fused_cross_entropy
+    from perflab_kernels.triton.cross_entropy import fused_cross_entropy
 
     return fused_cross_entropy(logits, targets, label_smoothing=label_smoothing)
 

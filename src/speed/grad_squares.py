@@ -52,7 +52,7 @@ class GradSquares:
         not written by a recorded copy this step, changed since, or is only part of a buffer whose
         other gradients are not among `grads` (a buffer's sum covers all of it: the copy-in takes
         only gradients that fill it, no padding)."""
-        from kernels.triton.adamw import local_shard  # Triton may be missing where this module is imported
+        from perflab_kernels.triton.adamw import local_shard  # Triton may be missing where this module is imported
 
         covered: dict[int, int] = {}
         for g in grads:
@@ -71,7 +71,7 @@ class GradSquares:
         another order): this rank's squares, reduced over the mesh dimensions the gradients are
         sharded on. A rank whose gradients the copy-in did not all write sums its own squares the
         usual way, so every rank joins the same collective."""
-        from kernels.triton.adamw import global_norm_from_squares, local_shard, sharding_of
+        from perflab_kernels.triton.adamw import global_norm_from_squares, local_shard, sharding_of
 
         try:
             local = self.local_squares(grads)

@@ -16,8 +16,8 @@ from src.speed.patch import Patch
 from src.speed.recipe import FSDP, Recipe
 from src.speed.versions import TRITON_TESTED
 
-_CAST = None  # kernels.triton.cast, imported when installed (Triton may be missing)
-_RUNS_ON = None  # kernels.triton.device.kernels_run_on
+_CAST = None  # perflab_kernels.triton.cast, imported when installed (Triton may be missing)
+_RUNS_ON = None  # perflab_kernels.triton.device.kernels_run_on
 
 
 def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -37,8 +37,8 @@ def install() -> bool:
     replaced the function since an earlier install. Installing twice keeps the first install's original."""
     global _CAST, _RUNS_ON
     try:
-        import kernels.triton.cast as cast
-        from kernels.triton.device import kernels_run_on
+        import perflab_kernels.triton.cast as cast
+        from perflab_kernels.triton.device import kernels_run_on
     except ImportError:
         return False
     _CAST, _RUNS_ON = cast, kernels_run_on

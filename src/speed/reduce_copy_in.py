@@ -17,8 +17,8 @@ from src.speed.patch import Patch
 from src.speed.recipe import FSDP, Recipe
 from src.speed.versions import TRITON_TESTED
 
-_KERNEL = None  # kernels.triton.chunk_cat, imported when installed (Triton may be missing)
-_RUNS_ON = None  # kernels.triton.device.kernels_run_on
+_KERNEL = None  # perflab_kernels.triton.chunk_cat, imported when installed (Triton may be missing)
+_RUNS_ON = None  # perflab_kernels.triton.device.kernels_run_on
 
 
 def foreach_reduce_scatter_copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
@@ -44,8 +44,8 @@ def install() -> bool:
     code has replaced the function since an earlier install."""
     global _KERNEL, _RUNS_ON
     try:
-        import kernels.triton.chunk_cat as chunk_cat
-        from kernels.triton.device import kernels_run_on
+        import perflab_kernels.triton.chunk_cat as chunk_cat
+        from perflab_kernels.triton.device import kernels_run_on
     except ImportError:
         return False
     _KERNEL, _RUNS_ON = chunk_cat, kernels_run_on

@@ -43,7 +43,7 @@ def why_off(cfg: DictConfig, model: nn.Module, device: torch.device, ddp: bool) 
     """Why speed.tied_embedding_grad does not run in this run (None: it runs). `auto` runs on CUDA on a
     torch whose embedding backward its GPU tests matched (VERIFIED); `on` on any CUDA run, and on a
     CPU under Triton's interpreter."""
-    from kernels.triton.device import interpreted
+    from perflab_kernels.triton.device import interpreted
 
     embed, head = getattr(model, "embed", None), getattr(model, "head", None)
     if not isinstance(embed, nn.Embedding) or getattr(head, "weight", None) is not embed.weight:
@@ -66,7 +66,7 @@ def tie_embedding_gradient(cfg: DictConfig, model: nn.Module, device: torch.devi
     ddp = cfg.sharding.strategy == "none" and dist.is_initialized() and dist.get_world_size() > 1
     why = why_off(cfg, model, device, ddp)
     if why is None:
-        from kernels.triton.embedding_grad import tie_gradient
+        from perflab_kernels.triton.embedding_grad import tie_gradient
 
         if tie_gradient(model.embed):
             if main:

@@ -28,7 +28,9 @@ def build_optimizer(params, o: DictConfig, device_type: str, cpu_offload: bool, 
     bf16 moments (optim.state_dtype=bfloat16, impl=triton only: src/train/checks.py refuses others)."""
     impl = optimizer_impl(o.impl, device_type, cpu_offload)
     if impl == "triton":
-        from kernels.triton.adamw import TritonAdamW  # Triton only where asked: the other kinds train without it
+        from perflab_kernels.triton.adamw import (
+            TritonAdamW,  # Triton only where asked: the other kinds train without it
+        )
 
         return TritonAdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                            state_dtype=getattr(torch, o.state_dtype), seed=seed)
