@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,14 @@ def test_python_m_src_speed_lists_every_recipe_and_probes_this_torch():
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("| knob | replaces | torch verified |") and f"on torch {torch.__version__}" in lines[0]
     assert [line.split(" | ")[0] for line in lines[2:]] == [f"| `speed.{n}`" for n in RECIPES]
+
+
+def test_python_m_src_speed_reads_at_80_columns():
+    """A block per recipe: every knob whole at the start of its line, nothing past 80 columns."""
+    proc = subprocess.run([sys.executable, "-m", "src.speed"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in proc.stdout
+    assert [line.split(":")[0] for line in lines if line.startswith("speed.")] == [f"speed.{n}" for n in RECIPES]
+    assert len(lines) <= 7 * len(RECIPES)

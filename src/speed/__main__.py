@@ -27,6 +27,23 @@ def rows(symbols: bool) -> list[list[str]]:
     return out
 
 
+def _print_blocks(header: list[str], table: list[list[str]]) -> None:
+    """A block per recipe, its knob whole on the first line and each field wrapped under it: a
+    seven-column table cut the knobs' names to `speed.g…` at 80 columns."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.padding import Padding
+
+    console = Console(highlight=False)
+    console.print(f"speed recipes (src/speed/), {header[4]}:")
+    for knob, touched, torch_ok, triton_ok, here, gain, parity in table:
+        console.print(f"[bold]{escape(knob)}[/bold]: {escape(here)}")
+        # the parity test's file: its test's name (the Markdown table has it) would break mid-word
+        fields = (("replaces", touched), ("verified", f"torch {torch_ok}; Triton {triton_ok}"), ("gain", gain), ("parity", parity.split("::")[0]))
+        for label, value in fields:
+            console.print(Padding(f"{label}: {escape(value)}", (0, 0, 0, 2)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m src.speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="a Markdown table")
@@ -41,13 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in table:
             print("| " + " | ".join(f"`{row[0]}`" if i == 0 else c for i, c in enumerate(row)) + " |")
     else:
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(*header, title="speed recipes (src/speed/)", show_lines=True)
-        for row in table:
-            t.add_row(*row)
-        Console().print(t)
+        _print_blocks(header, table)
     broken = False
     for recipe in RECIPES.values():
         for gap in recipe.probe():
