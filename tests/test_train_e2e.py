@@ -58,6 +58,9 @@ def test_default_run_writes_one_run_dir_with_summary(default_run: Path):
     assert console[0].startswith("perflab: composing")  # printed before torch is imported
     assert f"outputs: {run_dirs[0].relative_to(default_run)}/" in console[-2]
     assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in console[-1]
+    # the GPU-only levers say nothing on a CPU run, where none was asked for
+    log = (default_run / "console.txt").read_text() + (default_run / "launcher.txt").read_text()
+    assert not [line for line in log.splitlines() if "speed." in line and "off in this run" in line], log[-3000:]
     # the saved view of the task's runs (src/tracking/ui_view.py), made by rank 0 and printed by the launcher
     assert "viewStateShareKey=perflab-train" in console[-1] and "mlflow_hint" not in summary
     assert "launcher imported mlflow: False" in (default_run / "launcher.txt").read_text()

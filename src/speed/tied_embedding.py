@@ -74,6 +74,7 @@ def tie_embedding_gradient(cfg: DictConfig, model: nn.Module, device: torch.devi
                          "(kernels/triton/embedding_grad.py), no full-size embedding gradient")
             return True
         why = "the embedding has padding_idx, max_norm, scale_grad_by_freq or sparse, which torch sums otherwise"
-    if main:
-        log.info("speed.tied_embedding_grad: off in this run (%s); autograd adds the embedding's full-size gradient", why)
+    if main:  # asked for by name: said; `auto` where it does not apply (a CPU run, an untied head): off without a word
+        log.log(logging.INFO if str(cfg.speed.tied_embedding_grad) == "on" else logging.DEBUG,
+                "speed.tied_embedding_grad: off in this run (%s); autograd adds the embedding's full-size gradient", why)
     return False
