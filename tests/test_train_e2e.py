@@ -85,6 +85,10 @@ def test_default_run_is_in_mlflow_with_params_metrics_and_tags(default_run: Path
     artifacts = {a.path for a in _client(default_run).list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.yaml"} <= artifacts
     assert "mlflow.sharedViewState.perflab-train" in _client(default_run).get_experiment(run.info.experiment_id).tags
+    # MFU in both conventions, energy and price: n/a on a CPU, each with its reason, in the run too
+    assert all(summary[k] is None for k in ("mfu", "mfu_causal", "joules_per_token", "cost_per_mtok"))
+    assert set(summary["na"]) == {"mfu", "mfu_causal", "joules_per_token", "cost_per_mtok"}
+    assert run.data.tags["na.joules_per_token"] == summary["na"]["joules_per_token"] and "GPU power" in summary["na"]["joules_per_token"]
 
 
 def test_fsdp4_experiment_on_cpu_prints_the_seed_line(workdir: Path):

@@ -377,6 +377,9 @@ class TrainConfig:
     """cross-entropy on fp32 logits (torchtitan's choice); the seed's script uses the bf16 logits as they come"""
     label_smoothing: float = 0.0
     """cross-entropy against (1 - e) on the target + e / vocab everywhere, as F.cross_entropy; the fused losses too"""
+    gpu_hour_price: float = 0.0
+    """the price of one GPU-hour, in any currency: summary.json's cost_per_mtok is what a million
+    trained tokens cost at this run's tokens/s per device; 0: not priced"""
     gpu_clock_interval_s: float = 0.1
     """on a GPU, rank 0 samples its SM clock, power draw and power-cap state through NVML this often
     over the timed steps (src/profiling/gpu_clocks.py; summary.json's gpu_* figures, the last log

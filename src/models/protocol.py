@@ -45,8 +45,13 @@ class CausalLM(Protocol):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs a token (forward and backward) at `seq_len`, torchtitan's count: 6 x the
-        parameters each token multiplies (the head's included, tied or not), plus attention's
-        12 x layers x query heads x head_dim x seq_len."""
+        parameters each token multiplies (the head's included, tied or not), plus
+        attention_flops_per_token."""
+        ...
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Attention's share of flops_per_token, counted whole: 12 x layers x query heads x head_dim x
+        seq_len (a causal mask skips about half of it, which Megatron-Bridge's count leaves out)."""
         ...
 
     def tie_weights(self) -> None:

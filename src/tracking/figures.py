@@ -41,7 +41,7 @@ def figures_of(task: str) -> TaskFigures:
     return _REGISTRY.get(task, TaskFigures(()))
 
 
-LOWER_IS_BETTER = {"peak_mem_gb", "peak_mem_reserved_gb", "final_loss", "step_time_s", "share_memory_bound", "overhead_frac",
+LOWER_IS_BETTER = {"joules_per_token", "cost_per_mtok", "peak_mem_gb", "peak_mem_reserved_gb", "final_loss", "step_time_s", "share_memory_bound", "overhead_frac",
                    "rel_err", "compile_s", "first_run_s", "skipped_steps"}
 
 

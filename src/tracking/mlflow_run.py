@@ -487,11 +487,13 @@ class MlflowTracker(NullTracker):
                 if not stored and not self.server_lost:
                     self._lose("every step metric", f"not answering for tracking.retry_s={self.retry_s:g} s after training ended")
             if summary:
-                from mlflow.entities import Metric
+                from mlflow.entities import Metric, RunTag
 
                 now = int(time.time() * 1000)
                 headline = [Metric(f"summary.{k}", float(v), now, 0) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-                self._server_call("the summary metrics", lambda: self.client.log_batch(self.run_id, metrics=headline))
+                # a figure the run could not measure says why, beside the figures (`n/a` in summary.json's `na`)
+                missing = [RunTag(f"na.{k}", str(v)[:5000]) for k, v in (summary.get("na") or {}).items()]
+                self._server_call("the summary metrics", lambda: self.client.log_batch(self.run_id, metrics=headline, tags=missing))
             if error:
                 self._server_call("the error tag", lambda: self.client.set_tag(self.run_id, "error", error[:5000]))
         finally:

@@ -3,5 +3,5 @@ figures, checkpoints and records. Their figures, the headline first, as sweeps a
 from src.tracking.figures import register_figures
 
 _SHOWN = ("tokens_per_s_per_device", "mfu", "peak_mem_gb", "final_loss", "step_time_s")
-register_figures("train", _SHOWN, extra=("tokens_per_s", "overhead_frac"))
+register_figures("train", _SHOWN, extra=("tokens_per_s", "overhead_frac", "mfu_causal", "joules_per_token", "cost_per_mtok"))
 register_figures("profile", _SHOWN, extra=("tokens_per_s",))

@@ -53,7 +53,7 @@ from src.train.loop import (
     summarize,
     train_loop,
 )
-from src.train.metrics import peak_flops, reset_peak_memory
+from src.train.metrics import causal_flops_per_token, energy_and_cost, peak_flops, reset_peak_memory
 from src.train.optimizer import build_optimizer, optimizer_impl
 from src.train.preempt import STOP_FILE, StopRequest, stop_signals
 from src.train.progress import ProgressReporter
@@ -108,6 +108,7 @@ class Trainer:
         model = meta_model(cfg.model)
         self.n_params = model.num_params(non_embedding=False)
         self.fpt = model.flops_per_token(cfg.data.seq_len)  # src/models/protocol.py: torchtitan's count
+        self.fpt_causal = causal_flops_per_token(self.fpt, model.attention_flops_per_token(cfg.data.seq_len), cfg.model.causal)
         self.kernels = self._swap_kernels(model)
         mesh = None
         if cfg.sharding.strategy in ("fsdp2", "hsdp"):
@@ -387,6 +388,12 @@ class Trainer:
             # rank 0's GPU over the timed steps (None where not sampled: a CPU, no NVML, off)
             **(self.clock_figures or dict.fromkeys(CLOCK_FIGURES)),
         }
+        # MFU in both conventions: `mfu` counts attention whole (torchtitan), `mfu_causal` halves a
+        # causal mask's (Megatron-Bridge); and the energy and price of a token
+        summary["mfu_causal"] = summary["mfu"] * self.fpt_causal / self.fpt if summary.get("mfu") is not None else None
+        summary.update(energy_and_cost(summary, cfg.train.gpu_hour_price))
+        if summary["mfu"] is None:
+            summary["na"].update(mfu="no datasheet peak for this device", mfu_causal="no datasheet peak for this device")
         if self.graph_skips_before is not None:
             # speed.cudagraphs: the graphs held and re-recorded, and compiled graphs that ran launched
             # instead (this process, this run)

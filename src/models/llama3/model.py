@@ -154,7 +154,10 @@ class Llama3(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         matmul = self.num_params(non_embedding=True) + (self.embed.weight.numel() if self.tie_embeddings else 0)
-        return 6 * matmul + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * matmul + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        return 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def new_block(self) -> nn.Module:
         return Llama3Block(*self._block_args)

@@ -141,7 +141,10 @@ class MiniLLM(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """torchtitan's count (src/models/protocol.py): 6 x the non-embedding parameters (the untied
         head among them) plus 12 x layers x heads x head_dim x seq_len for attention."""
-        return 6 * self.num_params(non_embedding=True) + 12 * self.n_layers * self.n_heads * (self.dim // self.n_heads) * seq_len
+        return 6 * self.num_params(non_embedding=True) + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        return 12 * self.n_layers * self.n_heads * (self.dim // self.n_heads) * seq_len
 
     def new_block(self) -> nn.Module:
         return TransformerBlock(*self._block_args)
