@@ -52,6 +52,7 @@ def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best
         assert f"#{n} : optim.lr=" in proc.stdout + proc.stderr
     assert "objective final_loss = " in proc.stdout + proc.stderr
     assert "Optuna: minimize final_loss (sweep.objective's better side)" in proc.stdout + proc.stderr
+    assert "\x1b[" not in proc.stdout + proc.stderr  # no colour codes in a log that is not a terminal
     # src.compare ranks the sweep by its objective, and stars the job Optuna and the parent name
     monkeypatch.chdir(workdir)
     assert compare_main(["--sweep", "latest", "--width", "80"]) == 0

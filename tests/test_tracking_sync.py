@@ -103,3 +103,18 @@ def test_two_runs_started_together_on_a_new_sqlite_store_both_land(tmp_path: Pat
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("perflab").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
+
+
+def test_the_sync_answers_a_folder_that_is_no_run_in_one_line_with_exit_2(tmp_path: Path, capsys):
+    from src.tracking.sync import UNSYNCED_FILE, main
+
+    empty, cut = tmp_path / "empty", tmp_path / "cut"
+    empty.mkdir()
+    cut.mkdir()
+    (cut / "summary.json").write_text("{}")
+    (cut / UNSYNCED_FILE).write_text('{"uri": "sqlite:///mlflow.d')  # cut off mid-write
+    for folder, said in ((tmp_path / "missing", "no such run directory"), (empty, "not a run's folder"), (cut, "cut off or not this project's")):
+        assert main([str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {folder}") and said in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut", "empty"]  # no store made

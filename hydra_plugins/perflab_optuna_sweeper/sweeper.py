@@ -30,6 +30,12 @@ class _Missing:
 
 class OptunaSweeper(plugin.OptunaSweeper if plugin is not None else _Missing):
     def setup(self, *, hydra_context, task_function, config) -> None:
+        # Optuna's own handler colours every line, a terminal or not (ANSI codes in a redirected log):
+        # its lines go through Hydra's logging instead, as every other line of the sweep does
+        import optuna
+
+        optuna.logging.disable_default_handler()
+        optuna.logging.enable_propagation()
         # no hydra.sweeper.direction given: search for the objective's better side, not Optuna's minimize
         if self.sweeper.direction is None:
             from src.tracking.search import better_direction, objective_of

@@ -75,18 +75,29 @@ def _missing_metrics(client, run_id: str, steps: list[dict[str, Any]], summary: 
     return missing
 
 
+class NotARunFolder(SyncError):
+    """A path that is not a run's folder, or a run's record that cannot be read: the command's input is wrong."""
+
+
 def sync_run(run_dir: Path, uri: str | None = None) -> str:
     """Store what `run_dir`'s MLflow run lacks; returns the line that says what was done."""
-    from mlflow import MlflowClient
+    from src.tracking.mlflow_run import client_for
 
     marker = run_dir / UNSYNCED_FILE
     if not run_dir.is_dir():
-        raise SyncError(f"{run_dir}: no such run directory")
+        raise NotARunFolder(f"{run_dir}: no such run directory")
     if not marker.exists():
+        if not any((run_dir / name).exists() for name in ("summary.json", "config.yaml", ".hydra")):
+            raise NotARunFolder(f"{run_dir}: not a run's folder (no summary.json, config.yaml or .hydra/ in it); "
+                            "give the folder a run printed, e.g. outputs/DATE/TIME")
         return f"{run_dir}: nothing to store (no {UNSYNCED_FILE}: its MLflow record is complete)"
-    record = json.loads(marker.read_text())
-    uri = uri or record["uri"]
-    client = MlflowClient(tracking_uri=uri)
+    try:
+        record = json.loads(marker.read_text())
+        uri = uri or record["uri"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise NotARunFolder(f"{marker}: cut off or not this project's ({type(err).__name__}: {err}); the run's figures are in "
+                        f"{run_dir / 'summary.json'} and metrics.jsonl") from None
+    client = client_for(uri)  # and MLflow's own "View run" lines kept off the console
     try:
         run_id = _ensure_run(client, record, run_dir)
         summary_path = run_dir / "summary.json"
@@ -119,14 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (outputs/DATE/TIME, multirun/DATE/TIME/N)")
     parser.add_argument("--uri", help="store them here instead of the store the run used")
     args = parser.parse_args(argv)
-    failed = 0
+    failed = code = 0
     for run_dir in args.run_dirs:
         try:
             print(sync_run(run_dir, args.uri))
         except SyncError as err:
             print(f"error: {err}", file=sys.stderr)
             failed += 1
-    return 1 if failed else 0
+            code = 2 if isinstance(err, NotARunFolder) else max(code, 1)  # a wrong folder: 2, as a wrong setting is
+    return code
 
 
 if __name__ == "__main__":
