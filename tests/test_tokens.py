@@ -96,7 +96,71 @@ def test_a_corpus_the_run_cannot_use_is_refused_in_one_line(tmp_path, corpus):
 
     assert refused(["data=tokens"]) == "data=tokens reads a corpus python -m src.data.prepare made: set data.tokens_path=DIR"
     assert refused(["data=tokens", f"data.tokens_path={tmp_path}"]).startswith(f"data.tokens_path={tmp_path}: no meta.json there")
+    top = max(json.loads((corpus / "meta.json").read_text())["max_ids"])
+    assert 256 <= top < 300
     assert refused(["data=tokens", f"data.tokens_path={corpus}", "model=llama3_tiny", "data.seq_len=32"]) == (
-        f"data.tokens_path={corpus} holds token ids up to 299 (its tokenizer's vocabulary, 300), and model.vocab_size=256: "
-        "set model.vocab_size=300 or more")
+        f"data.tokens_path={corpus} holds token ids up to {top} (meta.json's max_ids), and model.vocab_size=256: "
+        f"set model.vocab_size={top + 1} or more")
     assert "no shard holds 100001 tokens" in refused(["data=tokens", f"data.tokens_path={corpus}", "model.vocab_size=300", "data.seq_len=100000"])
+
+
+def _copy(corpus: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(corpus, to)
+    return to
+
+
+def test_shards_that_are_not_what_meta_json_says_are_refused_before_any_rank(tmp_path, corpus):
+    """A shard written as uint32 where meta.json says uint16 would train on every second token 0; a
+    cut-off shard or meta.json, a shard that is missing: each one line naming the file."""
+    from src.config.validate import validate
+
+    def refused(folder: Path) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate(compose_config(["data=tokens", f"data.tokens_path={folder}", "model.vocab_size=300", "data.seq_len=32"]),
+                     cuda_device_count=0, mps_available=False)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    meta = json.loads((corpus / "meta.json").read_text())
+    name, n = meta["shards"][0]
+    wide = _copy(corpus, tmp_path / "wide")
+    np.fromfile(corpus / name, dtype=np.uint16).astype(np.uint32).tofile(wide / name)
+    assert f"{name} holds {4 * n:,} bytes where meta.json says {n:,} uint16 tokens ({2 * n:,} bytes)" in refused(wide)
+    cut = _copy(corpus, tmp_path / "cut")
+    (cut / name).write_bytes((corpus / name).read_bytes()[:-7])
+    assert f"{name} holds {2 * n - 7:,} bytes" in refused(cut)
+    gone = _copy(corpus, tmp_path / "gone")
+    (gone / name).unlink()
+    assert f"meta.json lists {name}, which is not there" in refused(gone)
+    bad = _copy(corpus, tmp_path / "bad")
+    (bad / "meta.json").write_text((corpus / "meta.json").read_text()[:40])
+    assert "meta.json is cut off or not JSON" in refused(bad)
+
+
+@pytest.mark.parametrize("make, args, said", [
+    (lambda p: p.write_text(""), [], "no text in it"),
+    (lambda p: p.write_bytes(b"\x7fELF\x02\x01\x01\x00" * 64), [], "a binary file (it holds NUL bytes), not text"),
+    (lambda p: p.write_bytes("café au lait".encode("latin1")), [], "not UTF-8 (byte 3: b'\\xe9')"),
+    (lambda p: p.write_text("some text " * 50), ["--shard-tokens", "0"], "--shard-tokens 0: a shard holds at least 1 token"),
+])
+def test_prepare_refuses_what_it_cannot_tokenize_in_one_line_and_writes_nothing(make, args, said, tmp_path, capsys):
+    text = tmp_path / "in.txt"
+    make(text)
+    assert prepare(["--train-bpe", "300", "--text", str(text), "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_names_an_out_folder_it_cannot_write(tmp_path, capsys):
+    import os
+
+    text = tmp_path / "in.txt"
+    text.write_text("some text " * 50)
+    (tmp_path / "file").write_text("")
+    assert prepare(["--train-bpe", "300", "--text", str(text), "--out", str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {tmp_path / 'file' / 'out'}: cannot write there") and len(err.strip().splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "in.txt"]  # nothing new beside the inputs

@@ -34,6 +34,19 @@ def train_bpe(vocab_size: int, texts: list[str]):
     return tokenizer
 
 
+def read_text(path: Path) -> str:
+    """A text file as one document; ValueError, naming it, for one that is not UTF-8 text (a binary
+    would train the tokenizer and the model on its bytes without a word)."""
+    data = path.read_bytes()
+    if b"\0" in data[:65536]:
+        raise ValueError(f"--text {path}: a binary file (it holds NUL bytes), not text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--text {path}: not UTF-8 (byte {err.start}: {data[err.start:err.start + 1]!r}); convert it, "
+                         f"e.g. iconv -f latin1 -t utf-8 {path}") from None
+
+
 def eos_id(tokenizer) -> int | None:
     return next((i for name in EOS_NAMES if (i := tokenizer.token_to_id(name)) is not None), None)
 
@@ -60,7 +73,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_bpe is not None and args.train_bpe < 257:
         sys.stderr.write(f"error: --train-bpe {args.train_bpe}: a byte-level BPE needs more than its 256 byte tokens and end-of-text\n")
         return 2
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in args.text] or [stdlib_corpus(args.corpus_mb).decode("utf-8", "replace")]
+    if args.shard_tokens < 1:
+        sys.stderr.write(f"error: --shard-tokens {args.shard_tokens}: a shard holds at least 1 token\n")
+        return 2
+    try:
+        texts = [read_text(p) for p in args.text] or [stdlib_corpus(args.corpus_mb).decode("utf-8", "replace")]
+    except ValueError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    if not any(texts):
+        sys.stderr.write(f"error: --text {' '.join(map(str, args.text))}: no text in it; give a file with text\n")
+        return 2
+    try:  # the folder first: a long encode must not end on a folder it cannot write
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / ".perflab_probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        sys.stderr.write(f"error: --out {args.out}: cannot write there ({err.strerror}); give a writable folder\n")
+        return 2
     if args.tokenizer is not None:
         if not args.tokenizer.is_file():
             sys.stderr.write(f"error: --tokenizer {args.tokenizer}: no such file (a tokenizer.json)\n")
@@ -68,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, source = Tokenizer.from_file(str(args.tokenizer)), str(args.tokenizer)
     else:
         tokenizer, source = train_bpe(args.train_bpe, texts), f"byte-level BPE of {args.train_bpe} trained on {len(texts)} document(s)"
-    args.out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(args.out / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     encoded = (e.ids for e in tokenizer.encode_batch(texts))

@@ -1,7 +1,7 @@
 """Pre-tokenized corpora, nanoGPT's way: token ids in flat binary shards (uint16 where the vocabulary
 fits, else uint32), memory-mapped, beside a meta.json and the tokenizer that made them.
 
-    DIR/meta.json          {"vocab_size", "dtype", "shards": [[file, tokens], ...], "eos_id", "tokenizer"}
+    DIR/meta.json          {"vocab_size", "dtype", "shards": [[file, tokens], ...], "max_ids", "eos_id", "tokenizer"}
     DIR/tokens_00000.bin   ...
     DIR/tokenizer.json     the Hugging Face `tokenizers` file that encoded them
 
@@ -33,10 +33,37 @@ def read_meta(folder: Path) -> dict:
     path = Path(folder) / META
     if not path.is_file():
         raise TokenDataError(f"data.tokens_path={folder}: no {META} there; make one with `python -m src.data.prepare --out {folder} ...`")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TokenDataError(f"data.tokens_path={folder}: {META} is cut off or not JSON ({err}); prepare the folder again") from None
+    missing = [k for k in ("vocab_size", "dtype", "shards") if k not in (meta if isinstance(meta, dict) else {})]
+    if missing:
+        raise TokenDataError(f"data.tokens_path={folder}: {META} has no {', '.join(missing)}; prepare the folder with `python -m src.data.prepare`")
     if meta.get("dtype") not in DTYPES:
         raise TokenDataError(f"data.tokens_path={folder}: {META} names dtype {meta.get('dtype')!r}, not uint16 or uint32")
     return meta
+
+
+def check_shards(folder: Path, meta: dict) -> None:
+    """Each shard is the size meta.json says (tokens x the dtype's bytes): a shard written as uint32
+    where meta.json says uint16 would read every second token as 0, and train on it."""
+    itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize
+    for name, n in meta["shards"]:
+        path = Path(folder) / name
+        if not path.is_file():
+            raise TokenDataError(f"data.tokens_path={folder}: {META} lists {name}, which is not there; prepare the folder again")
+        size = path.stat().st_size
+        if size != n * itemsize:
+            raise TokenDataError(f"data.tokens_path={folder}: {name} holds {size:,} bytes where {META} says {n:,} {meta['dtype']} tokens "
+                                 f"({n * itemsize:,} bytes): a shard of another dtype, or cut off; prepare the folder again")
+
+
+def max_token_id(meta: dict) -> int | None:
+    """The largest token id in the shards, from meta.json (prepare records each shard's); None for a
+    folder prepared before it did."""
+    ids = meta.get("max_ids")
+    return max(ids) if ids else None
 
 
 @dataclass
@@ -49,6 +76,7 @@ class TokenShards:
 
     def __post_init__(self):
         self.meta = read_meta(self.folder)
+        check_shards(self.folder, self.meta)
         dtype = DTYPES[self.meta["dtype"]]
         self.arrays = [np.memmap(Path(self.folder) / name, dtype=dtype, mode="r", shape=(n,)) for name, n in self.meta["shards"]]
         counts = [max(len(a) - self.window + 1, 0) for a in self.arrays]
@@ -75,6 +103,7 @@ def write_shards(folder: Path, token_lists, vocab_size: int, eos_id: int | None,
     folder.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for(vocab_size)
     shards: list[list] = []
+    max_ids: list[int] = []
     buffer: list[int] = []
 
     def flush() -> None:
@@ -82,6 +111,7 @@ def write_shards(folder: Path, token_lists, vocab_size: int, eos_id: int | None,
             name = f"tokens_{len(shards):05d}.bin"
             np.asarray(buffer, dtype=DTYPES[dtype]).tofile(folder / name)
             shards.append([name, len(buffer)])
+            max_ids.append(max(buffer))  # what a run checks its vocabulary against, without reading the shard
             buffer.clear()
 
     for ids in token_lists:
@@ -94,7 +124,7 @@ def write_shards(folder: Path, token_lists, vocab_size: int, eos_id: int | None,
             flush()
             buffer.extend(rest)
     flush()
-    meta = {"vocab_size": vocab_size, "dtype": dtype, "shards": shards, "tokens": sum(n for _, n in shards), "eos_id": eos_id,
-            "tokenizer": tokenizer}
+    meta = {"vocab_size": vocab_size, "dtype": dtype, "shards": shards, "max_ids": max_ids, "tokens": sum(n for _, n in shards),
+            "eos_id": eos_id, "tokenizer": tokenizer}
     (folder / META).write_text(json.dumps(meta, indent=2) + "\n")
     return meta

@@ -114,7 +114,7 @@ def _check_text_file(cfg: DictConfig) -> None:
 
 def _check_tokens(cfg: DictConfig) -> None:
     """data=tokens: a prepared folder whose vocabulary the model holds and whose shards hold a window."""
-    from src.data.tokens import TokenDataError, TokenShards
+    from src.data.tokens import TokenDataError, TokenShards, max_token_id
 
     path = cfg.data.tokens_path
     if not path:
@@ -123,6 +123,10 @@ def _check_tokens(cfg: DictConfig) -> None:
         shards = TokenShards(Path(path), cfg.data.seq_len + 1)
     except TokenDataError as err:
         raise ConfigError(str(err)) from None
+    top = max_token_id(shards.meta)
+    if top is not None and top >= cfg.model.vocab_size:
+        raise ConfigError(f"data.tokens_path={path} holds token ids up to {top} (meta.json's max_ids), and model.vocab_size={cfg.model.vocab_size}: "
+                          f"set model.vocab_size={top + 1} or more")
     vocab = shards.meta["vocab_size"]
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"data.tokens_path={path} holds token ids up to {vocab - 1} (its tokenizer's vocabulary, {vocab}), "
