@@ -355,3 +355,48 @@ def test_the_edge_kv_cache_decodes_as_the_model_runs_the_whole_sequence(n_kv_hea
             steps.append(logits)
     for i, logits in enumerate(steps):
         torch.testing.assert_close(logits, full[:, 4 + i], rtol=1e-5, atol=1e-5)
+
+
+def _tampered(folder: Path, to: Path, change) -> Path:
+    """A copy of a Hugging Face folder whose tensors went through `change` (a dict of name -> tensor)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, to)
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, to / "model.safetensors", metadata={"format": "pt"})
+    return to
+
+
+def test_tensors_that_are_not_what_config_json_says_are_refused_naming_file_and_tensor(tmp_path):
+    """Full shapes and dtypes against config.json, from the files' headers, before any rank: more
+    embedding rows than its vocab_size, an int8 weight, a wrong-width tensor, a cut-off file, a
+    config.json that is not JSON. Each is one line naming the file and the tensor."""
+    folder = _hf_checkpoint(tmp_path, TINY, "tiny")
+    overrides = ["model=llama3_tiny", *[f"model.{k}={v}" for k, v in model_fields(hf_config(folder)).items()]]
+
+    def refused(at: Path) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate(compose_config([*overrides, f"model.hf_path={at}"]), cuda_device_count=0, mps_available=False)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    validate(compose_config([*overrides, f"model.hf_path={folder}"]), cuda_device_count=0, mps_available=False)  # the real one passes
+    rows = _tampered(folder, tmp_path / "rows", lambda t: t.update({"model.embed_tokens.weight": torch.zeros(300, 64)}))
+    assert refused(rows) == (f"model.hf_path={rows}: model.safetensors's model.embed_tokens.weight is (300, 64), and config.json's shape "
+                             "needs (256, 64); the weights are not those of its config.json")
+    int8 = _tampered(folder, tmp_path / "int8", lambda t: t.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(176, 64, dtype=torch.int8)}))
+    assert "model.safetensors's model.layers.1.mlp.up_proj.weight is I8, not a float: a quantized checkpoint" in refused(int8)
+    wide = _tampered(folder, tmp_path / "wide", lambda t: t.update({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 170)}))
+    assert "model.layers.0.mlp.down_proj.weight is (64, 170), and config.json's shape needs (64, 176)" in refused(wide)
+    gone = _tampered(folder, tmp_path / "gone", lambda t: t.pop("model.norm.weight"))
+    assert "no tensor model.norm.weight in the checkpoint" in refused(gone)
+    cut = _tampered(folder, tmp_path / "cut", lambda t: None)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) - 100])
+    assert f"{cut / 'model.safetensors'}: cut off ({len(data) - 100:,} bytes where its tensors need {len(data):,})" in refused(cut)
+    bad = _tampered(folder, tmp_path / "bad", lambda t: None)
+    (bad / "config.json").write_text((folder / "config.json").read_text()[:30])
+    assert refused(bad).startswith(f"model.hf_path={bad}: config.json is cut off or not JSON")

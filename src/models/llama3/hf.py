@@ -37,7 +37,13 @@ def hf_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise HFCheckpointError(f"model.hf_path={folder}: no config.json there; give a Hugging Face LlamaForCausalLM folder")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HFCheckpointError(f"model.hf_path={folder}: config.json is cut off or not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise HFCheckpointError(f"model.hf_path={folder}: config.json holds no settings object")
+    return config
 
 
 def _rope(config: dict) -> tuple[float, dict]:
@@ -59,6 +65,10 @@ def model_fields(config: dict) -> dict:
     arch = (config.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
         raise HFCheckpointError(f"architectures={config.get('architectures')}: read are {', '.join(ARCHITECTURES)}")
+    needed = ("num_attention_heads", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
+    missing = [k for k in needed if not isinstance(config.get(k), int)]
+    if missing:
+        raise HFCheckpointError(f"config.json has no whole number {missing[0]}: not a {arch} config")
     n_heads = config["num_attention_heads"]
     theta, scaling = _rope(config)
     fields = {
@@ -84,8 +94,89 @@ def shape_mismatch(model_cfg, folder: Path) -> str | None:
     differ = [f"{k}={ours[k]} (the checkpoint's {fields[k]})" for k in fields
               if k in ours and (abs(ours[k] - fields[k]) > 1e-9 * abs(fields[k]) if isinstance(fields[k], float) else ours[k] != fields[k])]
     if not differ:
-        return None
+        return tensor_mismatch(folder, fields)
     return f"model.hf_path={folder}: model={model_cfg.name} has " + ", ".join(f"model.{d}" for d in differ) + "; pick the model config of the checkpoint's shape"
+
+
+# the dtypes a checkpoint's weights may have; an int8 or float8 tensor would be copied as its integers
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def expected_shapes(fields: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `fields`' shape holds, by its Hugging Face name, with its full shape."""
+    dim, hd, ffn = fields["dim"], fields["head_dim"], fields["ffn_hidden"]
+    q, kv = fields["n_heads"] * hd, fields["n_kv_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (fields["vocab_size"], dim), "model.norm.weight": (dim,)}
+    if not fields["tie_embeddings"]:
+        shapes["lm_head.weight"] = (fields["vocab_size"], dim)
+    for i in range(fields["n_layers"]):
+        b = f"model.layers.{i}"
+        shapes.update({f"{b}.input_layernorm.weight": (dim,), f"{b}.post_attention_layernorm.weight": (dim,),
+                       f"{b}.self_attn.q_proj.weight": (q, dim), f"{b}.self_attn.k_proj.weight": (kv, dim),
+                       f"{b}.self_attn.v_proj.weight": (kv, dim), f"{b}.self_attn.o_proj.weight": (dim, q),
+                       f"{b}.mlp.gate_proj.weight": (ffn, dim), f"{b}.mlp.up_proj.weight": (ffn, dim), f"{b}.mlp.down_proj.weight": (dim, ffn)})
+        if fields["qkv_bias"]:
+            shapes.update({f"{b}.self_attn.q_proj.bias": (q,), f"{b}.self_attn.k_proj.bias": (kv,), f"{b}.self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def _header(path: Path) -> dict:
+    """A safetensors file's header ({name: {dtype, shape, data_offsets}}), checked against the file's
+    size: a file cut off mid-copy fails here, naming it, and not inside a rank."""
+    import struct
+
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError("its header runs past its end")
+            header = json.loads(f.read(n))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        raise HFCheckpointError(f"{path}: not a safetensors file ({err}); copy it again") from None
+    header.pop("__metadata__", None)
+    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if size < 8 + n + end:
+        raise HFCheckpointError(f"{path}: cut off ({size:,} bytes where its tensors need {8 + n + end:,}); copy it again")
+    return header
+
+
+def tensor_mismatch(folder: Path, fields: dict) -> str | None:
+    """Why the checkpoint's tensors are not those of its config.json's shape, naming the file and
+    the tensor; None where every one is there, whole, of a float dtype and its full shape. Reads
+    the files' headers only."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            return f"model.hf_path={folder}: {index.name} is cut off or has no weight_map ({err})"
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return f"model.hf_path={folder}: neither model.safetensors nor model.safetensors.index.json there"
+    found: dict[str, tuple[str, dict]] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            return f"model.hf_path={folder}: {name}, which the index names, is not there"
+        try:
+            header = _header(folder / name)
+        except HFCheckpointError as err:
+            return f"model.hf_path={folder}: {err}"
+        found.update({k: (name, v) for k, v in header.items()})
+    for tensor, shape in expected_shapes(fields).items():
+        if tensor not in found:
+            return f"model.hf_path={folder}: no tensor {tensor} in the checkpoint, which config.json's shape needs"
+        name, info = found[tensor]
+        if info["dtype"] not in FLOAT_DTYPES:
+            return (f"model.hf_path={folder}: {name}'s {tensor} is {info['dtype']}, not a float: a quantized checkpoint; "
+                    "give its bf16, fp16 or fp32 weights")
+        if tuple(info["shape"]) != shape:
+            return (f"model.hf_path={folder}: {name}'s {tensor} is {tuple(info['shape'])}, and config.json's shape needs {shape}; "
+                    "the weights are not those of its config.json")
+    return None
 
 
 def sources(name: str, sizes: tuple[int, int, int], tied: bool) -> list[Segment]:
