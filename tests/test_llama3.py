@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 pytest.importorskip("transformers")  # the reference: pip install -e ".[test]"
 
@@ -400,3 +401,29 @@ def test_tensors_that_are_not_what_config_json_says_are_refused_naming_file_and_
     bad = _tampered(folder, tmp_path / "bad", lambda t: None)
     (bad / "config.json").write_text((folder / "config.json").read_text()[:30])
     assert refused(bad).startswith(f"model.hf_path={bad}: config.json is cut off or not JSON")
+
+
+def test_edge_reads_the_hugging_face_folder_it_is_given_and_refuses_an_export_of_another_model(tmp_path):
+    """+exp=edge with model.hf_path benchmarks those weights, not the seeded initialisation; an
+    edge.weights export of another shape, or both settings at once, is refused in one line."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from src.edge.task import _weights, reference_model
+
+    folder = _hf_checkpoint(tmp_path, TINY, "tiny")
+    overrides = ["+exp=edge", "model=llama3_tiny", *[f"model.{k}={v}" for k, v in model_fields(hf_config(folder)).items()]]
+    cfg = compose_config([*overrides, f"model.hf_path={folder}"])
+    validate(cfg, cuda_device_count=0, mps_available=False)
+    weights = _weights(cfg)
+    assert weights == {"hf_path": str(folder.resolve())}
+    lm = reference_model(OmegaConf.to_container(cfg.model, resolve=True), weights, max_seq=16)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert torch.equal(lm.model.embed.weight, f.get_tensor("model.embed_tokens.weight").float())
+    other = tmp_path / "other.safetensors"
+    save_file({k: v.contiguous() for k, v in build_model(compose_config(["model=tiny"]).model).state_dict().items()}, other)
+    for extra, said in ((["model.hf_path=", f"edge.weights={other}"], f"edge.weights={other}: no "),
+                        ([f"model.hf_path={folder}", f"edge.weights={other}"], "both name the weights; give one of them")):
+        with pytest.raises(ConfigError) as err:
+            validate(compose_config([*overrides, *extra]), cuda_device_count=0, mps_available=False)
+        assert said in str(err.value) and "\n" not in str(err.value), str(err.value)

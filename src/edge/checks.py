@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from src.config.compose import ConfigError
 
@@ -45,6 +45,12 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
             raise ConfigError(why)
     if e.weights and not os.path.isfile(e.weights):
         raise ConfigError(f"edge.weights={e.weights}: no such file; export one with `python -m src.export CHECKPOINT --out model.safetensors`")
+    if e.weights and OmegaConf.select(cfg, "model.hf_path", default=""):
+        raise ConfigError(f"edge.weights={e.weights} and model.hf_path={cfg.model.hf_path} both name the weights; give one of them")
+    if e.weights:
+        why = weights_mismatch(e.weights, cfg.model)
+        if why:
+            raise ConfigError(why)
     target = default_target(backend, e.target)
     if backend == "mps":
         if e.action == "compile":
@@ -85,3 +91,25 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
             if not vulkan_devices():
                 raise ConfigError("backend=vulkan: no Vulkan driver found; install one: `apt-get install mesa-vulkan-drivers` "
                                   "(lavapipe, runs on the CPU) or the GPU vendor's driver")
+
+
+def weights_mismatch(path: str, model_cfg) -> str | None:
+    """Why an export's tensors are not model=...'s (names and shapes, from the file's header), or None."""
+    from safetensors import SafetensorError, safe_open
+
+    from src.models import meta_model
+
+    want = {k: tuple(v.shape) for k, v in meta_model(model_cfg).state_dict().items()}
+    try:
+        with safe_open(path, "pt") as f:
+            have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        return f"edge.weights={path}: not a safetensors file ({err}); export one with `python -m src.export CHECKPOINT --out model.safetensors`"
+    missing = sorted(set(want) - set(have))
+    if missing:
+        return f"edge.weights={path}: no {missing[0]} in it, which model={model_cfg.name} has: an export of another model; pass that model's config"
+    for name, shape in want.items():
+        if have[name] != shape:
+            return (f"edge.weights={path}: {name} is {have[name]} there and {shape} in model={model_cfg.name}: an export of another "
+                    "shape; pass the model config it was trained with")
+    return None

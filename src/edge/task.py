@@ -51,7 +51,7 @@ def default_target(backend: str, target: str) -> str:
 
 def reference_model(model_cfg: dict, weights: dict, max_seq: int, batch: int = 1) -> EdgeLM:
     """The model in fp32 on the CPU: seeded initialisation (src/distributed/parallelize.py, as
-    training starts from), or a safetensors export of a trained one."""
+    training starts from), a safetensors export of a trained one, or a Hugging Face folder's weights."""
     from src.distributed.parallelize import materialize_and_init
     from src.models import meta_model
 
@@ -61,6 +61,10 @@ def reference_model(model_cfg: dict, weights: dict, max_seq: int, batch: int = 1
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(weights["safetensors"]))
+    elif weights.get("hf_path"):
+        from src.models.llama3.hf import load_hf_weights
+
+        load_hf_weights(model, Path(weights["hf_path"]))
     return EdgeLM(model.eval(), max_seq, batch).eval()
 
 
@@ -95,7 +99,13 @@ def deployed(reference: EdgeLM, settings: dict) -> EdgeLM:
 
 
 def _weights(cfg: DictConfig) -> dict:
-    return {"safetensors": str(Path(cfg.edge.weights).resolve())} if cfg.edge.weights else {"seed": cfg.edge.seed}
+    """Where the parameters come from: an export (edge.weights), a Hugging Face folder (model.hf_path),
+    else the seeded initialisation."""
+    if cfg.edge.weights:
+        return {"safetensors": str(Path(cfg.edge.weights).resolve())}
+    if OmegaConf.select(cfg, "model.hf_path", default=""):
+        return {"hf_path": str(Path(cfg.model.hf_path).resolve())}
+    return {"seed": cfg.edge.seed}
 
 
 def latency_chart(summary: dict[str, Any], path: Path) -> None:
