@@ -129,9 +129,10 @@ def _launcher(overrides: list[str]) -> str:
     return "basic"
 
 
-def preflight(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
+def preflight(overrides: list[str], multirun: bool, config_dir: str | None = None) -> Path | None:
     """Compose and validate every job of the command; raise ConfigError on the first that cannot
-    run. `config_dir`: Hydra's --config-dir, searched as Hydra itself will."""
+    run. `config_dir`: Hydra's --config-dir, searched as Hydra itself will. Returns the run folder
+    of a stopped run that this command continues (None: a new folder)."""
     from src.config.validate import validate
     from src.train.resume_check import check_checkpoints
 
@@ -154,10 +155,38 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
     # the checkpoint each job resumes from (its files, its model) and the folder it saves in; a
     # sweep's jobs get their folders when they start, so only an explicit one is checked here
     run_dir = None if multirun else _planned_run_dir(hydra_cfg)
+    continued = None if multirun else _continues(overrides, jobs[0])
+    if continued is not None:
+        run_dir = continued
     for cfg in jobs:
         check_checkpoints(cfg, run_dir)
     if launcher != "submitit_slurm":  # the jobs' ranks run on this machine
         _warn_ranks_over_cores(jobs)
+    return continued
+
+
+# where a run goes without hydra.run.dir (conf/config.yaml): the folders a command's stopped run is looked for in
+DEFAULT_RUNS_ROOT = "outputs"
+
+
+def _continues(overrides: list[str], cfg: DictConfig) -> Path | None:
+    """A training command with the default folders (no hydra.run.dir, no checkpoint.folder) and
+    checkpoint.resume=auto goes on in the folder of its own last run where that run stopped on a
+    signal and saved: the same checkpoint, the same MLflow run (src/train/records.py), the same
+    metrics.jsonl. Its newest run finished or failed: a new folder."""
+    from src.train.resume_check import stopped_run
+
+    if (cfg.task.name not in ("train", "profile") or str(cfg.checkpoint.resume) != "auto" or cfg.checkpoint.folder
+            or any(o.lstrip("+~").split("=", 1)[0] == "hydra.run.dir" for o in overrides)):
+        return None
+    found = stopped_run(Path.cwd() / DEFAULT_RUNS_ROOT, overrides)
+    if found is None:
+        return None
+    folder, summary = found
+    print(f"perflab: continuing {folder.relative_to(Path.cwd())}: stopped by {summary.get('preempted_by')} at step "
+          f"{summary.get('preempted_at_step')} of {cfg.train.steps}; its checkpoint, metrics and MLflow run "
+          f"{(summary.get('mlflow_run_id') or '(untracked)')[:8]} go on (checkpoint.resume=none starts afresh in a new folder)", flush=True)
+    return folder
 
 
 def _check_tracking_stores(jobs: list[DictConfig]) -> None:
@@ -377,7 +406,9 @@ def main() -> None:
             if launched_as_worker():
                 run_as_worker(args.overrides, args.config_dir)
                 return
-            preflight(args.overrides, args.multirun, args.config_dir)
+            continued = preflight(args.overrides, args.multirun, args.config_dir)
+            if continued is not None:  # Hydra parses sys.argv again in hydra_main: it runs in that folder
+                sys.argv.append(f"hydra.run.dir='{continued}'" if "'" not in str(continued) else f'hydra.run.dir="{continued}"')
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:  # Ctrl-C while composing: nothing started yet

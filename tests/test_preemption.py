@@ -101,6 +101,45 @@ def test_a_stop_signal_saves_and_the_same_command_continues_bit_identically(tmp_
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(60))
 
 
+def test_with_the_default_folders_the_same_command_continues_the_stopped_run_in_its_folder(tmp_path: Path, straight):
+    """No hydra.run.dir, no checkpoint.folder: SIGTERM stops the run in outputs/DATE/TIME; the same
+    command, word for word, goes on in that folder, from its checkpoint, in its MLflow run, and ends
+    bit-identical to an undisturbed twin; another command gets a folder of its own."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [a for a in RUN if not a.startswith("hydra.run.dir")] + ["dist.nproc=1", f"tracking.uri={store}"]
+    proc = _start(args, tmp_path)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("outputs/*/*/metrics.jsonl")) or len(next(tmp_path.glob("outputs/*/*/metrics.jsonl")).read_text().splitlines()) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "no step in 120 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    (folder,) = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
+    first = json.loads((folder / "summary.json").read_text())
+    at = first["preempted_at_step"]
+    # the line says what the next command does, and names it
+    assert f"`python -m src.run {' '.join(args)}` continues it: this folder, its checkpoint and its MLflow run" in out, out[-3000:]
+
+    proc = _start(args, tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert f"perflab: continuing {folder.relative_to(tmp_path)}: stopped by SIGTERM at step {at} of 60" in out
+    assert [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")] == [folder]  # no second folder
+    second = json.loads((folder / "summary.json").read_text())
+    assert second["status"] == "finished" and second["start_step"] == at
+    assert second["final_loss"] == straight[1]["final_loss"]  # bit for bit
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]
+    client = MlflowClient(store)
+    assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(60))
+    assert len((folder / "metrics.jsonl").read_text().splitlines()) == 60
+
+    proc = _start([*args, "train.steps=2"], tmp_path)  # another command: a folder of its own
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "continuing" not in out, out
+    assert len(list(tmp_path.glob("outputs/*/*/summary.json"))) == 2
+
+
 def test_no_stop_signals_leaves_sigusr1_to_end_the_process(tmp_path: Path):
     """checkpoint.on_signal=[]: no handler, no checkpoint; SIGUSR1 ends the run as it ends any program."""
     proc = _start([*RUN, "dist.nproc=1", "tracking=none", "checkpoint.on_signal=[]"], tmp_path)
@@ -137,3 +176,37 @@ def test_the_launcher_takes_the_stop_signals_from_torchs_agent_and_a_later_repea
             time.sleep(0.05)
     assert signal.getsignal(signal.SIGHUP) == before and not stop_file.exists()
     assert agent_signals(()) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's own list, where no run directory takes them
+
+
+def test_a_command_continues_only_its_own_newest_run_and_only_where_it_stopped_and_saved(tmp_path: Path):
+    """src/train/resume_check.py stopped_run over run folders as Hydra leaves them: the newest folder
+    of the same overrides (in any order) counts; finished, failed or without a summary, it is not
+    continued, nor is an older stopped one behind it."""
+    import shutil
+
+    import yaml
+
+    from src.train.resume_check import stopped_run
+
+    def run(time_: str, overrides: list[str], status: str | None, saved: bool = True) -> Path:
+        folder = tmp_path / "outputs" / "2026-12-07" / time_
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        if status is not None:
+            (folder / "summary.json").write_text(json.dumps({"status": status, "preempted_at_step": 7}))
+        if saved:
+            (folder / "checkpoints" / "step_00000007").mkdir(parents=True)
+            (folder / "checkpoints" / "step_00000007" / ".metadata").write_bytes(b"")
+        return folder
+
+    ours = ["train.steps=60", "checkpoint.interval=10"]
+    stopped = run("09-00-00", ours, "preempted")
+    run("09-30-00", ["train.steps=5"], "finished")  # another command's, newer
+    assert stopped_run(tmp_path / "outputs", [*reversed(ours), "hydra.job.chdir=false"])[0] == stopped
+    assert stopped_run(tmp_path / "outputs", ["train.steps=60"]) is None
+    unsaved = run("10-00-00", ours, "preempted", saved=False)
+    assert stopped_run(tmp_path / "outputs", ours) is None  # the newest stopped before its first save
+    for status in ("finished", "failed", None):
+        shutil.rmtree(unsaved)
+        unsaved = run("10-00-00", ours, status)
+        assert stopped_run(tmp_path / "outputs", ours) is None, status

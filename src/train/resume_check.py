@@ -185,3 +185,31 @@ def check_checkpoint_folder(cfg: DictConfig, run_dir: Path | None) -> None:
     if free < need:
         raise ConfigError(f"{setting}: a checkpoint of model {cfg.model.name} takes about {_gb(need)}, {existing} has {_gb(free)} free; "
                           "free space or set checkpoint.folder elsewhere")
+
+
+def stopped_run(root: Path, overrides: list[str]) -> tuple[Path, dict] | None:
+    """The run folder under `root` (outputs/DATE/TIME) that this command continues, with its summary:
+    the newest folder the same command (the same overrides, hydra.* aside) ran in, where that run
+    stopped on a signal and saved a checkpoint. None where the newest such run finished, failed or
+    left no summary (killed outright): the command then starts afresh."""
+    import json
+
+    import yaml
+
+    ours = sorted(o for o in overrides if not o.lstrip("+~").startswith("hydra"))
+    for overrides_file in sorted(root.glob("*/*/.hydra/overrides.yaml"), reverse=True):  # DATE/TIME sort as time does
+        folder = overrides_file.parent.parent
+        try:
+            theirs = yaml.safe_load(overrides_file.read_text()) or []
+        except (OSError, yaml.YAMLError):
+            continue
+        if sorted(map(str, theirs)) != ours:
+            continue
+        try:
+            summary = json.loads((folder / "summary.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if summary.get("status") != "preempted" or latest_checkpoint(folder / "checkpoints", say=False) is None:
+            return None
+        return folder, summary
+    return None

@@ -431,8 +431,10 @@ class Trainer:
             if stopped:
                 at = result.stopped_at
                 saved = f"checkpoint step_{at:08d} in {self.checkpointer.folder}" if at > self.start_step else "nothing new to save"
-                log.warning("%s: stopped after %d of %d steps, %s; the same command continues from it (checkpoint.resume=auto)",
-                            stopped, at, cfg.train.steps, saved)
+                again = ("the sweep's command with sweep.resume=true" if ctx.multirun
+                         else "`" + " ".join(["python -m src.run", *ctx.overrides]) + "`")
+                log.warning("%s: stopped after %d of %d steps, %s; %s continues it: this folder, its checkpoint and its MLflow run "
+                            "(checkpoint.resume=auto)", stopped, at, cfg.train.steps, saved, again)
             elif summary["steps"] == 0:
                 log.info("nothing to train: the checkpoint already covers train.steps=%d", cfg.train.steps)
             else:
