@@ -22,6 +22,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import hydra  # noqa: E402
@@ -129,10 +130,20 @@ def _launcher(overrides: list[str]) -> str:
     return "basic"
 
 
-def preflight(overrides: list[str], multirun: bool, config_dir: str | None = None) -> Path | None:
+@dataclass(frozen=True)
+class RunFolder:
+    """Where the command's run (or sweep) goes: the Hydra setting that names it and the folder, a
+    stopped run's that the command continues, or a new one (`new`: main claims it, claim_folder)."""
+
+    key: str
+    path: Path
+    new: bool
+
+
+def preflight(overrides: list[str], multirun: bool, config_dir: str | None = None) -> RunFolder | None:
     """Compose and validate every job of the command; raise ConfigError on the first that cannot
-    run. `config_dir`: Hydra's --config-dir, searched as Hydra itself will. Returns the run folder
-    of a stopped run that this command continues (None: a new folder)."""
+    run. `config_dir`: Hydra's --config-dir, searched as Hydra itself will. Returns where the run
+    goes; None where the command names its folder itself. Writes nothing."""
     from src.config.validate import validate
     from src.train.resume_check import check_checkpoints
 
@@ -162,11 +173,32 @@ def preflight(overrides: list[str], multirun: bool, config_dir: str | None = Non
         check_checkpoints(cfg, run_dir)
     if launcher != "submitit_slurm":  # the jobs' ranks run on this machine
         _warn_ranks_over_cores(jobs)
-    return continued
+    if continued is not None:
+        return RunFolder("hydra.run.dir", continued, new=False)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides):
+        return None  # a folder the user named: theirs to share or not
+    planned = Path(str(OmegaConf.select(hydra_cfg, key)))
+    return RunFolder(key, planned if planned.is_absolute() else Path.cwd() / planned, new=True)
 
 
 # where a run goes without hydra.run.dir (conf/config.yaml): the folders a command's stopped run is looked for in
 DEFAULT_RUNS_ROOT = "outputs"
+
+
+def claim_folder(folder: Path) -> Path:
+    """`folder`, else `folder-2`, `-3`, ...: the first that this process makes itself (mkdir either
+    makes a folder or fails, never both for two processes), so two commands started in the same
+    second (the default folders name the second) never share one."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        candidate = folder if n == 1 else folder.with_name(f"{folder.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def _continues(overrides: list[str], cfg: DictConfig) -> Path | None:
@@ -406,9 +438,11 @@ def main() -> None:
             if launched_as_worker():
                 run_as_worker(args.overrides, args.config_dir)
                 return
-            continued = preflight(args.overrides, args.multirun, args.config_dir)
-            if continued is not None:  # Hydra parses sys.argv again in hydra_main: it runs in that folder
-                sys.argv.append(f"hydra.run.dir='{continued}'" if "'" not in str(continued) else f'hydra.run.dir="{continued}"')
+            folder = preflight(args.overrides, args.multirun, args.config_dir)
+            if folder is not None:  # Hydra parses sys.argv again in hydra_main: it runs there
+                path = claim_folder(folder.path) if folder.new else folder.path
+                path = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path  # as Hydra's own default reads
+                sys.argv.append(f"{folder.key}='{path}'" if "'" not in str(path) else f'{folder.key}="{path}"')
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:  # Ctrl-C while composing: nothing started yet

@@ -210,3 +210,38 @@ def test_system_metrics_have_a_first_and_a_last_sample_even_in_a_short_run(workd
     assert "system/system_memory_usage_megabytes" in run.data.metrics
     history = _client(workdir).get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")
     assert sorted(m.step for m in history) == [0, 1]
+
+
+def test_runs_started_together_from_one_folder_get_a_folder_each(tmp_path: Path):
+    """The default folders name the second a run starts: two commands of the same second once
+    shared one (interleaved metrics.jsonl, one's config, the other's summary in both MLflow runs)."""
+    import subprocess
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "src.run", "train.steps=2", "dist.nproc=1", "tracking.system_metrics=false"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    folders = sorted(p.parent for p in tmp_path.glob("outputs/*/*/summary.json"))
+    assert len(folders) == 2
+    summaries = [json.loads((f / "summary.json").read_text()) for f in folders]
+    assert all(len((f / "metrics.jsonl").read_text().splitlines()) == 2 for f in folders)
+    assert len({s["mlflow_run_id"] for s in summaries}) == 2
+    client = _client(tmp_path)
+    for s in summaries:  # each MLflow run holds its own folder's summary, not the other's
+        stored = json.loads(Path(client.download_artifacts(s["mlflow_run_id"], "summary.json", str(tmp_path))).read_text())
+        assert stored["mlflow_run_id"] == s["mlflow_run_id"]
+
+
+def test_a_new_run_folder_is_claimed_by_one_process_only(tmp_path: Path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from src.run import claim_folder
+
+    (tmp_path / "outputs" / "d" / "t").mkdir(parents=True)  # a run of the same second before
+    assert claim_folder(tmp_path / "outputs" / "d" / "t").name == "t-2"
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: claim_folder(tmp_path / "outputs" / "d" / "u"), range(8)))
+    assert sorted(p.name for p in got) == sorted(["u", *(f"u-{n}" for n in range(2, 9))])
