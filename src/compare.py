@@ -55,6 +55,18 @@ def _latest_sweep(client, experiments: list[str]):
     return parents[0]
 
 
+def _sweep_parent(client, uri: str, run_id: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise LookupError(f"--sweep {run_id}: no such run at {uri}; give a sweep's parent run id, or --sweep latest") from None
+    if run.data.tags.get("sweep") != "true":
+        raise LookupError(f"--sweep {run_id}: run {run.info.run_name!r} is not a sweep's parent run; give its parent's id, or --sweep latest")
+    return run
+
+
 def sweep_objective(parent) -> str | None:
     """The figure a sweep was judged by, from its parent run's `objective` tag ("final_loss (lower is
     better)", src/tracking/sweep.py): the figure its best_job and Optuna's best were chosen on."""
@@ -71,7 +83,7 @@ def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> tup
     experiments = _experiments(client, uri, experiment)
     objective = None
     if sweep:
-        parent = _latest_sweep(client, experiments) if sweep == "latest" else client.get_run(sweep)
+        parent = _latest_sweep(client, experiments) if sweep == "latest" else _sweep_parent(client, uri, sweep)
         objective = sweep_objective(parent)
         runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'", max_results=1000)
     else:
@@ -101,7 +113,11 @@ def rows_from_dirs(roots: list[Path]) -> list[dict[str, Any]]:
         for summary_path in sorted(root.rglob("summary.json")):
             if "diagnose" in summary_path.parts[len(root.parts):-1] or "target" in summary_path.parent.name:
                 continue
-            s = json.loads(summary_path.read_text())
+            try:
+                s = json.loads(summary_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:  # a run killed while writing it: the others still compare
+                sys.stderr.write(f"warning: {summary_path}: cut off or not JSON ({err.msg if hasattr(err, 'msg') else err}); left out\n")
+                continue
             row = {"run": str(summary_path.parent.relative_to(root)) or root.name, "status": s.get("status", "?"), "id": "", "task": s.get("task")}
             row.update({k: s.get("settings", {}).get(k) for k in PARAMS})
             row["world_size"] = world_label(row["world_size"], s.get("settings", {}).get("dist_fake", False))
@@ -275,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         where = f"under {' '.join(map(str, args.dirs))}" if args.dirs else f"at {args.uri}"
         sys.stderr.write(f"error: no runs found {where}; pass --uri URI for another MLflow store, or --dirs DIR for run directories\n")
+        return 2
+    if args.metric and not any(is_number(r.get(args.metric)) for r in rows):
+        known = sorted({k for r in rows for k, v in r.items() if is_number(v) and k not in ("world_size",)})
+        sys.stderr.write(f"error: --metric {args.metric}: no run here has it; they have: {', '.join(known)}\n")
         return 2
     render(rows, args.metric or objective, console, ", sweep objective" if objective and not args.metric else "")
     if args.ui and from_mlflow:

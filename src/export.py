@@ -17,6 +17,23 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 
+def _check_writable(out: Path, folder: bool) -> None:
+    """--out can be written: its folder (made where missing) takes a file. Said before the checkpoint
+    is read, not after."""
+    import tempfile
+
+    from src.train.checkpoint import CheckpointError
+
+    where = out if folder else out.parent
+    if not folder and out.is_dir():
+        raise CheckpointError(f"--out {out}: a folder; name the file, e.g. --out {out / 'model.safetensors'}")
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkstemp(prefix=".perflab_probe_", dir=where)[1]).unlink()
+    except OSError as err:
+        raise CheckpointError(f"--out {out}: cannot write there ({err.strerror}); give a writable place") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from src.models import build_model
     from src.train.checkpoint import CheckpointError, export_checkpoint
@@ -41,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.hf and model_cfg.get("arch", "mini_llm") != "llama3":
             raise CheckpointError(f"--hf writes a Hugging Face LlamaForCausalLM, and this checkpoint's model is {model_cfg.get('name')} "
                                   f"(arch {model_cfg.get('arch', 'mini_llm')}); drop --hf for a plain safetensors file")
+        _check_writable(args.out, folder=args.hf)
         model = build_model(model_cfg)
         if args.hf:
             import tempfile

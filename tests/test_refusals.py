@@ -272,3 +272,31 @@ def test_a_tracking_store_that_cannot_be_opened_is_refused_in_seconds(uri: str, 
     assert time.monotonic() - start < 15
     assert line.format(cwd=tmp_path, port=port) in str(err.value) and "\n" not in str(err.value) and "secret" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afolder"]  # no store, no run folder
+
+
+def test_export_names_an_out_it_cannot_write_before_reading_the_checkpoint(tmp_path: Path, capsys):
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(b"")  # never read: the refusal comes first
+    (ckpt / "config.yaml").write_text("name: tiny\narch: mini_llm\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\n")
+    (tmp_path / "file").write_text("")
+    assert export_main([str(ckpt), "--out", str(tmp_path / "file" / "model.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {tmp_path / 'file' / 'model.safetensors'}: cannot write there") and len(err.strip().splitlines()) == 1
+    (tmp_path / "adir").mkdir()
+    assert export_main([str(ckpt), "--out", str(tmp_path / "adir")]) == 2
+    assert "a folder; name the file" in capsys.readouterr().err
+
+
+def test_a_rotary_base_of_zero_is_refused_before_any_rank():
+    with pytest.raises(ConfigError, match=r"model.rope_theta=0.0: the rotary embedding's base must be above 0"):
+        validate(compose_config(["model=llama3_tiny", "model.rope_theta=0"]), cuda_device_count=0, mps_available=False)
+
+
+def test_a_binary_file_given_as_text_is_said_once(tmp_path: Path, capsys):
+    binary = tmp_path / "blob"
+    binary.write_bytes(bytes(range(256)) * 64)
+    for _ in range(2):
+        validate(compose_config([f"data.text_path={binary}"]), cuda_device_count=0, mps_available=False)
+    err = capsys.readouterr().err
+    assert err.count(f"warning: data.text_path={binary} holds NUL bytes: a binary file, not text") == 1, err

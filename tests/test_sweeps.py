@@ -243,3 +243,26 @@ def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path):
     assert {k: r.info.status for k, r in third.items()} == {"fp32": "FINISHED", "bf16": "FINISHED"}
     assert third["bf16"].info.run_id == second["bf16"].info.run_id and third["fp32"].info.run_id != fp32
     assert client.get_run(parent.info.run_id).data.tags["resumes"] == "2"
+
+
+def test_compare_answers_what_it_cannot_show_in_one_line(sweep: Path, tmp_path: Path, capsys, monkeypatch):
+    """An unknown --sweep, a run that is no sweep's parent, a misspelt --metric: one line each, exit 2;
+    a cut-off summary.json among run folders is left out, saying so, and the rest compared."""
+    import shutil
+
+    monkeypatch.chdir(sweep)
+    client, runs = _runs(sweep)
+    child = next(r for r in runs if r.data.tags.get("mlflow.parentRunId"))
+    for args, said in ((["--sweep", "0123456789abcdef"], "--sweep 0123456789abcdef: no such run at "),
+                       (["--sweep", child.info.run_id], f"--sweep {child.info.run_id}: run {child.info.run_name!r} is not a sweep's parent run"),
+                       (["--sweep", "latest", "--metric", "finl_loss"], "--metric finl_loss: no run here has it; they have: ")):
+        assert compare_main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {said}") and len(err.strip().splitlines()) == 1, err
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(sweep / "multirun", runs_dir)
+    cut = sorted(runs_dir.glob("*/*/0/summary.json"))[0]
+    cut.write_text(cut.read_text()[:20])
+    assert compare_main(["--dirs", str(runs_dir), "--width", "80"]) == 0
+    out = capsys.readouterr()
+    assert f"warning: {cut}: cut off or not JSON" in out.err and "3 train runs" in out.out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -98,6 +99,17 @@ def _check_speed(cfg: DictConfig, backend: str) -> None:
                           f"sharding={sharding.name} gathers the weights into new memory every step; add speed.keep_unsharded=true (or use speed=graphs)")
 
 
+_SAID: set = set()
+
+
+def _say_once(key) -> bool:
+    """True the first time `key` is seen in this process: validate runs again where the job runs."""
+    if key in _SAID:
+        return False
+    _SAID.add(key)
+    return True
+
+
 def _check_text_file(cfg: DictConfig) -> None:
     path = cfg.data.text_path
     if not path:
@@ -110,6 +122,10 @@ def _check_text_file(cfg: DictConfig) -> None:
     if size < need:
         what = "is empty" if size == 0 else f"holds {size} bytes"
         raise ConfigError(f"data.text_path={path}: the file {what}; data.seq_len={cfg.data.seq_len} needs at least {need} bytes: give a longer file or lower data.seq_len")
+    with open(path, "rb") as f:
+        head = f.read(65536)
+    if b"\0" in head and _say_once(("binary", path)):
+        sys.stderr.write(f"warning: data.text_path={path} holds NUL bytes: a binary file, not text; the byte-level model trains on its bytes\n")
 
 
 def _check_tokens(cfg: DictConfig) -> None:

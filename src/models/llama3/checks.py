@@ -18,6 +18,8 @@ def refusal(m: DictConfig) -> str | None:
     head_dim = m.head_dim or m.dim // m.n_heads
     if head_dim % 2:
         return f"model.head_dim={head_dim}: rotary embeddings rotate pairs of a head's dimensions, so it must be even"
+    if not m.rope_theta > 0:
+        return f"model.rope_theta={m.rope_theta}: the rotary embedding's base must be above 0 (LLaMA 3: 500000, Qwen 2.5: 1000000)"
     if m.rope_factor and not m.rope_high_freq > m.rope_low_freq > 0:
         return f"model.rope_high_freq={m.rope_high_freq} must be above model.rope_low_freq={m.rope_low_freq} > 0 (LLaMA 3.1's scaling: 4 and 1)"
     if m.hf_path:
