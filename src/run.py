@@ -428,6 +428,12 @@ def main() -> None:
     # of every run on a new store; the ranks and the metric writer inherit this.
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
 
+    for arg in sys.argv[1:]:  # bytes that are not UTF-8 arrive as surrogates, which MLflow cannot store
+        bad = next((c for c in arg if "\udc80" <= c <= "\udcff"), None)
+        if bad is not None:
+            shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            _fail(f"{shown}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8, and the run's settings are stored as UTF-8 text "
+                  "(MLflow's params, config.yaml); rename the file or folder")
     sys.argv[1:] = quote_non_ascii(sys.argv[1:])  # Hydra parses sys.argv again in hydra_main
     args, _ = _args_parser().parse_known_args(sys.argv[1:])
     inspecting = any(a.split("=")[0] in _INSPECT_FLAGS for a in sys.argv[1:])

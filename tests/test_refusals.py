@@ -300,3 +300,17 @@ def test_a_binary_file_given_as_text_is_said_once(tmp_path: Path, capsys):
         validate(compose_config([f"data.text_path={binary}"]), cuda_device_count=0, mps_available=False)
     err = capsys.readouterr().err
     assert err.count(f"warning: data.text_path={binary} holds NUL bytes: a binary file, not text") == 1, err
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_anything_starts(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "src.run", b"data.text_path=" + bytes(tmp_path) + b"/caf\xe9.txt"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: data.text_path={tmp_path}/caf\\xe9.txt: byte 0xe9 is not UTF-8") and len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
