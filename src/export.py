@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{args.checkpoint}: no checkpoint there (no DCP .metadata){hint}")
         if not config.exists():
             raise CheckpointError(f"{args.checkpoint}: no config.yaml beside the checkpoint; it tells the model's shape")
-        model_cfg = OmegaConf.load(config)
+        try:
+            model_cfg = OmegaConf.load(config)
+        except Exception as err:  # yaml's ParserError, ScannerError, ...: a file cut off or not this project's
+            raise CheckpointError(f"{config}: cut off or not YAML ({type(err).__name__}); it tells the model's shape, "
+                                  "so the checkpoint cannot be read without it") from None
         if args.hf and model_cfg.get("arch", "mini_llm") != "llama3":
             raise CheckpointError(f"--hf writes a Hugging Face LlamaForCausalLM, and this checkpoint's model is {model_cfg.get('name')} "
                                   f"(arch {model_cfg.get('arch', 'mini_llm')}); drop --hf for a plain safetensors file")

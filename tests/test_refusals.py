@@ -314,3 +314,14 @@ def test_a_path_that_is_not_utf8_is_refused_before_anything_starts(tmp_path: Pat
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"error: data.text_path={tmp_path}/caf\\xe9.txt: byte 0xe9 is not UTF-8") and len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_names_a_cut_off_config_yaml(tmp_path: Path, capsys):
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(b"")
+    (ckpt / "config.yaml").write_text("name: tiny\narch: [")
+    assert export_main([str(ckpt), "--out", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ckpt / 'config.yaml'}: cut off or not YAML") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "m.safetensors").exists()

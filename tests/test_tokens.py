@@ -164,3 +164,13 @@ def test_prepare_names_an_out_folder_it_cannot_write(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {tmp_path / 'file' / 'out'}: cannot write there") and len(err.strip().splitlines()) == 1, err
     assert sorted(os.listdir(tmp_path)) == ["file", "in.txt"]  # nothing new beside the inputs
+
+
+def test_prepare_names_a_tokenizer_file_it_cannot_read_and_leaves_no_folder(tmp_path, capsys):
+    text, bad = tmp_path / "in.txt", tmp_path / "tokenizer.json"
+    text.write_text("some text " * 50)
+    bad.write_text("not json")
+    assert prepare(["--tokenizer", str(bad), "--text", str(text), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer {bad}: not a tokenizers file") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

@@ -84,7 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     if not any(texts):
         sys.stderr.write(f"error: --text {' '.join(map(str, args.text))}: no text in it; give a file with text\n")
         return 2
-    try:  # the folder first: a long encode must not end on a folder it cannot write
+    if args.tokenizer is not None:
+        if not args.tokenizer.is_file():
+            sys.stderr.write(f"error: --tokenizer {args.tokenizer}: no such file (a tokenizer.json)\n")
+            return 2
+        try:
+            tokenizer, source = Tokenizer.from_file(str(args.tokenizer)), str(args.tokenizer)
+        except Exception as err:  # tokenizers raises a bare Exception on a file it cannot parse
+            sys.stderr.write(f"error: --tokenizer {args.tokenizer}: not a tokenizers file ({err}); give a checkpoint's tokenizer.json\n")
+            return 2
+    # the folder before the work: a long encode must not end on a folder it cannot write
+    existed = args.out.exists()
+    try:
         args.out.mkdir(parents=True, exist_ok=True)
         probe = args.out / ".perflab_probe"
         probe.write_bytes(b"")
@@ -92,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         sys.stderr.write(f"error: --out {args.out}: cannot write there ({err.strerror}); give a writable folder\n")
         return 2
-    if args.tokenizer is not None:
-        if not args.tokenizer.is_file():
-            sys.stderr.write(f"error: --tokenizer {args.tokenizer}: no such file (a tokenizer.json)\n")
-            return 2
-        tokenizer, source = Tokenizer.from_file(str(args.tokenizer)), str(args.tokenizer)
-    else:
-        tokenizer, source = train_bpe(args.train_bpe, texts), f"byte-level BPE of {args.train_bpe} trained on {len(texts)} document(s)"
+    if args.tokenizer is None:
+        try:
+            tokenizer, source = train_bpe(args.train_bpe, texts), f"byte-level BPE of {args.train_bpe} trained on {len(texts)} document(s)"
+        except BaseException:
+            if not existed:
+                args.out.rmdir()
+            raise
     tokenizer.save(str(args.out / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     encoded = (e.ids for e in tokenizer.encode_batch(texts))
