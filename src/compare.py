@@ -272,9 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.dirs:
             rows = rows_from_dirs(args.dirs)
         else:
-            from src.tracking.mlflow_run import TrackingUnavailable, check_reachable
+            from src.tracking.mlflow_run import TrackingUnavailable, check_reachable, shown_uri, store_refusal
 
             missing = _no_store(args.uri)
+            refusal = None if missing else store_refusal(args.uri)
+            if refusal:
+                sys.stderr.write(f"error: --uri {shown_uri(args.uri)}: {refusal}\n")
+                return 2
             if missing:
                 sys.stderr.write(f"error: {missing}\n")
                 return 2
