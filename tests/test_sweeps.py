@@ -126,6 +126,9 @@ def test_compare_with_no_store_creates_none_and_names_uri(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert "--uri" in err and "python -m src.run" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # no mlflow.db left behind
+    assert compare_main(["--uri", f"sqlite:///{tmp_path}"]) == 2  # a folder named as the store: at once, not after MLflow's retries
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --uri sqlite:///{tmp_path}: {tmp_path} is a folder, not a database file") and len(err.strip().splitlines()) == 1
 
 
 def test_each_task_declares_its_figures_beside_it():
