@@ -29,6 +29,7 @@ import src.edge  # noqa: F401
 import src.train  # noqa: F401
 from src.runtime import world_label
 from src.tracking.figures import best_row, figures_of, headline, is_number, lower_is_better
+from src.tracking.mlflow_run import resolve_tracking_uri
 
 PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size")
 # Short headers, so that several figures fit whole beside the run's name at 80 columns
@@ -79,7 +80,7 @@ def rows_from_mlflow(uri: str, experiment: str | None, sweep: str | None) -> tup
     objective). A sweep: its jobs; otherwise the runs of the newest run's task."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(uri, Path.cwd()))  # MLflow caches a store by its URI's text
     experiments = _experiments(client, uri, experiment)
     objective = None
     if sweep:
@@ -202,7 +203,7 @@ def ui_url(uri: str, experiment: str | None, sweep: str | None, metric: str | No
 
     from src.tracking.ui_view import sweep_view, task_view
 
-    client = MlflowClient(tracking_uri=uri)
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(uri, Path.cwd()))  # MLflow caches a store by its URI's text
     experiments = _experiments(client, uri, experiment)
     if sweep:
         parent = _latest_sweep(client, experiments).info.run_id if sweep == "latest" else sweep
