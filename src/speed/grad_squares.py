@@ -109,7 +109,7 @@ RECIPE = Recipe(
     replaces=("torch.nn.utils:get_total_norm",),
     reads=(),
     signatures={"torch.nn.utils:get_total_norm": ("tensors", "norm_type")},
-    gain="1.4-1.6% of +exp=llama3_1b_fp8's step on an H100: docs/RESULTS.md, Speed recipes",
+    gain="1.4-1.6% of +exp=llama3_1b_fp8's step: docs/RESULTS.md, Speed recipes",
     parity="tests/test_grad_squares.py::test_the_norm_is_get_total_norms_and_falls_back_to_a_pass_where_the_sums_do_not_cover",
     restore=SQUARES.reset,
     triton=TRITON_TESTED,

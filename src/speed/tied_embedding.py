@@ -27,7 +27,7 @@ RECIPE = Recipe(
     replaces=("torch.nn.modules.sparse:Embedding.forward",),
     reads=("torch.nn.functional:embedding",),
     signatures={"torch.nn.modules.sparse:Embedding.forward": ("self", "input"), "torch.nn.functional:embedding": ("input", "weight")},
-    gain="0.2-0.9% of +exp=llama3_1b_fp8's step on an H100: docs/RESULTS.md, Speed recipes",
+    gain="0.2-0.9% of +exp=llama3_1b_fp8's step: docs/RESULTS.md, Speed recipes",
     parity="tests/test_tied_embedding_grad.py::test_on_a_gpu_the_fold_is_torchs_own_backward_and_add",
     restore=lambda: None,  # a class swap on the run's own embedding: nothing of torch's to put back
     torch=VERIFIED,
