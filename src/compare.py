@@ -13,6 +13,7 @@ prints the URL of the same runs in MLflow's UI, sorted as here with the figures 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -159,9 +160,9 @@ def _table(rows: list[dict[str, Any]], labels: list[str], figures: list[str], be
 
 def _fits(table: Table, width: int) -> bool:
     """The table at `width` columns with every cell whole: nothing cut to an ellipsis."""
-    probe = Console(width=width, record=True, file=open(os.devnull, "w"), color_system=None)
-    probe.print(table)
-    text = probe.export_text()
+    out = io.StringIO()
+    Console(width=width, file=out, color_system=None).print(table)
+    text = out.getvalue()
     return "…" not in text and max(map(len, text.splitlines()), default=0) <= width
 
 
