@@ -198,7 +198,7 @@ def sweep(groups: tuple[str, ...] = GROUPS) -> list[dict]:
 
     rows: list[dict] = []
     if "adamw" in groups:
-        from src.models.mini_llm import MiniLLM
+        from src.models.mini_llm.model import MiniLLM
 
         with torch.device("meta"):
             model = MiniLLM(vocab_size=32000, dim=2048, n_layers=12, n_heads=16)  # the seed's model: 98 parameters, 735M elements

@@ -35,7 +35,7 @@ def _check_writable(out: Path, folder: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from src.models import build_model
+    from src.models import architecture, build_model
     from src.train.checkpoint import CheckpointError, export_checkpoint
 
     ap = argparse.ArgumentParser(prog="python -m src.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # yaml's ParserError, ScannerError, ...: a file cut off or not this project's
             raise CheckpointError(f"{config}: cut off or not YAML ({type(err).__name__}); it tells the model's shape, "
                                   "so the checkpoint cannot be read without it") from None
-        if args.hf and model_cfg.get("arch", "mini_llm") != "llama3":
-            raise CheckpointError(f"--hf writes a Hugging Face LlamaForCausalLM, and this checkpoint's model is {model_cfg.get('name')} "
-                                  f"(arch {model_cfg.get('arch', 'mini_llm')}); drop --hf for a plain safetensors file")
+        adapter = architecture(model_cfg.get("arch", "mini_llm")).hf
+        if args.hf and adapter is None:
+            raise CheckpointError(f"--hf writes a Hugging Face folder, and this checkpoint's model is {model_cfg.get('name')} "
+                                  f"(arch {model_cfg.get('arch', 'mini_llm')}), which has no Hugging Face adapter; drop --hf for a plain safetensors file")
         _check_writable(args.out, folder=args.hf)
         model = build_model(model_cfg)
         if args.hf:
@@ -69,11 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
             from safetensors.torch import load_file
 
-            from src.models.llama3.hf import save_hf
-
             with tempfile.TemporaryDirectory() as tmp:
                 export_checkpoint(args.checkpoint, Path(tmp) / "model.safetensors", model)
-                save_hf(model, OmegaConf.to_container(model_cfg, resolve=True), load_file(Path(tmp) / "model.safetensors"), args.out)
+                adapter.save(model, OmegaConf.to_container(model_cfg, resolve=True), load_file(Path(tmp) / "model.safetensors"), args.out)
         else:
             export_checkpoint(args.checkpoint, args.out, model)
     except CheckpointError as err:

@@ -1,4 +1,5 @@
-"""transformers' own LlamaForCausalLM / Qwen2ForCausalLM, the reference the LLaMA 3 tests compare with.
+"""transformers' own model classes (LlamaForCausalLM, Qwen2ForCausalLM, ... as config.json's `architectures`
+names them), the reference the model families' tests compare with.
 
 Run as a script in a process of its own, from outside the repository: transformers 5 imports
 Hugging Face's `kernels` package, whose name this project's top-level `kernels/` would shadow on a
@@ -16,10 +17,11 @@ import torch
 
 
 def _classes(config: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """(config class, model class) of config.json's `architectures`, as transformers names them."""
+    import transformers
 
-    qwen = config.get("architectures", ["LlamaForCausalLM"])[0] == "Qwen2ForCausalLM"
-    return (Qwen2Config, Qwen2ForCausalLM) if qwen else (LlamaConfig, LlamaForCausalLM)
+    model_cls = getattr(transformers, config.get("architectures", ["LlamaForCausalLM"])[0])
+    return model_cls.config_class, model_cls
 
 
 def make(folder: str, config_json: str, seed: str, max_shard: str | None = None) -> None:

@@ -47,7 +47,7 @@ def _kept_and_recomputed(mode: str, selective: str = "op") -> tuple[int, int]:
     checkpoint), and the matmuls backward runs (its own, and those recomputed)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from src.models.llama3 import Llama3
+    from src.models.llama3.model import Llama3
 
     class CountMatmuls(TorchDispatchMode):
         def __init__(self):

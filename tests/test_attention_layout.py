@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.models.mini_llm import Attention
+from src.models.mini_llm.model import Attention
 
 
 def _head_major(attn: Attention, x: torch.Tensor) -> torch.Tensor:

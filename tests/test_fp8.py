@@ -90,7 +90,7 @@ def _train_tiny(float8: bool, steps: int = 4, impl: str = "torchao", recipe: str
 
     from src.distributed.float8 import convert_blocks_to_float8, scale_precompute
     from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
-    from src.models.mini_llm import MiniLLM
+    from src.models.mini_llm.model import MiniLLM
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -233,7 +233,7 @@ def test_each_recipe_of_the_config_converts_the_block_linears(recipe):
     """The recipe arrives as the config's StrEnum member; torchao matched `type(name) == str` and
     refused rowwise as an unknown recipe on the H200 (2026-11-30)."""
     from src.distributed.float8 import convert_blocks_to_float8
-    from src.models.mini_llm import MiniLLM
+    from src.models.mini_llm.model import MiniLLM
 
     model = MiniLLM(vocab_size=256, dim=64, n_layers=2, n_heads=4)
     assert convert_blocks_to_float8(model, recipe, fsdp_float8_all_gather=False, emulate=True) == 8
@@ -246,7 +246,7 @@ def test_fast_accumulation_sets_torchaos_backward_gemms(recipe):
     from torchao.float8.float8_linear import Float8Linear
 
     from src.distributed.float8 import convert_blocks_to_float8
-    from src.models.mini_llm import MiniLLM
+    from src.models.mini_llm.model import MiniLLM
 
     for fast in (False, True):
         model = MiniLLM(vocab_size=256, dim=64, n_layers=1, n_heads=4)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from src.data.batches import TokenBatches
 from src.distributed.env import build_mesh
 from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
-from src.models.mini_llm import MiniLLM
+from src.models.mini_llm.model import MiniLLM
 from src.train.loop import train_step
 from tests.spawned_ranks import spawn_ranks
 

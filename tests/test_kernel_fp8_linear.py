@@ -257,7 +257,7 @@ def test_float8_linear_with_silu_is_silu_then_the_float8_linear(float8_grad_weig
 
 
 def test_the_seed_mlps_silu_and_nothing_else_folds_into_the_down_casts():
-    from src.models.mini_llm import FeedForward, SwiGLUFeedForward
+    from src.models.mini_llm.model import FeedForward, SwiGLUFeedForward
 
     torch.manual_seed(0)
     mlp = FeedForward(32, 64).to(DEVICE, torch.bfloat16)
@@ -336,7 +336,7 @@ def test_attention_splits_a_float8_in_proj_and_trains_as_one_projection(monkeypa
     """mini_llm's attention with a float8 in_proj takes q, k, v through split_forward; the output
     and every gradient are those of the same linear called whole and chunked (in_proj's bias to
     fp32's summation order)."""
-    from src.models.mini_llm import Attention
+    from src.models.mini_llm.model import Attention
 
     torch.manual_seed(0)
     attn = Attention(64, 4, causal=True).to(DEVICE, torch.bfloat16)
@@ -396,7 +396,7 @@ def test_the_folded_mlp_takes_silus_gradient_in_ups_cast(float8_grad_weight):
     weight, so SiLU's backward runs as its own op in up's backward). Against the fold of SiLU's forward
     alone: the same output and down's gradient, bit for bit; up's and x's to an e4m3 step of dU
     (gw_tensorwise), or bit for bit (gw_hp)."""
-    from src.models.mini_llm import FeedForward
+    from src.models.mini_llm.model import FeedForward
 
     torch.manual_seed(1)
     x = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16)

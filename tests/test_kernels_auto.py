@@ -228,7 +228,7 @@ def test_compiled_ops_keep_the_parameters_and_give_the_eager_loss(monkeypatch):
     import torch
 
     import src.fusion.compiled as co
-    from src.models.mini_llm import MiniLLM
+    from src.models.mini_llm.model import MiniLLM
 
     monkeypatch.setattr(co, "_compiled_rms_norm", co._rms_norm)
     monkeypatch.setattr(co, "_compiled_add_rms_norm", co._add_rms_norm)

@@ -20,7 +20,8 @@ pytest.importorskip("transformers")  # the reference: pip install -e ".[test]"
 from src.config.compose import ConfigError, compose_config  # noqa: E402
 from src.config.validate import validate  # noqa: E402
 from src.models import build_model  # noqa: E402
-from src.models.llama3.hf import hf_config, load_hf_weights, model_fields, save_hf  # noqa: E402
+from src.config.model import hf_config  # noqa: E402
+from src.models.llama3.hf import HF  # noqa: E402
 from tests.spawned_ranks import spawn_ranks  # noqa: E402
 
 REFERENCE = Path(__file__).with_name("hf_reference.py")
@@ -54,9 +55,9 @@ def _hf_logits(tmp_path: Path, folder: Path, tokens: torch.Tensor) -> torch.Tens
 
 
 def _ours(folder: Path) -> torch.nn.Module:
-    fields = model_fields(hf_config(folder))
+    fields = HF.model_fields(hf_config(folder))
     model = build_model(compose_config(["model=llama3_tiny", *[f"model.{k}={v}" for k, v in fields.items()]]).model)
-    load_hf_weights(model, folder)
+    HF.load(model, folder)
     return model.eval()
 
 
@@ -103,7 +104,7 @@ def test_a_sharded_checkpoint_reads_and_the_round_trip_is_bit_exact(tmp_path):
     folder = _hf_checkpoint(tmp_path, TINY, "sharded", max_shard="60KB")
     assert (folder / "model.safetensors.index.json").is_file()
     model = _ours(folder)
-    out = save_hf(model, dict(compose_config(["model=llama3_tiny"]).model), model.state_dict(), tmp_path / "ours")
+    out = HF.save(model, dict(compose_config(["model=llama3_tiny"]).model), model.state_dict(), tmp_path / "ours")
     theirs = {}
     for f in json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values():
         theirs.update(load_file(folder / f))
@@ -122,7 +123,7 @@ def _rank(rank: int, init_file: str, out: str, folder: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=3)
     try:
-        fields = model_fields(hf_config(Path(folder)))
+        fields = HF.model_fields(hf_config(Path(folder)))
         cfg = compose_config(["model=llama3_tiny", f"model.hf_path={folder}", "dist.nproc=3",
                               *[f"model.{k}={v}" for k, v in fields.items()]])
         from src.distributed.env import build_mesh
@@ -166,7 +167,7 @@ def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path):
     assert "model.qkv_bias=False (the checkpoint's True)" in line
     with pytest.raises(ConfigError, match="no config.json there"):
         validate(compose_config(["model=llama3_tiny", f"model.hf_path={tmp_path}"]), cuda_device_count=0, mps_available=False)
-    with pytest.raises(ConfigError, match="model.hf_path=.* is not a setting of model.arch=mini_llm"):
+    with pytest.raises(ConfigError, match="model.hf_path=.*: model.arch=mini_llm reads no Hugging Face folder"):
         validate(compose_config(["model=tiny", f"model.hf_path={folder}"]), cuda_device_count=0, mps_available=False)
 
 
@@ -183,7 +184,7 @@ def _fsdp_rank(rank: int, init_file: str, out: str) -> None:
     from src.data.batches import TokenBatches
     from src.distributed.env import build_mesh
     from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
-    from src.models.llama3 import Llama3
+    from src.models.llama3.model import Llama3
     from src.train.loop import train_step
 
     torch.set_num_threads(1)
@@ -216,7 +217,7 @@ def test_fsdp2_on_two_gloo_ranks_trains_as_the_unsharded_model(tmp_path):
     the same losses and weights, fp32, step for step, as one process over the global batch."""
     from src.data.batches import TokenBatches
     from src.distributed.parallelize import materialize_and_init
-    from src.models.llama3 import Llama3
+    from src.models.llama3.model import Llama3
     from src.train.loop import train_step
 
     spawn_ranks(_fsdp_rank, (str(tmp_path / "init"), str(tmp_path / "out.pt")), 2)
@@ -257,11 +258,11 @@ def test_each_family_config_composes_at_its_real_size_and_counts_its_flops(name)
 
 @pytest.mark.parametrize("overrides, message", [
     (["model=llama3_tiny", "model.n_kv_heads=3"], "model.n_kv_heads=3 does not divide model.n_heads=4: grouped-query attention"),
-    (["model=tiny", "model.n_kv_heads=2"], "model.n_kv_heads=2 is not a setting of model.arch=mini_llm (model=tiny)"),
+    (["model=tiny", "model.n_kv_heads=2"], "model.n_kv_heads=2: unknown key 'model.n_kv_heads'; valid keys in model: "),
     (["model=llama3_tiny", "model.mlp=silu"], "model.mlp=silu: the LLaMA 3 family's MLP is swiglu"),
     (["model=llama3_tiny", "sharding.split_root=true"], "sharding.split_root=true puts the embedding and the head in FSDP2 units of their own, "
                                                           "and model=llama3_tiny ties them (one weight): set sharding.split_root=false"),
-    (["model=llama3_tiny", "model.n_heads=0"], "model.dim, n_layers, n_heads, vocab_size and ffn_mult must all be positive"),
+    (["model=llama3_tiny", "model.n_heads=0"], "model.dim, n_layers, n_heads and vocab_size must all be positive"),
 ])
 def test_a_wrong_shape_is_refused_in_one_line(overrides, message):
     from src.run import preflight
@@ -305,7 +306,7 @@ def test_float8_blocks_with_grouped_query_attention_train_near_bf16(impl, recipe
         pytest.importorskip("torchao")
     from src.distributed.float8 import convert_blocks_to_float8, float8_dims
     from src.distributed.parallelize import materialize_and_init
-    from src.models.llama3 import Llama3
+    from src.models.llama3.model import Llama3
 
     args = dict(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=1, ffn_hidden=176, tie_embeddings=True, rope_theta=10000.0)
     assert set(float8_dims(compose_config(["model=llama3_tiny", "model.n_kv_heads=1"]).model, compose_config([]).data).values()) \
@@ -338,7 +339,7 @@ def test_the_edge_kv_cache_decodes_as_the_model_runs_the_whole_sequence(n_kv_hea
     and values (n_kv_heads of them) at its position, gives the full forward's logits at every position."""
     from src.distributed.parallelize import materialize_and_init
     from src.edge.model import EdgeLM
-    from src.models.llama3 import Llama3
+    from src.models.llama3.model import Llama3
 
     with torch.device("meta"):
         model = Llama3(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, ffn_hidden=96, rope_theta=10000.0,
@@ -376,7 +377,7 @@ def test_tensors_that_are_not_what_config_json_says_are_refused_naming_file_and_
     embedding rows than its vocab_size, an int8 weight, a wrong-width tensor, a cut-off file, a
     config.json that is not JSON. Each is one line naming the file and the tensor."""
     folder = _hf_checkpoint(tmp_path, TINY, "tiny")
-    overrides = ["model=llama3_tiny", *[f"model.{k}={v}" for k, v in model_fields(hf_config(folder)).items()]]
+    overrides = ["model=llama3_tiny", *[f"model.{k}={v}" for k, v in HF.model_fields(hf_config(folder)).items()]]
 
     def refused(at: Path) -> str:
         with pytest.raises(ConfigError) as err:
@@ -412,7 +413,7 @@ def test_edge_reads_the_hugging_face_folder_it_is_given_and_refuses_an_export_of
     from src.edge.task import _weights, reference_model
 
     folder = _hf_checkpoint(tmp_path, TINY, "tiny")
-    overrides = ["+exp=edge", "model=llama3_tiny", *[f"model.{k}={v}" for k, v in model_fields(hf_config(folder)).items()]]
+    overrides = ["+exp=edge", "model=llama3_tiny", *[f"model.{k}={v}" for k, v in HF.model_fields(hf_config(folder)).items()]]
     cfg = compose_config([*overrides, f"model.hf_path={folder}"])
     validate(cfg, cuda_device_count=0, mps_available=False)
     weights = _weights(cfg)

@@ -2,6 +2,7 @@
 in one line that names the bad value and the fix."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -115,7 +116,7 @@ def explain_compose_error(exc: Exception, overrides: list[str]) -> str:
         m = re.search(r"Key '([^']+)' not in '(\w+)'", str(cause))
         full_key = getattr(cause, "full_key", None) or (m.group(1) if m else "?")
         parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
-        fields = _fields_of(parent)
+        fields = _fields_of(parent, m.group(2) if m else None)
         hint = f"; valid keys in {parent or 'the config'}: {', '.join(fields)}" if fields else ""
         return f"{_override_for(full_key, overrides)}: unknown key '{full_key}'{hint}"
     if isinstance(cause, ValidationError):
@@ -151,11 +152,14 @@ def _schema_node(key: str):
     return node
 
 
-def _fields_of(key: str) -> list[str]:
+def _fields_of(key: str, schema_name: str | None = None) -> list[str]:
+    """The settings under `key`; `schema_name`: the class the error names (a model's architecture's own)."""
     group = key.split(".")[0] if key else ""
     schema = _schemas.GROUPS.get(group)
+    if group == "model" and schema_name:
+        schema = next((s for s in _schemas.arch_configs().values() if s.__name__ == schema_name), schema)
     if schema is not None and "." not in key:
-        return [f for f in schema.__dataclass_fields__ if f != "name"]
+        return [f.name for f in dataclasses.fields(schema) if f.name not in ("name", "arch")]
     node = _schema_node(key) if key else OmegaConf.structured(_schemas.RunConfig)
     return list(node.keys()) if isinstance(node, DictConfig) else []
 

@@ -15,6 +15,7 @@ from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQu
 from omegaconf import II, MISSING
 
 from src.config.help import register as register_help
+from src.config.model import Mlp, ModelConfig, arch_configs  # noqa: F401  (Mlp: callers import it from here)
 from src.config.tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
 from src.dtypes import Dtype
 
@@ -22,18 +23,6 @@ from src.dtypes import Dtype
 # String choices are StrEnums (OmegaConf 2.3 has no Literal): `sharding.strategy=fsdp` fails when
 # the config is composed, naming the options, instead of training with neither FSDP nor DDP on
 # 2 ranks. A StrEnum member equals, hashes and prints as its value, so code compares plain strings.
-class Mlp(StrEnum):
-    silu = "silu"
-    swiglu = "swiglu"
-
-
-class Arch(StrEnum):
-    """The architecture: src/models/ARCH/ (src/models/__init__.py ARCHS)."""
-
-    mini_llm = "mini_llm"
-    llama3 = "llama3"
-
-
 class Strategy(StrEnum):
     fsdp2 = "fsdp2"
     hsdp = "hsdp"
@@ -107,50 +96,6 @@ class OptimImpl(StrEnum):
 class StateDtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
-
-
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    arch: Arch = Arch.mini_llm
-    """mini_llm (docs/SEED.md's model) or llama3 (LLaMA 3.x: RoPE, grouped-query attention, SwiGLU; Qwen 2.5's shapes too)"""
-    vocab_size: int = 32000
-    """tokens in the vocabulary (embedding rows and head columns)"""
-    dim: int = 2048
-    """model width; must be a multiple of n_heads"""
-    n_layers: int = 12
-    n_heads: int = 16
-    ffn_mult: int = 4
-    """hidden width of the MLP as a multiple of dim (the seed's 4)"""
-    mlp: Mlp = Mlp.silu
-    """silu: the seed's Linear -> SiLU -> Linear; swiglu: LLaMA's down(silu(gate(x)) * up(x))"""
-    ffn_hidden: int = 0
-    """hidden width of the MLP when set (LLaMA-7B: 11008 for dim 4096); 0: dim * ffn_mult"""
-    causal: bool = True
-    """causal attention mask; the seed's script has none, so +exp=fsdp4 turns it off to match it"""
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    n_kv_heads: int = 0
-    """llama3: key/value heads that the query heads share in groups (grouped-query attention); 0: n_heads"""
-    head_dim: int = 0
-    """llama3: width of a head; 0: dim / n_heads"""
-    rope_theta: float = 500000.0
-    """llama3: the rotary embedding's base"""
-    rope_factor: float = 0.0
-    """llama3: LLaMA 3.1's rotary frequency scaling (8 for 3.1-8B, 32 for 3.2-1B/3B); 0: none"""
-    rope_low_freq: float = 1.0
-    """llama3: LLaMA 3.1 scaling's low_freq_factor"""
-    rope_high_freq: float = 4.0
-    """llama3: LLaMA 3.1 scaling's high_freq_factor"""
-    rope_original_len: int = 8192
-    """llama3: the context length the unscaled frequencies were trained at"""
-    tie_embeddings: bool = False
-    """llama3: the output head shares the token embedding's weight"""
-    qkv_bias: bool = False
-    """llama3: biases on the q, k and v projections (Qwen 2.5)"""
-    hf_path: str = ""
-    """llama3: a Hugging Face LlamaForCausalLM (or Qwen2ForCausalLM) folder whose weights the run starts from;
-    its config.json must match this model's shape"""
 
 
 @dataclass
@@ -601,6 +546,8 @@ def register_configs() -> None:
         # so a schema is never offered as an option: `model=base_model` would compose a model
         # with no name and fail deep inside a rank.
         cs.store(name=f"base_{group}", node=schema)
+    for arch, schema in arch_configs().items():  # each architecture's own: a model's YAML pulls /base_model_ARCH
+        cs.store(name=f"base_model_{arch}", node=schema)
 
 
 register_configs()

@@ -13,7 +13,7 @@ import re
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from src.config import GROUPS, RunConfig
 from src.config.compose import ConfigError
@@ -31,6 +31,9 @@ def _check_group_keys(cfg: DictConfig) -> None:
         raise ConfigError(f"{extra[0]}: unknown top-level key; valid ones: {', '.join(sorted(top - {'extra'}))} (free-form tags go in +extra.NAME=VALUE)")
     sections = {f.name: f.default_factory() for f in fields(RunConfig) if is_dataclass(f.default_factory if f.default_factory is not MISSING else None)}
     sections.update({group: schema for group, schema in GROUPS.items()})
+    model_schema = OmegaConf.get_type(cfg.model)  # the architecture's own, a subclass of ModelConfig
+    if model_schema is not None and issubclass(model_schema, GROUPS["model"]):
+        sections["model"] = model_schema
     for section, schema in sections.items():
         known = {f.name for f in fields(schema)}
         extra = sorted(set(cfg[section].keys()) - known)

@@ -178,9 +178,9 @@ def parallelize(model: nn.Module, cfg: DictConfig, mesh: DeviceMesh | None, devi
         autocast_dtype = torch_dtype(cfg.precision.param_dtype)  # unsharded mixed precision: fp32 weights, autocast compute
     materialize_and_init(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, cfg.train.seed)
     if cfg.model.hf_path:  # each rank reads only the rows of its own shards
-        from src.models.llama3.hf import load_hf_weights
+        from src.models import architecture
 
-        n = load_hf_weights(model, cfg.model.hf_path)
+        n = architecture(cfg.model.arch).hf.load(model, cfg.model.hf_path)
         if main:
             log.info("model.hf_path: %d parameters read from %s", n, cfg.model.hf_path)
     if mesh is None and dist.is_initialized() and dist.get_world_size() > 1:

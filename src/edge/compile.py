@@ -110,19 +110,17 @@ def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: st
 
 
 def _code_hash() -> str:
-    """The source that decides what gets exported: a change to the model or the exporter is a new module."""
+    """The source that decides what gets exported: a change to a model (any architecture's folder)
+    or to the exporter is a new module."""
     import src.edge.int4 as edge_int4
     import src.edge.matvec as edge_matvec
     import src.edge.model as edge_model
     import src.edge.quant as edge_quant
-    import src.models.layers as layers
-    import src.models.llama3.model as llama3
-    import src.models.llama3.rope as rope
-    import src.models.mini_llm.model as mini_llm
 
+    models = Path(__file__).resolve().parents[1] / "models"
     digest = hashlib.sha256()
-    for module in (edge_model, edge_quant, edge_matvec, edge_int4, layers, mini_llm, llama3, rope):
-        digest.update(Path(module.__file__).read_bytes())
+    for path in [Path(m.__file__) for m in (edge_model, edge_quant, edge_matvec, edge_int4)] + sorted(models.rglob("*.py")):
+        digest.update(path.read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]
 

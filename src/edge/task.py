@@ -62,9 +62,9 @@ def reference_model(model_cfg: dict, weights: dict, max_seq: int, batch: int = 1
 
         model.load_state_dict(load_file(weights["safetensors"]))
     elif weights.get("hf_path"):
-        from src.models.llama3.hf import load_hf_weights
+        from src.models import architecture
 
-        load_hf_weights(model, Path(weights["hf_path"]))
+        architecture(model_cfg["arch"]).hf.load(model, Path(weights["hf_path"]))
     return EdgeLM(model.eval(), max_seq, batch).eval()
 
 

@@ -113,9 +113,13 @@ def norm_uses(cfg: DictConfig) -> list[Use]:
 
 
 def swiglu_uses(cfg: DictConfig) -> list[Use]:
+    from src.models import meta_model
+
     m = cfg.model
-    hidden = m.ffn_hidden or m.dim * m.ffn_mult
-    return [Use("swiglu", [_tokens(cfg), hidden], m.n_layers)] if str(m.mlp) == "swiglu" else []
+    if str(m.mlp) != "swiglu" or m.n_layers < 1:
+        return []
+    hidden = meta_model(m).layers[0].ffn.down.in_features  # the width the architecture's constructor makes
+    return [Use("swiglu", [_tokens(cfg), hidden], m.n_layers)]
 
 
 def head_loss_uses(cfg: DictConfig) -> list[Use]:

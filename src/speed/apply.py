@@ -99,7 +99,7 @@ def refusal(cfg: DictConfig) -> str | None:
         if cfg.optim.grad_clip <= 0:
             return ("speed.norm_in_copy_in=on gives clipping its norm, and optim.grad_clip=0 clips nothing; "
                     "set optim.grad_clip > 0 or speed.norm_in_copy_in=off")
-    if asked(cfg, "tied_embedding_grad") == "on" and not cfg.model.tie_embeddings:
+    if asked(cfg, "tied_embedding_grad") == "on" and not cfg.model.get("tie_embeddings", False):
         return (f"speed.tied_embedding_grad=on adds a tied embedding's gradient into the head's, and model={cfg.model.name} does not tie "
                 "them (model.tie_embeddings=false); set model.tie_embeddings=true or drop the override")
     if asked(cfg, "cast_in_step") == "on":

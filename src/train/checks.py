@@ -209,7 +209,7 @@ def check_training(cfg: DictConfig, cuda_device_count: int, cuda_capability: tup
     why_not = model_refusal(m)
     if why_not:
         raise ConfigError(why_not)
-    if m.tie_embeddings and sharding.split_root:
+    if m.get("tie_embeddings", False) and sharding.split_root:
         raise ConfigError(f"sharding.split_root=true puts the embedding and the head in FSDP2 units of their own, and model={m.name} ties them "
                           "(one weight): set sharding.split_root=false")
     if cfg.data.source == "text":

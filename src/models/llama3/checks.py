@@ -1,8 +1,6 @@
-"""model.* settings the LLaMA 3 family cannot be built with, and a Hugging Face folder of another shape
-(src/models/checks.py runs the checks every architecture shares first)."""
+"""model.* settings the LLaMA 3 family cannot be built with (src/models/checks.py runs the checks every
+architecture shares first, and model.hf_path's after these)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -22,19 +20,4 @@ def refusal(m: DictConfig) -> str | None:
         return f"model.rope_theta={m.rope_theta}: the rotary embedding's base must be above 0 (LLaMA 3: 500000, Qwen 2.5: 1000000)"
     if m.rope_factor and not m.rope_high_freq > m.rope_low_freq > 0:
         return f"model.rope_high_freq={m.rope_high_freq} must be above model.rope_low_freq={m.rope_low_freq} > 0 (LLaMA 3.1's scaling: 4 and 1)"
-    if m.hf_path:
-        return _hf_refusal(m)
     return None
-
-
-def _hf_refusal(m: DictConfig) -> str | None:
-    """model.hf_path: a Hugging Face folder whose shape is this model's."""
-    from src.models.llama3.hf import HFCheckpointError, shape_mismatch
-
-    folder = Path(m.hf_path)
-    if not folder.is_dir():
-        return f"model.hf_path={m.hf_path}: no such folder; give a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors)"
-    try:
-        return shape_mismatch(m, folder)
-    except HFCheckpointError as err:
-        return str(err)

@@ -40,16 +40,21 @@ class GroupedQueryAttention(nn.Module):
         self.qkv = nn.Linear(dim, sum(self.sizes), bias=qkv_bias)
         self.out_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
 
-    def heads(self, x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, H, T, hd), k and v (B, KV, T, hd), q and k rotated for `positions` (T,): what attention
-        reads, and what a KV cache keeps (src/edge/model.py). `table`: rotary_at's float32 (cos, sin)
-        for those positions, made once for all blocks (Llama3.rotary_table); None: made here."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, hd), k and v (B, KV, T, hd) before the rotation (a subclass may norm them here)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.sizes, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def heads(self, x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, hd), k and v (B, KV, T, hd), q and k rotated for `positions` (T,): what attention
+        reads, and what a KV cache keeps (src/edge/model.py). `table`: rotary_at's float32 (cos, sin)
+        for those positions, made once for all blocks (Llama3.rotary_table); None: made here."""
+        q, k, v = self.project(x)
         cos, sin = table if table is not None else rotary_at(self.rope, positions, torch.float32)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # as rotary_at rounds its float32 table to the compute dtype
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -73,6 +78,9 @@ class Llama3Block(PreNormBlock):
 
 
 class Llama3(nn.Module):
+    block: type[nn.Module] = Llama3Block
+    """the block class, built from _block_args (a family on this code swaps its own in)"""
+
     def __init__(
         self,
         vocab_size: int = 128256,
@@ -109,7 +117,7 @@ class Llama3(nn.Module):
         self.tie_embeddings, self.init_std = tie_embeddings, init_std
         self._block_args = (dim, n_heads, n_kv_heads, head_dim, ffn_hidden, rope, norm_eps, qkv_bias, causal)
         self.embed = nn.Embedding(vocab_size, dim)
-        self.layers = nn.ModuleList(Llama3Block(*self._block_args) for _ in range(n_layers))
+        self.layers = nn.ModuleList(self.block(*self._block_args) for _ in range(n_layers))
         self.norm = nn.RMSNorm(dim, eps=norm_eps)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.tie_weights()
@@ -160,4 +168,4 @@ class Llama3(nn.Module):
         return 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def new_block(self) -> nn.Module:
-        return Llama3Block(*self._block_args)
+        return self.block(*self._block_args)
