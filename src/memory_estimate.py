@@ -6,14 +6,12 @@ AdamW's two moments (optim.state_dtype); fsdp2 shards all three over dist.nproc 
 hsdp over that / sharding.replicate, and sharding=none keeps them whole on every rank. The
 activations are what backward needs at the loss, per ac.mode, for data.batch_size x data.seq_len
 tokens a rank. Left out: the Python, torch and CUDA runtime (a few hundred MB a process), and what
-float8 and torch.compile change (they keep less: +exp=fsdp4_fp8 peaked at 16.79 GB on one H200,
-18.2 GB estimated).
+float8 and torch.compile change (they keep less, so the estimate stays above such runs' peaks).
 
 Gradients live from backward to the optimizer step (the loop's zero_grad(set_to_none=True)), and
 backward frees the activations as it makes them, so the peak holds the larger of the two (the
-gradients with what the update allocates), not both. Against H200 runs (docs/RESULTS.md) this
-gives 17.7 GB for +exp=fsdp4 on one GPU (17.74 GB measured) and 13.3 GB a rank on two (13.33 GB);
-tests/test_memory_estimate.py holds it to CPU runs' measured peaks.
+gradients with what the update allocates), not both. It matches GPU runs' peaks of docs/RESULTS.md
+to within 1%; tests/test_memory_estimate.py holds it to CPU runs' measured peaks.
 """
 from __future__ import annotations
 
@@ -183,8 +181,8 @@ def estimate(cfg: DictConfig) -> MemoryEstimate:
         # FSDP2 keeps the root unit (embedding and head, unless split_root) gathered from forward to
         # backward; the blocks too where sharding.reshard_after_forward=false or speed.keep_unsharded,
         # else one running and one prefetched. A unit's unsharded gradient and reduce-scatter input
-        # come in backward, once its activations are freed: counting them too put +exp=fsdp4 on one
-        # H200 at 18.5 GB against the 17.74 measured, without them at 17.7.
+        # come in backward, once its activations are freed: counting them too overestimates the
+        # measured peak, and without them the estimate matches it.
         rest = shape.n_params - shape.n_layers * shape.block_params - shape.embed_params - shape.head_params  # the final norm
         if cfg.sharding.split_root:  # the embedding and the head units of their own; the head's stays gathered
             root = rest + shape.head_params + (0 if cfg.sharding.reshard_after_forward else shape.embed_params)

@@ -4,13 +4,12 @@ Triton kernel; the fastest is used. A diagnosis says where time goes, not which 
 
 What is timed is what a training step pays: GPU time with the host ahead of the device. The
 training loop never syncs inside a run of steps (src/train/loop.py's Readback), so on the seed's
-step the host queues a step in 55-61 ms while the H200 runs it in 72 (benchmarks/notes/PERFORMANCE.md section
-5c), and an op's host path costs the step nothing while it stays under its share of that margin.
-Each candidate is therefore called back to back behind a queued spin and timed by CUDA events
-(src/fusion/timing.py queued_ms), and its host microseconds per call are recorded beside it. As
-called, one call at a time, the fused norms lost to eager (their Python backward costs 200-600 us
-of host against 50-100 us of kernels): that was the cost of a step that synced every step, which
-this one no longer is.
+step the host queues a step faster than the GPU runs it, and an op's host path costs the step
+nothing while it stays under its share of that margin. Each candidate is therefore called back to
+back behind a queued spin and timed by CUDA events (src/fusion/timing.py queued_ms), and its host
+microseconds per call are recorded beside it. Timed one call at a time, with a sync after each, an
+op whose Python backward costs more host than its kernels take (the fused norms) loses to eager:
+that is the cost of a step that syncs every step, which this one is not.
 
 Timings are per training step: an op used k times a step (RMSNorm twice a block and once before
 the head, once of them after the residual add) counts k times. The loss is timed with the output
@@ -31,23 +30,21 @@ run it, under torch.compile, and (where a pick changed it) as plain eager module
 precision (precision=fp8: its linears swapped for float8 ones, as the run swaps them); compile or
 eager is used where it beats the picks by more than the noise, and it then replaces the in-block
 picks (the loss, outside the blocks, keeps its own). Eager is a candidate because the per-op
-picks are made on GPU time: at 1024 tokens a step (data=text's 8 x 128) the picked block queued
-in 32-35 ms of host against 7.2 of GPU on an H200 (2026-12-04), its fused norms' host path 12.6
-ms a step against eager's 5.2, so the picks that save GPU time cost a host-bound step time.
+picks are made on GPU time: with few tokens a step (data=text's 8 x 128) the picked block queues
+several times slower than it runs, its fused norms' host path longer than eager's, so the picks that
+save GPU time cost a host-bound step time.
 The blocks are most of the step, so a block is charged the larger of its GPU time and its host time:
 where queuing a block takes longer than running it, the GPU waits on the host whatever the kernels
-cost. At the seed's shapes in bf16 the blocks queue in about what they run (48 ms of GPU a step on
-an H200, 26-57 of host whichever candidate, benchmarks/notes/PERFORMANCE.md section 7's "kernels=auto with
-float8" and "kernels=auto's loss spike"), and the per-op picks stay. Float8 blocks are compiled
-whenever they compile (FLOAT8_EAGER_BLOCKS): each eager float8 linear launches about 12 kernels from
-Python, and the step pays more for that than a block timed alone shows.
+cost. At the seed's shapes in bf16 the blocks queue in about what they run, and the per-op picks
+stay. Float8 blocks are compiled whenever they compile (FLOAT8_EAGER_BLOCKS): each eager float8
+linear launches about 12 kernels from Python, and the step pays more for that than a block timed
+alone shows.
 
 Every candidate is timed under the run's own Inductor settings (src/distributed/parallelize.py
 inductor_config): with `speed.cudagraphs` the compiled block is timed replayed from CUDA graphs, as
 the run would replay it, so its host time is a graph launch and the trees' checks of its inputs
-rather than Inductor's ~50 launches a block (at 8 x 128 tokens on an H200: 11-15 ms a step for 12
-blocks replayed against 21-26 launched, 2026-12-04). Where the chosen block still queues slower than
-it runs and graphs are off, the log says so and names the setting (graphs_hint).
+rather than Inductor's ~50 launches a block. Where the chosen block still queues slower than it
+runs and graphs are off, the log says so and names the setting (graphs_hint).
 """
 from __future__ import annotations
 
@@ -68,7 +65,7 @@ log = logging.getLogger("src.run")
 
 CANDIDATES = ("eager", "compile", "triton")
 # A candidate replaces eager only when it is more than this much faster: do_bench medians of the
-# same kernel spread by 1-3% between two calls on an H200, and a wrong swap costs more than a
+# same kernel spread by about this much between two calls, and a wrong swap costs more than a
 # missed one (a compile's warm-up, a Python backward).
 NOISE = 0.03
 
@@ -222,9 +219,8 @@ def measure_block(cfg: DictConfig, timer: Timer, picks: dict[str, str]) -> OpTim
 def graphs_hint(timing: OpTiming, cfg: DictConfig) -> str | None:
     """A line for the log where the chosen block queues slower than it runs (host past GPU by more than
     the noise) and speed.cudagraphs is off: replayed from graphs, a compiled block's host is a graph launch
-    and the trees' input checks. At data=text's 8 x 128 tokens on an H200 the chosen blocks took 20-25 ms of
-    host a step against 7.3 of GPU, and the device sat idle 74-77% of the step waiting on the host; with graphs
-    auto compiled the blocks there and the step ran 1.48-2.58x eager's (benchmarks/notes/PERFORMANCE.md section 7)."""
+    and the trees' input checks. A host-bound step leaves the device idle for most of the step at small
+    batches, and graphs are the setting that takes that host time away."""
     gpu, host = timing.ms.get(timing.pick), timing.host_ms.get(timing.pick)
     if cfg.speed.cudagraphs or gpu is None or host is None or host <= gpu * (1 + NOISE):
         return None
@@ -239,11 +235,10 @@ HOST_CHARGED = "charged the larger of GPU and host time: a block that queues slo
 
 FLOAT8_EAGER_BLOCKS = ("float8 blocks are compiled whenever they compile: eager ones launch every cast from Python, "
                        "and a block timed alone does not show what that costs in the step")
-"""Why auto compiles float8 blocks whatever the block's timings say. In the seed's step on an H200,
-eager float8 blocks were host-bound in every run (74.3 ms a step with 70.7 of host, 77.5 with
-76.1) where compiled ones ran 59.2-65.6 ms; alone, the eager float8 block's host read 37.5-86 ms a
-step on four machines, once under its 42.7 ms of GPU (benchmarks/notes/PERFORMANCE.md section 7): inside the
-step its host cost is higher than alone, by more than the timings can be trusted to show."""
+"""Why auto compiles float8 blocks whatever the block's timings say. In the seed's step eager float8
+blocks were host-bound in every run and slower than compiled ones, and their host time timed alone
+varied widely from machine to machine, only once under their GPU time: inside the step an eager
+block's host cost is higher than alone, by more than the timings can be trusted to show."""
 
 
 def block_paid_ms(timing: OpTiming) -> dict[str, float | None]:

@@ -98,8 +98,7 @@ def interpreter_fault() -> str | None:
     or None. Before triton 3.7 the interpreter turns a kernel's tensors into Python ints with
     int() of a 1-element array, which numpy 2.4 and later refuse: every kernel with a `range` over
     program ids failed mid-run with "InterpreterError: TypeError('only 0-dimensional arrays can be
-    converted to Python scalars')" (triton 3.6.0 with numpy 2.5.2 on an H200 machine's image;
-    triton-lang/triton#9171, fixed in 3.7.0)."""
+    converted to Python scalars')" (triton-lang/triton#9171, fixed in 3.7.0)."""
     import triton
 
     try:

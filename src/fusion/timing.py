@@ -5,9 +5,9 @@ On CUDA, triton.testing.do_bench: CUDA events around each call, the L2 flushed b
 (Triton's interpreter included, where times say nothing about a GPU) wall-clock medians.
 
 do_bench's flush is a write, so each timed call starts with L2 full of the flush's dirty lines and
-pays for writing some of them back beside its own bytes: copies of 168 MB read 3.0 TB/s that way on
-an H200 and 3.2-3.3 chained (benchmarks/notes/PERFORMANCE.md 5i). `chain_ms` times the case a step has: the op
-called on distinct inputs back to back, each call finding L2 as the previous call left it.
+pays for writing some of them back beside its own bytes, so a copy reads slower that way than
+chained. `chain_ms` times the case a step has: the op called on distinct inputs back to back, each
+call finding L2 as the previous call left it.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def peak_mb(fn: Callable[[], object], device: torch.device) -> float | None:
 
 def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Effective bandwidth of dst.copy_(src) over `nbytes` (read once, written once): the most a
-    memory-bound kernel can hope for on this device (4.25 TB/s measured on an H200, 4.8 peak)."""
+    memory-bound kernel can hope for on this device, below the datasheet's peak."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device, warmup_ms, rep_ms)
@@ -58,13 +58,11 @@ def copy_ceiling_tbs(device: torch.device, nbytes: int, warmup_ms: float = 25, r
 
 
 # A CUDA stream holds about 1000 launches pending; past that each launch blocks until a kernel
-# ends (measured on CUDA 10 and since: 4-5 us a launch for the first ~1000, then the kernel's own
-# time). A timed batch must queue fewer or its host time waits on the GPU and its "host ahead"
-# never is: a transformer block's forward + backward is 100-250 launches, and 20-30 of them behind
-# one spin read their GPU time as host time (kernels=auto measured an eager float8 block's host at
-# 45 ms a step, level with its GPU time, where the training step took 76 ms to queue). A batch of
-# at most QUEUE_HOST_US of host is at most ~300 launches at >= 3 us of host each. A call longer than
-# that is queued alone (a block: 100-250 launches); the untimed call that leads each batch is issued
+# ends. A timed batch must queue fewer or its host time waits on the GPU and its "host ahead" never
+# is: a transformer block's forward + backward is hundreds of launches, and a few dozen blocks
+# behind one spin read their GPU time as host time. No launch costs the host less than a few
+# microseconds, so a batch of at most QUEUE_HOST_US of host stays well inside the queue. A call
+# longer than that is queued alone (a block); the untimed call that leads each batch is issued
 # before the spin, so its launches have drained by the time the timed ones queue.
 QUEUE_HOST_US = 1000.0
 
@@ -92,9 +90,9 @@ def _batching(fn: Callable[[], object], device: torch.device, calls: int, batche
 def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 30, batches: int = 5) -> float:
     """CPU microseconds to issue one call, with the GPU kept busy so the host never waits for it
     (torch.cuda._sleep queues a spin of ~50 ms ahead of each batch of calls): the median over
-    `batches` batches, since one batch of 30 calls varied by 1.5x between two readings of the same
-    op on an H200's host. A call whose host path is long is issued fewer times a batch (at most
-    QUEUE_HOST_US of host, so the stream's launch queue never fills), over more batches. Where this
+    `batches` batches, since one batch's mean varies widely between two readings of the same op. A
+    call whose host path is long is issued fewer times a batch (at most QUEUE_HOST_US of host, so
+    the stream's launch queue never fills), over more batches. Where this
     exceeds the call's GPU time, the op is host-bound: the GPU idles between its kernels unless a
     CUDA graph replays them."""
     fn()

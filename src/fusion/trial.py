@@ -1,16 +1,14 @@
 """kernels=auto's last word on the fused loss: a few steps of the run itself, picked loss against eager's.
 
 auto picks each candidate from timings of that op alone (src/fusion/measure.py). The fused
-cross-entropy measured 0.5 ms faster than eager's alone at the seed's shape, yet the seed's step
-with it was 0.3-2.3 ms slower than eager's in three calls on three H200s (benchmarks/notes/PERFORMANCE.md 5c):
+cross-entropy can time faster than eager's alone at the seed's shape yet make the seed's step slower:
 its kernels save GPU time, and its Python forward and backward cost host time in a step whose host
-path is already 70-85% of the GPU's. Which of the two wins depends on the step around the op, so the
+path is already most of the GPU's. Which of the two wins depends on the step around the op, so the
 run measures it: the loss is the one pick that can change from step to step (the loss function is
 read at each step; modules and compiled blocks are fixed once sharded).
 
-Step `first` runs eager's loss once, untimed: a loss's first step carries one-time costs (on an
-H200 the eager loss's first step took 113 ms against 79 after it, the allocator growing for the
-fp32 logits the fused loss never holds; benchmarks/notes/PERFORMANCE.md 5c), and the run's first step has
+Step `first` runs eager's loss once, untimed: a loss's first step carries one-time costs (the
+allocator growing for the fp32 logits the fused loss never holds), and the run's first step has
 already run the pick. Then `pairs` pairs of steps run the picked loss and eager's in ABBA order, so
 a drift over the trial weighs on both alike; each step is timed on the GPU by CUDA events around
 it, so the time a host-bound step leaves the GPU waiting counts. Once the last trial step is queued
@@ -31,9 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# The pick also saves memory (the fused loss never holds fp32 logits: 1.2 GB at the seed's shape),
-# so a tie keeps it; 0.5% of a 75 ms step (0.4 ms) is about the spread of one step's time between
-# neighbouring steps of one setting on an H200.
+# The pick also saves memory (the fused loss never holds fp32 logits), so a tie keeps it; the
+# margin is about the spread of one step's time between neighbouring steps of one setting.
 MARGIN = 0.005
 
 

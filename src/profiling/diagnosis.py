@@ -109,8 +109,8 @@ def diagnose(records: list[KernelRecord], thresholds: Thresholds = Thresholds(),
         if op == "softmax" and r.nvtx and r.nvtx[-1] == "loss":
             op, category = "cross_entropy", "loss"  # F.cross_entropy launches log_softmax + nll
         labelled.append((r, op, category, module_of(r.nvtx) or unranged))
-    # One verdict per kernel name in a module: the same kernel in 12 layers read SM 25.003% and
-    # 24.89% (HBM 50.11% and 49.93%) on an H200 and got opposite verdicts; its time-weighted reading does not flip.
+    # One verdict per kernel name in a module: the same kernel in different layers can read either
+    # side of a threshold and get opposite verdicts; its time-weighted reading does not flip.
     same: dict[tuple[str, str, str], list] = defaultdict(list)
     for r, op, _category, module in labelled:
         same[(r.name, module, op)].append(r)

@@ -3,9 +3,9 @@
 On one rank with speed.one_rank_copies the reduce-scatter input that speed.reduce_copy_in's kernel
 writes (kernels/triton/chunk_cat.py) is the reduce output, and FSDP2 hands out the fp32 gradients as
 views of it. The kernel can sum the squares of what it writes as it writes it, so clipping needs no
-pass of its own over every fp32 gradient (get_total_norm: 4 bytes a parameter, 1.40 ms a step for
-LLaMA 3.2 1B's 1.24B on an H200, benchmarks/notes/2026-12-06-h200.md). The norm is the same sum in another
-order (within a few units of fp32's last place of get_total_norm's); the step is otherwise unchanged.
+pass of its own over every fp32 gradient (get_total_norm reads 4 bytes a parameter). The norm is
+the same sum in another order (within a few units of fp32's last place of get_total_norm's); the
+step is otherwise unchanged.
 
 `SQUARES` keys each output by its storage, with its version counter as written. A gradient whose
 storage holds no entry (more than one rank: the gradients are views of the reduce output, another

@@ -13,10 +13,10 @@ With one rank FSDP2 gathers and reduce-scatters nothing, but it still copies as 
   whose second buffer is its first, recorded on the reduce stream), and the copy is a no-op. Plain
   FSDP groups only: HSDP's all-reduce and an all-reduce hook read the output on another stream.
 
-For mini_llm on one H200 these are the profile's 207 DtoD memcpys, 2.8 ms of the seed's eager step
-(benchmarks/notes/PERFORMANCE.md 7, the one-GPU anatomy). The parameters and gradients are the same
-bits: the cast is the same fp32 -> bf16 copy (round to nearest even), and the gradients are read
-from the buffer they were copied into rather than a copy of it.
+For mini_llm these copies are every device-to-device memcpy in a one-GPU profile of the seed's
+eager step. The parameters and gradients are the same bits: the cast is the same fp32 -> bf16 copy
+(round to nearest even), and the gradients are read from the buffer they were copied into rather
+than a copy of it.
 
 The unshard has no hook, so the method is wrapped: before FSDP2's own runs, each parameter it will
 cast is cast into its unsharded storage, and `all_gather_inputs` hands FSDP2 that storage, so its
@@ -220,9 +220,9 @@ def cast_in_step(model: nn.Module, optimizer) -> tuple[int, int]:
     """Have `optimizer`'s update write each one-rank fp32 parameter's bf16 cast straight into its
     unsharded storage, and keep that storage from one unshard to the next: an unshard then casts
     only a parameter changed since (version counters say; see below), where FSDP2 casts every
-    parameter at every unshard (twice a step with reshard_after_forward). For mini_llm on one H200 those casts are 8.8 GB a step (2.1 ms); the
-    update writes 1.5 GB more instead. The cost is memory: the unsharded parameters stay, 2 bytes a
-    parameter, as with reshard_after_forward=false.
+    parameter at every unshard (twice a step with reshard_after_forward); the update writes a fraction
+    of those bytes instead. The cost is memory: the unsharded parameters stay, 2 bytes a parameter, as
+    with reshard_after_forward=false.
 
     Needs the direct unshard (use_direct_unshard) and an optimizer with `write_copies`
     (TritonAdamW) that holds the model's parameters. FSDP2 settles each parameter's param_dtype at
@@ -298,7 +298,7 @@ class OneRankReduceScatter:
     under CPU offload) run on the reduce stream after that. The aliased buffer is therefore
     recorded on the reduce stream, so that the allocator hands it to no one until those reads are
     done (without it, the next unit's gradients were copied into it while the reduce stream still
-    read it: reproduced on an H200 with a delayed reduce stream). An output is the input only for
+    read it: reproduced with a delayed reduce stream). An output is the input only for
     an allocation on another stream than the input's, so a pair cut short by an error leaves no
     stale input to be handed out."""
 

@@ -19,7 +19,7 @@ from src.speed.versions import TRITON_TESTED, release, torch_version
 
 VERIFIED: tuple[str, ...] = ("2.11",)
 """torch releases (major.minor) whose CUDA embedding backward the fold matched bit for bit on a GPU
-(tests/test_tied_embedding_grad.py's GPU tests, on an H100); `auto` is off on any other"""
+(tests/test_tied_embedding_grad.py's GPU tests); `auto` is off on any other"""
 
 RECIPE = Recipe(
     name="tied_embedding_grad",

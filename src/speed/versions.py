@@ -11,7 +11,7 @@ TORCH_TESTED = ("2.11", "2.13", "2.14", "2.15")
 """the torch releases every recipe's parity test passed on: 2.11.0 (the GPU image), 2.13.0 (CI's
 suite), 2.14.1, 2.15.0 (CI's second environment); 2.12 was never installed here"""
 TRITON_TESTED = ("3.6", "3.8", "3.9")
-"""the Triton releases beside them: 3.6 (torch 2.11, compiled on an H200), 3.8 (2.14.1) and 3.9
+"""the Triton releases beside them: 3.6 (torch 2.11, compiled on a GPU), 3.8 (2.14.1) and 3.9
 (2.13.0 and 2.15.0), in Triton's interpreter on a CPU"""
 
 

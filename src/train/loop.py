@@ -125,8 +125,8 @@ def optimizer_step(
     device tensor. `skip_nonfinite` drops the optimizer step when the norm is NaN/inf (a device
     sync). `after_optimizer` runs after the update (float8: the next step's weight scales).
     `need_norm` false (a step nobody reads, no clipping, no skipping): no norm is computed and None
-    returned; the norm reads every gradient and all-reduces over the mesh, 0.5 ms and a few hundred
-    host launches a step on mini_llm over 2 GPUs. `clip_in_update` (speed.clip_in_update, torch's fused
+    returned; the norm reads every gradient, all-reduces over the mesh and costs host launches, which
+    a step nobody reads need not pay. `clip_in_update` (speed.clip_in_update, torch's fused
     AdamW or optim.impl=triton's): the clipping factor goes to the update kernel instead of a pass
     over the gradients. `norm_from` (speed.norm_in_copy_in) gives the global norm of the gradients
     in place of get_total_norm's pass over them. An
@@ -170,7 +170,7 @@ def optimizer_step(
             if hasattr(optimizer, "grad_mul"):  # TritonAdamW (optim.impl=triton)
                 # the factor clip_grads_with_norm_ computes, multiplied in the update kernel as that
                 # pass would (rounded to the gradient's dtype): the same bits, the pass's read and
-                # write of every gradient gone (3.7 ms a step, LLaMA 3.2 1B's 1.24B on an H100)
+                # write of every gradient gone
                 optimizer.grad_mul = torch.clamp(grad_clip / (norm + 1e-6), max=1.0).float()
             else:
                 optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / grad_clip, min=1.0)
@@ -202,8 +202,8 @@ class Readback:
     The gather and the copy into pinned host memory are queued right behind the step and an event
     marks their end, so `read()` waits for that step alone: the loop queues the next step first and
     reads after, and the device never idles while the host learns the loss and launches the next
-    step's first kernels (about 1.1 ms a step for the seed's step on one H200, where the loss was
-    read before the next step was queued). On a CPU (gloo) the values are there at once."""
+    step's first kernels (read before the next step was queued, the loss left the device idle that
+    long every step). On a CPU (gloo) the values are there at once."""
 
     def __init__(self, loss: torch.Tensor, norm: torch.Tensor, mem: tuple[float, float]):
         self.local_alloc_gb = mem[0]  # this rank's own peak (rank 0's is the one the seed prints)

@@ -90,7 +90,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def host_rss_mb() -> float | None:
     """This process's resident set size now, in MB (1e6 bytes). /proc/self/statm is one read of
-    ~50 bytes (~10 us); elsewhere (macOS) psutil, where installed."""
+    a few dozen bytes, cheap enough for every logged step; elsewhere (macOS) psutil, where installed."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * _PAGE / 1e6

@@ -1,13 +1,12 @@
 """AdamW as optim.impl asks: fused, foreach, for_loop or triton kernels (the same update, other launches).
 
-AdamW took 7% of device kernel time in the seed's step on 2 H200s and 9.5% of one H200's in its
-diagnosis (benchmarks/notes/PERFORMANCE.md section 2): for_loop launches each elementwise op of the update per
-parameter, foreach per batch of parameters (multi_tensor_apply), fused the whole update in one
-kernel per batch, triton the whole update of every parameter in one launch with the gradients'
-sum of squares on the way (kernels/triton/adamw.py), so a logged step's gradient norm needs no
-second pass over the gradients. Each rank's host memory is logged per step (host_rss_mb), so a
-leak of one implementation (fused AdamW over DTensor parameters on torch 2.10/2.11) shows as
-host_rss_growth_mb.
+AdamW is a visible share of device kernel time in the seed's step, and the implementations differ
+in how they launch it: for_loop launches each elementwise op of the update per parameter, foreach
+per batch of parameters (multi_tensor_apply), fused the whole update in one kernel per batch,
+triton the whole update of every parameter in one launch with the gradients' sum of squares on the
+way (kernels/triton/adamw.py), so a logged step's gradient norm needs no second pass over the
+gradients. Each rank's host memory is logged per step (host_rss_mb), so a leak of one
+implementation (fused AdamW over DTensor parameters on torch 2.10/2.11) shows as host_rss_growth_mb.
 """
 from __future__ import annotations
 

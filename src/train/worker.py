@@ -44,9 +44,8 @@ def free(trainer: Trainer) -> None:
     """Let the run's model, optimizer and batches go now. They sit in reference cycles (FSDP2's
     hooks, the step callbacks) that only Python's full collection breaks, and that runs rarely: the
     next job of an in-process sweep started with them still allocated, and counted them in its peak
-    (rank 0 of 2, 4 and 8 faked ranks of +exp=fsdp4_fp8 swept on one H200 peaked at 12.4, 17.5 and
-    20.8 GB, where alone they peak at 12.4, 10.1 and 9.0). The trainer is emptied first so that a
-    traceback still holding it holds nothing large; the caching allocator then hands the memory back."""
+    (a sweep's later jobs read more than twice their own peak). The trainer is emptied first so
+    that a traceback still holding it holds nothing large; the caching allocator then hands the memory back."""
     device = trainer.env.device  # the first thing Trainer() sets, and free() runs only on a trainer built
     trainer.__dict__.clear()
     gc.collect()
