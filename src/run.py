@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 # Only modules that import no torch at module level here: `--help` and `--cfg job` run none of the
 # tasks' code, and importing torch for them took most of their time. The rest is imported where used.
-from src.config.compose import ConfigError, compose_config  # noqa: E402
+from src.config.compose import ConfigError, compose_config, finish  # noqa: E402
 from src.distributed.cluster import SUBMITIT_LAUNCHERS, adopt_torchrun_shape, check_launcher, stable_run_dir  # noqa: E402
 from src.runtime import RunContext  # noqa: E402
 from src.tracking.mlflow_run import PARENT_RUN_ID_FILE, SWEEP_KEYS_FILE, resolve_tracking_uri, shown_uri, store_refusal  # noqa: E402
@@ -340,6 +340,10 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     from src.train.resume_check import check_checkpoints
 
     hc = HydraConfig.get()
+    try:
+        finish(cfg, list(hc.overrides.task))  # model=hf: the model its folder holds
+    except ConfigError as err:
+        _fail(str(err))
     ctx = job_context(hc, cfg.tracking.uri, hc.runtime.output_dir, list(hc.overrides.task))
     move_job_log(hc.runtime.output_dir, submitit_job())  # a submitit task on a node after the first: its own log
     multirun = ctx.multirun

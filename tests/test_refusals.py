@@ -75,7 +75,7 @@ def _config_dir(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_yaml_syntax_error_in_a_config_dir_file_names_the_file_and_line(tmp_path: Path):
-    extra = _config_dir(tmp_path, {"model/bad.yaml": "defaults: [/base_model@_here_, _self_]\nname: bad\ndim: [32\nn_layers: 1\n"})
+    extra = _config_dir(tmp_path, {"model/bad.yaml": "defaults: [/base_model_mini_llm@_here_, _self_]\nname: bad\ndim: [32\nn_layers: 1\n"})
     workdir = tmp_path / "work"
     workdir.mkdir()
     assert _refused(workdir, ["--config-dir", str(extra), "model=bad"]) == (
@@ -138,7 +138,7 @@ def test_the_current_folder_as_run_dir_is_refused(tmp_path: Path, monkeypatch):
 
 
 def test_a_config_dir_adds_its_options_to_the_run(tmp_path: Path):
-    extra = _config_dir(tmp_path, {"model/mine.yaml": "defaults: [/base_model@_here_, _self_]\nname: mine\nvocab_size: 256\n"
+    extra = _config_dir(tmp_path, {"model/mine.yaml": "defaults: [/base_model_mini_llm@_here_, _self_]\nname: mine\nvocab_size: 256\n"
                                                        "dim: 32\nn_layers: 1\nn_heads: 2\n"})
     workdir = tmp_path / "work"
     workdir.mkdir()

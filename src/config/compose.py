@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from src.config import schema as _schemas  # registers the schemas in the ConfigStore
+from src.config.model import HFConfigError, resolve
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -38,7 +39,7 @@ def compose_config(overrides: list[str], config_name: str = "config", with_hydra
     try:
         _init_hydra(config_dir)
         try:
-            return compose(config_name, overrides=overrides, return_hydra_config=with_hydra)
+            return finish(compose(config_name, overrides=overrides, return_hydra_config=with_hydra), overrides)
         except OverrideParseException as exc:
             raise ConfigError(explain_parse_error(exc, overrides)) from None
         except (ConfigCompositionException, MissingConfigException, OmegaConfBaseException) as exc:
@@ -47,6 +48,15 @@ def compose_config(overrides: list[str], config_name: str = "config", with_hydra
             raise ConfigError(explain_yaml_error(exc)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def finish(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """What composing leaves to do, in place: model=hf becomes the model its folder holds
+    (src/config/model.py). Called on every composed config, Hydra's own (src/run.py) too."""
+    try:
+        return resolve(cfg, overrides)
+    except HFConfigError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _init_hydra(config_dir: str | None) -> None:

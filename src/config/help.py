@@ -18,12 +18,19 @@ from omegaconf import OmegaConf
 WIDTH = 100
 
 
-SCHEMA_FILES = ("schema.py", "tasks.py")
+SCHEMA_FILES = ("schema.py", "tasks.py", "model.py")
+
+
+def _schema_sources() -> list[Path]:
+    """The schema files, and each architecture's config.py (src/models/ARCH/)."""
+    from src.config.model import MODELS_DIR, arch_configs
+
+    return [Path(__file__).with_name(name) for name in SCHEMA_FILES] + [MODELS_DIR / arch / "config.py" for arch in arch_configs()]
 
 
 def field_docs(source: Path | None = None) -> dict[str, dict[str, str]]:
     """{class name: {field: docstring}} for every class in the schema files (or in `source`)."""
-    sources = [source] if source else [Path(__file__).with_name(name) for name in SCHEMA_FILES]
+    sources = [source] if source else _schema_sources()
     nodes = [node for path in sources for node in ast.parse(path.read_text()).body]
     docs: dict[str, dict[str, str]] = {}
     for node in nodes:
@@ -66,9 +73,42 @@ def options_help(*, _root_=None) -> str:
         for f in dataclasses.fields(schema):
             if f.name == "name" and name in GROUPS:
                 continue
-            out += _option_lines(f"{name}.{f.name}", docs.get(schema.__name__, {}).get(f.name, ""), _root_)
+            out += _option_lines(f"{name}.{f.name}", _doc(docs, schema, f.name), _root_)
         out.append("")
+        if name == "model":
+            out += _arch_options(docs, _root_)
     return "\n".join(out).replace("$", "$$")  # Hydra fills the template with string.Template
+
+
+def _doc(docs: dict, schema: type, field: str) -> str:
+    """A field's docstring, from the class that declares it or the nearest one above it that does."""
+    for cls in schema.__mro__:
+        if field in docs.get(cls.__name__, {}):
+            return docs[cls.__name__][field]
+    return ""
+
+
+def _arch_options(docs: dict, root) -> list[str]:
+    """Each architecture's own model.* settings, beyond those every model has."""
+    from src.config.model import ModelConfig, arch_configs
+
+    out = []
+    for arch, schema in arch_configs().items():
+        parent = next(c for c in schema.__mro__[1:] if dataclasses.is_dataclass(c))
+        inherited = {f.name: f.default for f in dataclasses.fields(parent)}
+        own = [f for f in dataclasses.fields(schema) if f.name not in inherited or (parent is not ModelConfig and f.default != inherited[f.name])]
+        own = [f for f in own if f.name not in {g.name for g in dataclasses.fields(ModelConfig)} or parent is not ModelConfig]
+        own = [f for f in own if f.name not in ("name", "arch")]
+        if not own:
+            continue
+        what = (schema.__doc__ or "").strip().splitlines()[0]
+        out.append(f"model.* of model.arch={arch}" + (f" (and of {parent.arch})" if parent is not ModelConfig else ""))
+        out.append(textwrap.fill(what, WIDTH, initial_indent="  ", subsequent_indent="  "))
+        composed = root is not None and OmegaConf.select(root, "model.arch", throw_on_missing=False) == arch
+        out += [line for f in own for line in _option_lines(f"model.{f.name}", _doc(docs, schema, f.name), root if composed else None,
+                                                             default=None if composed else f.default)]
+        out.append("")
+    return out
 
 
 def _sections() -> list[tuple[str, type]]:
@@ -80,9 +120,11 @@ def _sections() -> list[tuple[str, type]]:
     return sections
 
 
-def _option_lines(key: str, doc: str, root, max_lines: int | None = None) -> list[str]:
-    """`  key=value   docstring`, the docstring wrapped at WIDTH (cut to `max_lines` lines if given)."""
-    head = f"  {key}={_value(root, key)}"
+def _option_lines(key: str, doc: str, root, max_lines: int | None = None, default=None) -> list[str]:
+    """`  key=value   docstring`, the docstring wrapped at WIDTH (cut to `max_lines` lines if given);
+    `default`: the value shown where `root` has none (another architecture's setting)."""
+    value = _value(root, key) if default is None else _value(OmegaConf.create({"v": default}), "v")
+    head = f"  {key}={value}"
     if not doc:
         return [head]
     lines = []
@@ -109,7 +151,7 @@ def common_help(*, _root_=None) -> str:
     out = []
     for key in COMMON:
         section, _, name = key.partition(".")
-        out += _option_lines(key, docs.get(schemas[section].__name__, {}).get(name, ""), _root_, max_lines=2)
+        out += _option_lines(key, _doc(docs, schemas[section], name), _root_, max_lines=2)
     return "\n".join(out).replace("$", "$$")
 
 

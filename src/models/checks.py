@@ -15,6 +15,9 @@ def model_refusal(m: DictConfig) -> str | None:
     from src.models import ARCHS
 
     configs = arch_configs()
+    if OmegaConf.is_missing(m, "arch"):
+        return (f"model={m.name}: its YAML names no architecture; make its first line "
+                f"`defaults: [/base_model_ARCH@_here_, _self_]` with ARCH one of {', '.join(configs)}")
     if m.arch == HF:
         return "model=hf takes the architecture from model.hf_path's config.json: set model.hf_path=DIR"
     if m.arch not in configs:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from src.config.model import HFConfigError, ModelConfig, hf_config
+from src.config.model import HF, HFConfigError, ModelConfig, hf_config
 
 # the dtypes a checkpoint's weights may have; an int8 or float8 tensor would be copied as its integers
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
@@ -67,8 +67,9 @@ class RowMappedHF:
             return str(err)
         differ = [f"model.{k}={_ours(model_cfg, k)} (the checkpoint's {v})" for k, v in fields.items() if not _same(_ours(model_cfg, k), v)]
         if differ:
-            return (f"model.hf_path={folder}: model={model_cfg.name} has " + ", ".join(differ)
-                    + f"; or take the shape from the folder: model=hf model.hf_path={folder}")
+            fix = ("drop those settings: the shape is the folder's" if model_cfg.name == HF
+                   else f"or take the shape from the folder: model=hf model.hf_path={folder}")
+            return f"model.hf_path={folder}: model={model_cfg.name} has " + ", ".join(differ) + f"; {fix}"
         return tensor_mismatch(Path(folder), self.expected_shapes(fields))
 
     @torch.no_grad()
