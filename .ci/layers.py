@@ -7,6 +7,7 @@ per upward import and exits 1 when there are more than ALLOWED of them.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # lowest first; a module belongs to the longest prefix that names it
 LAYERS: list[tuple[str, ...]] = [
     ("perflab_kernels",),
-    ("src.dtypes", "src.runtime", "src.config", "src.fusion.ops"),
+    ("src.dtypes", "src.runtime", "src.config", "src.fusion.ops", "src.models.config", "src.models.*.config"),
     ("src.models", "src.data"),
     ("src.distributed", "src.speed", "src.fusion", "src.profiling", "src.tracking"),
     ("src.train", "src.edge", "src.kernel_bench", "src.diagnose"),
@@ -27,7 +28,8 @@ def layer(module: str) -> int | None:
     best, found = -1, None
     for i, prefixes in enumerate(LAYERS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
+            # `src.models.*.config`: each architecture's config, which the config layer registers
+            if (fnmatch.fnmatchcase(module, p) or module.startswith(p + ".")) and len(p) > best:
                 best, found = len(p), i
     return found
 

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from src.edge.compile import GROWING_HOISTS
 
 PROMPT, STEPS = 32, 32
-MODELS = {  # the shapes of issue 13; the rest of each config from src/config/schema.py's ModelConfig
+MODELS = {  # the shapes of issue 13; the rest of each config from MiniLLM's (src/models/mini_llm/config.py)
     "tiny": {"name": "tiny", "vocab_size": 4096, "dim": 256, "n_layers": 2, "n_heads": 4},
     "small": {"name": "small", "vocab_size": 32000, "dim": 512, "n_layers": 4, "n_heads": 8},
     # docs/SEED.md's MiniLLM (conf/model/mini_llm.yaml): issue 57's grid only
@@ -118,9 +118,9 @@ COLUMNS = ["backend", "device", "model", "dtype", "quant", "batch", "prompt", "v
 def model_config(name: str, overrides: dict | None = None) -> dict:
     from dataclasses import asdict
 
-    from src.config import ModelConfig
+    from src.models.mini_llm.config import MiniLLMConfig
 
-    return asdict(ModelConfig(**{**MODELS[name], **(overrides or {})}))
+    return asdict(MiniLLMConfig(**{**MODELS[name], **(overrides or {})}))
 
 
 def compile_grid(out: Path, target_map: dict[str, str], models: list[str], variants: list[Variant], cache_dir: Path) -> list[Path]:

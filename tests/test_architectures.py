@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from src.config.compose import compose_config
-from src.config.model import arch_configs
 from src.models import ARCHS, build_model
+from src.models.config import arch_configs
 from src.models.protocol import Attention, Block, CausalLM
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"

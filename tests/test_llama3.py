@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 pytest.importorskip("transformers")  # the reference: pip install -e ".[test]"
 
 from src.config.compose import ConfigError, compose_config  # noqa: E402
-from src.config.model import hf_config  # noqa: E402
 from src.config.validate import validate  # noqa: E402
 from src.models import build_model  # noqa: E402
+from src.models.config import hf_config  # noqa: E402
 from src.models.llama3.hf import HF  # noqa: E402
 from tests.spawned_ranks import spawn_ranks  # noqa: E402
 

@@ -49,7 +49,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def _ours(folder: Path) -> torch.nn.Module:
     cfg = compose_config(["model=hf", f"model.hf_path={folder}"])
-    from src.config.model import resolve
+    from src.models.config import resolve
 
     model_cfg = resolve(cfg, ["model=hf"]).model
     assert model_cfg.arch == "qwen3" and model_cfg.head_dim == 24 and model_cfg.tie_embeddings
@@ -70,7 +70,7 @@ def test_the_folder_out_is_the_folder_in_bit_for_bit(tmp_path, checkpoint):
 
     model = _ours(checkpoint)
     cfg = compose_config(["model=hf", f"model.hf_path={checkpoint}"])
-    from src.config.model import resolve
+    from src.models.config import resolve
 
     model_cfg = dict(resolve(cfg, ["model=hf"]).model)
     out = architecture("qwen3").hf.save(model, model_cfg, model.state_dict(), tmp_path / "ours")

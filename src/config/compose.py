@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from src.config import schema as _schemas  # registers the schemas in the ConfigStore
-from src.config.model import HFConfigError, resolve
+from src.models.config import HFConfigError, resolve
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -52,7 +52,7 @@ def compose_config(overrides: list[str], config_name: str = "config", with_hydra
 
 def finish(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """What composing leaves to do, in place: model=hf becomes the model its folder holds
-    (src/config/model.py). Called on every composed config, Hydra's own (src/run.py) too."""
+    (src/models/config.py). Called on every composed config, Hydra's own (src/run.py) too."""
     try:
         return resolve(cfg, overrides)
     except HFConfigError as err:

@@ -18,14 +18,14 @@ from omegaconf import OmegaConf
 WIDTH = 100
 
 
-SCHEMA_FILES = ("schema.py", "tasks.py", "model.py")
+SCHEMA_FILES = ("schema.py", "tasks.py")
 
 
 def _schema_sources() -> list[Path]:
     """The schema files, and each architecture's config.py (src/models/ARCH/)."""
-    from src.config.model import MODELS_DIR, arch_configs
+    from src.models.config import MODELS_DIR, arch_configs
 
-    return [Path(__file__).with_name(name) for name in SCHEMA_FILES] + [MODELS_DIR / arch / "config.py" for arch in arch_configs()]
+    return [Path(__file__).with_name(name) for name in SCHEMA_FILES] + [MODELS_DIR / "config.py"] + [MODELS_DIR / arch / "config.py" for arch in arch_configs()]
 
 
 def field_docs(source: Path | None = None) -> dict[str, dict[str, str]]:
@@ -90,7 +90,7 @@ def _doc(docs: dict, schema: type, field: str) -> str:
 
 def _arch_options(docs: dict, root) -> list[str]:
     """Each architecture's own model.* settings, beyond those every model has."""
-    from src.config.model import ModelConfig, arch_configs
+    from src.models.config import ModelConfig, arch_configs
 
     out = []
     for arch, schema in arch_configs().items():

@@ -15,9 +15,9 @@ from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQu
 from omegaconf import II, MISSING
 
 from src.config.help import register as register_help
-from src.config.model import Mlp, ModelConfig, arch_configs  # noqa: F401  (Mlp: callers import it from here)
 from src.config.tasks import DiagnoseConfig, EdgeConfig, KernelBenchConfig, ProfileConfig
 from src.dtypes import Dtype
+from src.models.config import Mlp, ModelConfig, arch_configs  # noqa: F401  (Mlp: callers import it from here)
 
 
 # String choices are StrEnums (OmegaConf 2.3 has no Literal): `sharding.strategy=fsdp` fails when

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from src.config.model import HF, arch_configs
+from src.models.config import HF, arch_configs
 
 
 def model_refusal(m: DictConfig) -> str | None:

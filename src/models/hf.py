@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from src.config.model import HF, HFConfigError, ModelConfig, hf_config
+from src.models.config import HF, HFConfigError, ModelConfig, hf_config
 
 # the dtypes a checkpoint's weights may have; an int8 or float8 tensor would be copied as its integers
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}

@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.overrides import TorchFunctionMode
 
-from src.config.model import arch_configs
+from src.models.config import arch_configs
 from src.models.protocol import Architecture, CausalLM
 
 ARCHS: dict[str, Architecture] = {arch: importlib.import_module(f"src.models.{arch}.architecture").ARCHITECTURE for arch in arch_configs()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from src.config.model import HFConfigError, Mlp, ModelConfig
+from src.models.config import HFConfigError, Mlp, ModelConfig
 
 
 @dataclass

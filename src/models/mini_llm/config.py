@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from src.config.model import ModelConfig
+from src.models.config import ModelConfig
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from src.config.model import HFConfigError
+from src.models.config import HFConfigError
 from src.models.llama3.config import Llama3Config, shape_fields
 
 

@@ -5,7 +5,8 @@ setting another architecture has (`model=tiny model.n_kv_heads=2`) fails when th
 composed. `model=hf` takes the architecture and the shape from a Hugging Face folder's config.json
 (`from_hf`), as transformers' Auto classes do.
 
-Torch-free: `--help` and composing read it.
+Torch-free, and part of the config layer (src/config/schema.py registers these schemas): `--help`
+and composing read it.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import ClassVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+MODELS_DIR = Path(__file__).resolve().parent
 HF = "hf"
 """model.arch of conf/model/hf.yaml: the architecture is config.json's (from_hf)"""
 
