@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -144,11 +145,9 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
         if why_not:
             log.info("kernels=auto: the diagnosis calls for AdamW's kernels, and they stay: %s", why_not)
     if measure and (choice.ops or cfg.precision.float8) and cfg.backend.name == "cuda" and _gpu_present():
-        from src.fusion.measure import BLOCK, chosen, graphs_hint, measure_on_gpu, optimizer_chosen
+        from src.fusion.measure import BLOCK, chosen, graphs_hint, optimizer_chosen
 
-        log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked, compiled%s "
-                 "and eager", ", ".join(choice.ops) or "no diagnosed op", " (replayed from CUDA graphs, speed.cudagraphs)" if cfg.speed.cudagraphs else "")
-        timings = measure_on_gpu(list(choice.ops), cfg)
+        timings = _timings(cfg, list(choice.ops))
         fused, compiled, compile_blocks = chosen(timings)
         optimizer = optimizer_chosen(timings)
         # GPU ms a step per candidate, and beside it ("CANDIDATE.host") the host ms to issue it
@@ -183,6 +182,30 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
     if run_dir is not None:
         write_choice(choice, None, Path(run_dir) / AUTO_FILE, cfg.kernels)
     return choice
+
+
+def _timings(cfg: DictConfig, ops: list[str]) -> list:
+    """The candidates' timings on this GPU: reused from the cache where this run was timed before on
+    this machine (src/fusion/auto_cache.py), else timed now and kept."""
+    from src.fusion.auto_cache import AutoCache
+    from src.fusion.measure import OpTiming, measure_on_gpu
+
+    cache = AutoCache.for_run(cfg, ops)
+    cached = cache.lookup() if cache is not None else None
+    if cached is not None:
+        log.info("kernels=auto: reusing the timings measured %s on this GPU, torch and code (%s; delete it to time again)",
+                 cached.measured_at, cached.path)
+        return [OpTiming(**t) for t in cached.timings]
+    changed = cache.differs() if cache is not None else None
+    if changed:
+        log.info("kernels=auto: timing again: %s", changed)
+    log.info("kernels=auto: timing eager, torch.compile and the fused kernel of %s on this GPU, then the block as picked, compiled%s "
+             "and eager", ", ".join(ops) or "no diagnosed op", " (replayed from CUDA graphs, speed.cudagraphs)" if cfg.speed.cudagraphs else "")
+    start = time.perf_counter()
+    timings = measure_on_gpu(ops, cfg)
+    kept = f"; kept in {cache.store(timings)}" if cache is not None else " (the GPU has no name NVML gives: not kept)"
+    log.info("kernels=auto: timed in %.0f s%s", time.perf_counter() - start, kept)
+    return timings
 
 
 def with_float8_head(cfg: DictConfig, fused: list[str]) -> list[str]:

@@ -1,0 +1,141 @@
+"""kernels=auto's timings kept between runs, outside any run folder: a second run of the same key
+reuses them instead of timing every candidate again (the choice follows from the timings).
+
+The key has two halves. The run's half is what the timings measure: the model's shape, the batch and
+sequence, the precision, the optimizer, the speed and compile settings, the world size and the ops
+timed. The machine's half is what they were measured with: the GPU's name, torch's and Triton's
+versions and a hash of the code that makes and times the candidates (kernels/, src/fusion/,
+src/models/). A file is RUN_HASH/MACHINE_HASH.json under the cache folder ($PERFLAB_CACHE_DIR, else
+$XDG_CACHE_HOME/perflab, else ~/.cache/perflab); where the run's half matches a file of another
+machine's half, the log says which of them differs.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = ("kernels/triton", "src/fusion", "src/models")
+"""the folders whose source decides what a candidate is and how it is timed"""
+# the settings of kernels.* that are auto's outputs or where its inputs come from, not what is timed
+NOT_TIMED = {"fused", "compiled", "diagnosis", "auto"}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("PERFLAB_CACHE_DIR"):
+        return Path(os.environ["PERFLAB_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "perflab"
+
+
+def gpu_name() -> str:
+    """The name of the GPU the timings run on (CUDA's device 0), through NVML: no CUDA context in
+    the launcher. Empty where NVML cannot tell (nothing is cached then)."""
+    try:
+        import pynvml as nvml
+
+        nvml.nvmlInit()
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        handle = nvml.nvmlDeviceGetHandleByUUID(first) if first.startswith(("GPU-", "MIG-")) else nvml.nvmlDeviceGetHandleByIndex(int(first))
+        name = nvml.nvmlDeviceGetName(handle)
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # no binding, no driver, a CUDA_VISIBLE_DEVICES NVML does not read
+        return ""
+
+
+def code_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for folder in CODE for p in (ROOT / folder).rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return ""
+
+
+def machine(gpu: str | None = None) -> dict:
+    import torch
+
+    return {"gpu": gpu_name() if gpu is None else gpu, "torch": torch.__version__, "triton": _version("triton"), "code": code_hash()}
+
+
+def run_key(cfg: DictConfig, ops: list[str]) -> dict:
+    """What the timings depend on in the run's config (the model's name and weights' folder do not)."""
+    def section(node: DictConfig, drop: set[str]) -> dict:
+        return {k: v for k, v in OmegaConf.to_container(node, resolve=True, enum_to_str=True).items() if k not in drop}
+
+    return {
+        "model": section(cfg.model, {"name", "hf_path"}), "precision": section(cfg.precision, {"name"}),
+        "optim": section(cfg.optim, set()), "speed": section(cfg.speed, {"name"}), "kernels": section(cfg.kernels, {"name"} | NOT_TIMED),
+        "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "loss_fp32": cfg.train.loss_fp32,
+        "log_every": cfg.train.log_every, "world_size": cfg.dist.nproc * cfg.dist.nnodes, "ops": sorted(ops),
+    }
+
+
+def _hash(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
+
+
+@dataclass
+class Cached:
+    timings: list[dict]
+    """the OpTimings, as asdict gives them"""
+    path: Path
+    measured_at: str
+    """UTC, to the minute"""
+
+
+class AutoCache:
+    def __init__(self, run: dict, machine: dict, root: Path | None = None):
+        self.run, self.machine = run, machine
+        self.folder = (root or cache_dir()) / "kernels_auto" / _hash(run)
+        self.path = self.folder / f"{_hash(machine)}.json"
+
+    @classmethod
+    def for_run(cls, cfg: DictConfig, ops: list[str]) -> AutoCache | None:
+        """The cache entry of this run on this machine; None where the GPU cannot be named."""
+        here = machine()
+        return cls(run_key(cfg, ops), here) if here["gpu"] else None
+
+    def lookup(self) -> Cached | None:
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet, or a file cut off: measured again and written whole
+            return None
+        if record.get("run") != self.run or record.get("machine") != self.machine:
+            return None
+        return Cached(record["timings"], self.path, record["measured_at"])
+
+    def differs(self) -> str | None:
+        """Where the run was timed before on another machine half: what differs, in words (the newest such file)."""
+        others = sorted((p for p in self.folder.glob("*.json") if p != self.path), key=lambda p: p.stat().st_mtime)
+        for path in reversed(others):
+            try:
+                before = json.loads(path.read_text())["machine"]
+            except (OSError, ValueError, KeyError):
+                continue
+            changed = [f"{k} {before.get(k) or '?'} -> {v or '?'}" if k != "code" else "the kernels' or models' code"
+                       for k, v in self.machine.items() if before.get(k) != v]
+            return f"{', '.join(changed)} since {path}"
+        return None
+
+    def store(self, timings: list) -> Path:
+        """Write the timings (OpTimings) whole: a temporary file renamed into place."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {"run": self.run, "machine": self.machine, "measured_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                  "timings": [asdict(t) if not isinstance(t, dict) else t for t in timings]}
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(self.path)
+        return self.path
