@@ -15,6 +15,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import subprocess
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -37,16 +38,21 @@ def cache_dir() -> Path:
 def gpu_name() -> str:
     """The name of the GPU the timings run on (CUDA's device 0), through NVML: no CUDA context in
     the launcher. Empty where NVML cannot tell (nothing is cached then)."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
     try:
         import pynvml as nvml
 
         nvml.nvmlInit()
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
         handle = nvml.nvmlDeviceGetHandleByUUID(first) if first.startswith(("GPU-", "MIG-")) else nvml.nvmlDeviceGetHandleByIndex(int(first))
         name = nvml.nvmlDeviceGetName(handle)
         return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # no binding, no driver, a CUDA_VISIBLE_DEVICES NVML does not read
+    except Exception:  # no binding, no driver, a CUDA_VISIBLE_DEVICES NVML does not read: nvidia-smi's view
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", first], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
         return ""
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
 
 
 def code_hash() -> str:
