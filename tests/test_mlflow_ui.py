@@ -103,6 +103,35 @@ def test_a_view_round_trips_through_its_tag_plain_and_deflated():
     assert len(packed) < MAX_ENVELOPE and '"state": "deflate;' in packed and read_state(packed) == big
 
 
+def test_a_task_view_shows_a_setting_all_its_runs_left_none_only_once_one_has_it(tmp_path):
+    """Seen in the UI: a column `exp` reading None for every run made without +exp=. It shows once
+    a run of the task has an exp, and then for every run of the task."""
+    from mlflow import MlflowClient
+
+    from src.tracking.ui_view import VIEW_TAG, read_state, task_view
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("perflab")
+
+    def run(exp: str, task: str = "train") -> str:
+        run_id = client.create_run(experiment).info.run_id
+        for key, value in {"task.name": task, "exp": exp, "model.name": "tiny", "precision.name": "bf16"}.items():
+            client.log_param(run_id, key, value)
+        client.log_metric(run_id, "summary.tokens_per_s_per_device", 1.0)
+        return run_id
+
+    def columns() -> list[str]:
+        return read_state(client.get_experiment(experiment).tags[VIEW_TAG + "perflab-train"])["selectedColumns"]
+
+    plain = run("None")
+    run("profile", task="profile")  # another task's exp says nothing of train's runs
+    task_view(client, "sqlite:///mlflow.db", plain, "train")
+    assert "params.`exp`" not in columns() and "params.`model.name`" in columns()
+    run("fsdp4")
+    task_view(client, "sqlite:///mlflow.db", plain, "train")
+    assert "params.`exp`" in columns()
+
+
 def test_one_experiment_per_task_and_presets_do_not_split():
     from src.tracking.mlflow_run import experiment_name
 

@@ -12,11 +12,11 @@ from tests.test_diagnosis import FIXTURES
 
 @pytest.fixture(scope="module")
 def cpu_profile(tmp_path_factory) -> tuple[Path, str]:
-    """One +exp=profile run on 2 CPU ranks, tracked in a private MLflow store; (cwd, console)."""
+    """One +exp=profile run on 2 CPU ranks, tracked in a private MLflow store; (cwd, console, stderr)."""
     cwd = tmp_path_factory.mktemp("profile")
     proc = run_cli(["+exp=profile"], cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return cwd, proc.stdout
+    return cwd, proc.stdout, proc.stderr
 
 
 def test_profile_on_cpu_writes_traces_table_and_breakdown(cpu_profile):
@@ -41,7 +41,7 @@ def test_profile_on_cpu_writes_the_step_anatomy_and_logs_it(cpu_profile):
     """anatomy.json, its table on the console and its figures in MLflow; on a CPU the categories are
     CPU-op self time and the device figures (exposed communication, idle, GEMM floor) are absent.
     The same run carries the host RSS per step (metrics.jsonl, MLflow) and its growth (summary.json)."""
-    workdir, console = cpu_profile
+    workdir, console, _ = cpu_profile
     (run_dir,) = list(workdir.glob("outputs/*/*"))
     anatomy = json.loads((run_dir / "profile" / "anatomy.json").read_text())
     assert anatomy["source"] == "cpu ops (self time)" and anatomy["profiled_steps"] == 3
@@ -77,6 +77,30 @@ def summary_untimed(run_dir: Path) -> int:
     import yaml
 
     return yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["untimed_steps"]
+
+
+def test_profile_prints_none_of_torchs_profiler_lines(cpu_profile):
+    """Kineto's USDT start/stop markers and c10's allocator warning, written by C++ in each rank,
+    are left out of the run's output (issue 74); other lines written to stderr meanwhile pass."""
+    _, console, err = cpu_profile
+    for line in ("USDT:", "profiler_start", "profiler_stop", "CPUAllocator.cpp", "Memory block of unknown size"):
+        assert line not in console + err, err
+
+
+def test_dropped_lines_leave_out_only_the_lines_they_match(capfd):
+    import os
+    import sys
+
+    from src.profiling.stderr_lines import DroppedLines
+
+    with DroppedLines() as quiet:
+        os.write(2, b"USDT:2026-12-07 12:14:57 27801:27801 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a C++ warning\n")
+        os.write(2, b"[rank1]:[W1207 12:14:57.256224582 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the "
+                    b"profiling started, profiler results will not include the deallocation event\n")
+        print("a Python line, profiler_start in it", file=sys.__stderr__, flush=True)  # descriptor 2 (capfd swaps sys.stderr)
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "a C++ warning\na Python line, profiler_start in it\nafter\n" and quiet.dropped == 2
 
 
 def test_profile_schedule_longer_than_the_run_is_refused(workdir: Path):

@@ -79,6 +79,9 @@ def test_default_run_is_in_mlflow_with_params_metrics_and_tags(default_run: Path
     assert run.data.params["model.name"] == "tiny" and run.data.params["dist.nproc"] == "2"
     assert run.data.params["precision.param_dtype"] == "bfloat16"
     assert run.data.tags["world_size"] == "2" and run.data.tags["device"] == "cpu" and "torch" in run.data.tags
+    import torch
+
+    assert run.data.tags["cuda"] == (torch.version.cuda or "none")  # a CPU build's tag reads none, not Python's None
     history = _client(default_run).get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == list(range(6))
     assert run.data.metrics["summary.tokens_per_s_per_device"] == pytest.approx(summary["tokens_per_s_per_device"])

@@ -24,6 +24,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,9 +164,13 @@ def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str,
         # a program needs an argument; clones, so no global is aliased out
         "kv_cache": ((torch.zeros(1, dtype=torch.int32),), lambda module, unused: (module.k_cache.clone(), module.v_cache.clone())),
     }
-    for name in functions:
-        args, program = programs[name]
-        fxb.export_program(name=name, args=args, strict=False)(program)
+    with warnings.catch_warnings():
+        # torch.export's run_decompositions deep-copies the module call graph, and copying a LeafSpec
+        # calls its deprecated constructor: torch's own FutureWarning, one per program, nothing we call
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        for name in functions:
+            args, program = programs[name]
+            fxb.export_program(name=name, args=args, strict=False)(program)
 
     aot.export(fxb).save_mlir(str(mlir))
     if quant_spec(lm).get("format") == "int4":
@@ -202,6 +207,9 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
     from src.edge.params import write_params
     from src.edge.quant import quant_spec
 
+    # iree-compile's whole command line, logged at INFO on the root logger before each compile: the
+    # manifest records the flags, and a failed compile's CompilerToolError repeats the command
+    logging.getLogger("iree.compiler.tools.binaries").setLevel(logging.WARNING)
     out_dir.mkdir(parents=True, exist_ok=True)
     # no growing hoists by default on Vulkan, unless the caller set the threshold (given twice, an
     # iree-compile option is an error)
@@ -249,7 +257,7 @@ def build(lm: EdgeLM, model_cfg: dict, prompt_len: int, dtype: str, device: str,
             compile_s = time.perf_counter() - t1
             coop = uses_cooperative_matrix(binaries) if device == "vulkan" else False
             steps = step_figures(staging / "module.vmfb")
-            log.info("exported in %.1f s, compiled for %s %s %s in %.1f s", export_s, device, target, " ".join(extra_flags), compile_s)
+            log.info("exported in %.1f s, compiled for %s in %.1f s", export_s, " ".join([device, target, *extra_flags]), compile_s)
             (staging / "compile.json").write_text(json.dumps({"compile_s": compile_s, "export_s": export_s, "flags": compile_flags(device, target, features) + chosen,
                                                               "cooperative_matrix": coop, **steps, "hoisting": hoisting,
                                                               "source_root": str(Path(__file__).resolve().parents[2]),

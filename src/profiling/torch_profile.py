@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from src.profiling.anatomy import anatomy_from_trace, format_table
+from src.profiling.stderr_lines import DroppedLines
 
 log = logging.getLogger("src.profile")
 
@@ -34,6 +35,7 @@ class TorchProfileSession:
         self.results: dict[str, Any] = {}
         self.artifacts: list[Path] = []
         self._prof = None
+        self._quiet: DroppedLines | None = None
 
     def start(self, device: torch.device, rank: int, out_dir: Path | None) -> None:
         self.device, self.rank, self.out_dir = device, rank, out_dir
@@ -49,15 +51,23 @@ class TorchProfileSession:
         if self.profile_memory and device.type == "cuda":
             # The caching allocator's own history: what torch.profiler's memory timeline is deprecated for.
             torch.cuda.memory._record_memory_history(max_entries=200_000)
+        # Kineto's USDT start/stop markers and c10's "Memory block of unknown size" warning, written by
+        # C++ to stderr in every rank: left out, nothing else (src/profiling/stderr_lines.py)
+        self._quiet = DroppedLines().__enter__()
         self._prof.__enter__()
 
     def step(self) -> None:
         self._prof.step()
 
     def stop(self) -> None:
-        if self._prof is not None:
-            self._prof.__exit__(None, None, None)
-            self._prof = None
+        try:
+            if self._prof is not None:
+                self._prof.__exit__(None, None, None)
+                self._prof = None
+        finally:
+            if self._quiet is not None:
+                self._quiet.__exit__(None, None, None)
+                self._quiet = None
 
     def _on_trace_ready(self, prof) -> None:
         if self.out_dir is None:

@@ -305,7 +305,7 @@ def run_tags(overrides: list[str], world_size: int, device_name: str, cwd: str |
         "host": platform.node(),
         "torch": torch.__version__,
         "triton": triton_version,
-        "cuda": str(torch.version.cuda),
+        "cuda": torch.version.cuda or "none",  # a CPU build has none (str(None) read "None" in the UI)
     }
     tags.update(git_state(cwd))
     if fake:  # its figures are rank 0's alone, collectives faked: a tag to tell it from the real group in the run list

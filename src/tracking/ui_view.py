@@ -210,13 +210,22 @@ def _compared(client, run, figures: list[str]) -> dict[str, Any]:
     return {"figures": shown + list(dict.fromkeys(extremes)), "bars": shown, "curves": curves, "lower_is_better": lower}
 
 
+def _settings(client, run, task: str) -> list[str]:
+    """The SETTING_PARAMS columns of a task's view: those `run` logged a value for, and those it
+    logged as None (`exp` without +exp=...) only once another run of the task has a value, so a
+    column of None alone is not shown."""
+    params = run.data.params
+    return [p for p in SETTING_PARAMS if p in params and (params[p] != "None" or client.search_runs(
+        [run.info.experiment_id], f"params.`task.name` = '{task}' and params.`{p}` != 'None'", max_results=1))]
+
+
 def task_view(client, uri: str, run_id: str, task: str, metric: str | None = None) -> str:
     """Save the view of every `task` run in `run_id`'s experiment, by `metric` (the task's headline
     when None), the columns those `run_id` logged; its URL."""
     run = client.get_run(run_id)
     exp_id = run.info.experiment_id
     figures = _figures(task, metric)
-    params = [p for p in SETTING_PARAMS if p in run.data.params]
+    params = _settings(client, run, task)
     state = view_state(params=params, search_filter=f"params.`task.name` = '{task}'", section=f"{task}: {figures[0]}",
                        **_compared(client, run, figures))
     key = _key(task, task, metric)
