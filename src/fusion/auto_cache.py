@@ -93,6 +93,10 @@ def _hash(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
 
 
+class CacheRefused(ValueError):
+    """A cache file that cannot be reused; the message names it and why."""
+
+
 @dataclass
 class Cached:
     timings: list[dict]
@@ -115,13 +119,21 @@ class AutoCache:
         return cls(run_key(cfg, ops), here) if here["gpu"] else None
 
     def lookup(self) -> Cached | None:
+        """This run's timings on this machine; None where there are none yet. A file that is cut
+        off, not a timing record, or another key's raises CacheRefused naming it (then it is timed
+        again and written whole)."""
+        if not self.path.is_file():
+            return None
         try:
             record = json.loads(self.path.read_text())
-        except (OSError, ValueError):  # none yet, or a file cut off: measured again and written whole
-            return None
+            timings, measured_at = record["timings"], record["measured_at"]
+            if not isinstance(timings, list) or not all(isinstance(t, dict) and "op" in t for t in timings):
+                raise ValueError("its timings are not a list of op timings")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CacheRefused(f"{self.path} is cut off or not a timing record ({type(err).__name__}: {err})") from None
         if record.get("run") != self.run or record.get("machine") != self.machine:
-            return None
-        return Cached(record["timings"], self.path, record["measured_at"])
+            raise CacheRefused(f"{self.path} holds the timings of another run or machine than its name says")
+        return Cached(timings, self.path, measured_at)
 
     def differs(self) -> str | None:
         """Where the run was timed before on another machine half: what differs, in words (the newest such file)."""

@@ -187,11 +187,15 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
 def _timings(cfg: DictConfig, ops: list[str]) -> list:
     """The candidates' timings on this GPU: reused from the cache where this run was timed before on
     this machine (src/fusion/auto_cache.py), else timed now and kept."""
-    from src.fusion.auto_cache import AutoCache
+    from src.fusion.auto_cache import AutoCache, CacheRefused
     from src.fusion.measure import OpTiming, measure_on_gpu
 
     cache = AutoCache.for_run(cfg, ops)
-    cached = cache.lookup() if cache is not None else None
+    try:
+        cached = cache.lookup() if cache is not None else None
+    except CacheRefused as err:
+        log.warning("kernels=auto: %s; timing again", err)
+        cached = None
     if cached is not None:
         log.info("kernels=auto: reusing the timings measured %s on this GPU, torch and code (%s; delete it to time again)",
                  cached.measured_at, cached.path)
