@@ -52,6 +52,8 @@ class AutoChoice:
     CANDIDATE.host: the host ms to issue them"""
     reasons: dict[str, str] = field(default_factory=dict)
     """on a GPU: op -> the rule that picked it where GPU time alone would not have"""
+    picks: dict[str, str] = field(default_factory=dict)
+    """on a GPU: op -> the candidate chosen (eager, compile, triton, ...; the block: picked, compile or eager)"""
 
     def describe(self) -> str:
         return ", ".join(self.ops) or "nothing (no op is memory-bound or latency-limited)"
@@ -137,7 +139,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
         log.info("kernels=auto: no diagnosis of model=%s under ./outputs or ./multirun; every op with a fused variant is timed on "
                  "this GPU instead, and the timing alone decides (a diagnosis narrows what is timed: `%s`)", cfg.model.name, make_one(cfg))
     module_ops = [op for op in choice.ops if op in REGISTRY]
-    fused, compiled, measured, compile_blocks, optimizer, reasons = module_ops, [], {}, bool(cfg.kernels.compile), None, {}
+    fused, compiled, measured, compile_blocks, optimizer, reasons, picks = module_ops, [], {}, bool(cfg.kernels.compile), None, {}, {}
     if OPTIMIZER in choice.ops:
         from src.fusion.measure import optimizer_swappable
 
@@ -154,6 +156,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
         measured = {t.op: {**{k: v for k, v in t.ms.items() if v is not None},
                            **{f"{k}.host": v for k, v in t.host_ms.items() if v is not None}} for t in timings}
         reasons = {t.op: t.why for t in timings if t.why}
+        picks = {t.op: t.pick for t in timings}
         for t in timings:
             log.info("  %s (GPU ms a step, host ahead; host ms%s): %s -> %s", t.op, "; charged the larger" if t.op == "block" else "", ", ".join(
                 f"{k} {v:.3f} ({t.host_ms[k]:.2f})" if v is not None and t.host_ms.get(k) is not None else f"{k} {v:.3f}" if v is not None else f"{k} failed"
@@ -178,7 +181,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
         cfg.kernels.compiled = compiled
         cfg.kernels.compile = compile_blocks
         cfg.kernels.diagnosis = choice.diagnosis
-    choice = replace(choice, measured=measured, reasons=reasons)  # a copy: choose() caches the diagnosis's
+    choice = replace(choice, measured=measured, reasons=reasons, picks=picks)  # a copy: choose() caches the diagnosis's
     if run_dir is not None:
         write_choice(choice, None, Path(run_dir) / AUTO_FILE, cfg.kernels)
     return choice

@@ -33,13 +33,13 @@ def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, 
     from src.fusion.choice import AUTO_FILE, MEASURED_ONLY, AutoChoice, choose, read_choice, write_choice
 
     timed = read_choice(run_dir / AUTO_FILE) if run_dir is not None else None
-    measured, why = (timed.measured, timed.reasons) if timed is not None else ({}, {})
+    measured, why, picks = (timed.measured, timed.reasons, timed.picks) if timed is not None else ({}, {}, {})
     if cfg.kernels.diagnosis:
-        choice = replace(choose(Path(cfg.kernels.diagnosis)), measured=measured, reasons=why)
+        choice = replace(choose(Path(cfg.kernels.diagnosis)), measured=measured, reasons=why, picks=picks)
         log.info("kernels=auto from %s (%s): %s", choice.diagnosis, choice.device or "unknown GPU", choice.describe())
     else:  # no diagnosis of this model: preflight timed every fusable op here, and cfg.kernels holds its picks
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-        choice = AutoChoice("", device, {op: [MEASURED_ONLY] for op in measured}, measured, why)
+        choice = AutoChoice("", device, {op: [MEASURED_ONLY] for op in measured}, measured, why, picks)
         log.info("kernels=auto from timing on this GPU (%s), no diagnosis: fused %s, compiled %s", device or "unknown GPU",
                  ", ".join(cfg.kernels.fused) or "none", ", ".join(cfg.kernels.compiled) or "none")
     for op, reasons in choice.ops.items():
@@ -51,6 +51,10 @@ def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, 
     for op, ms in choice.measured.items():
         log.info("  measured %s: %s%s", op, ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()),
                  f"; {choice.reasons[op]}" if op in choice.reasons else "")
+    if choice.measured:  # predicted against measured, op by op (src/fusion/explain.py)
+        from src.fusion.explain import record
+
+        record(choice, cfg, run_dir, tracker)
     tracker.set_tags({
         "kernels.auto": choice.describe(), "kernels.diagnosis": choice.diagnosis or "none",
         "kernels.auto.fused": ",".join(cfg.kernels.fused) or "none", "kernels.auto.compiled": ",".join(cfg.kernels.compiled) or "none",
