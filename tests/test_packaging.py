@@ -16,7 +16,7 @@ from tests.conftest import REPO
 def test_the_wheel_ships_no_bench_module(tmp_path: Path):
     tree = tmp_path / "tree"
     tree.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, tree / name)
     for name in ("src", "kernels", "hydra_plugins", "benchmarks"):
         shutil.copytree(REPO / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -29,7 +29,7 @@ def test_the_wheel_ships_no_bench_module(tmp_path: Path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"src", "perflab_kernels", "hydra_plugins"}, tops
     assert "src/run.py" in names and "perflab_kernels/triton/rms_norm.py" in names
     assert not [n for n in names if "bench" in n.split("/")[1:-1] or n.startswith("benchmarks/")], names
-    # pyproject.toml lists the packages (kernels/ installs under another name): none left out
+    # setup.py finds the packages (kernels/ installs under another name): none left out
     packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "src").rglob("__init__.py")}
     assert {p for p in packages if f"{p}/__init__.py" not in names} == set()
 
