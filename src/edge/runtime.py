@@ -386,6 +386,10 @@ class IreeRunner:
     def logits(self, handle: Any) -> np.ndarray:
         return self.readback.read(handle)
 
+    def host_tokens(self, tokens: np.ndarray) -> Any:
+        """(B,) int32 token ids from the host, as decode takes its token (teacher forcing)."""
+        return self.rt.asdevicearray(self.device, np.ascontiguousarray(tokens, dtype=np.int32))
+
     def kv_cache(self) -> tuple[np.ndarray, np.ndarray]:
         k, v = self._kv(np.zeros(1, dtype=np.int32))
         return self.readback.read(k), self.readback.read(v)
@@ -452,6 +456,9 @@ class TorchRunner:
 
     def logits(self, handle: torch.Tensor) -> np.ndarray:
         return handle.float().cpu().numpy()
+
+    def host_tokens(self, tokens: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)).to(self.device)
 
     def kv_cache(self) -> tuple[np.ndarray, np.ndarray]:
         return self.lm.k_cache.float().cpu().numpy(), self.lm.v_cache.float().cpu().numpy()

@@ -139,11 +139,12 @@ def table(summary: dict[str, Any]) -> str:
         return "n/a" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
 
     head = ("| backend | device | variant | batch | dtype | compile s | first ms | TTFT p50/p90 ms | decode p50/p90 ms | prefill tok/s | "
-            "decode tok/s | rel err | same tokens | status |")
+            "decode tok/s | rel err | same tokens | perplexity (fp32) | status |")
     row = (f"| {summary['backend']} | {summary['device_name']} | {summary.get('variant') or '-'} | {summary['batch']} | {_format(summary)} | "
            f"{f('compile_s')} | {f('first_run_ms')} | {f('ttft_p50_ms')} / {f('ttft_p90_ms')} | {f('decode_p50_ms', 3)} / {f('decode_p90_ms', 3)} | "
-           f"{f('prefill_tokens_per_s', 0)} | {f('decode_tokens_per_s', 0)} | {summary['rel_err']:.2e} | {f('same_tokens_steps')}/{summary['decode_steps'] + 1} | {summary['status']} |")
-    return "\n".join([head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|", row])
+           f"{f('prefill_tokens_per_s', 0)} | {f('decode_tokens_per_s', 0)} | {summary['rel_err']:.2e} | {f('same_tokens_steps')}/{summary['decode_steps'] + 1} | "
+           f"{f('perplexity', 3)} ({f('perplexity_fp32', 3)}) | {summary['status']} |")
+    return "\n".join([head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", row])
 
 
 def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -156,7 +157,8 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     settings = {"batch": e.batch, "prompt_len": e.prompt_len, "decode_steps": e.decode_steps, "dtype": e.dtype,
                 "max_seq": e.max_seq or e.prompt_len + e.decode_steps, "weights": _weights(cfg), "model": model_cfg,
-                "quant": quant_setting(str(e.quant), e.quant_group, fuse_dequantization(IREE_DEVICE.get(backend, backend), target))}
+                "quant": quant_setting(str(e.quant), e.quant_group, fuse_dequantization(IREE_DEVICE.get(backend, backend), target)),
+                "held_out_after_mb": cfg.data.corpus_mb}  # the perplexity's text: after what training on data=text reads
     artifacts: Artifacts | None = None
     if e.action == "run":
         artifacts = load_artifacts(Path(e.artifacts))
@@ -240,7 +242,10 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
     quantized = quantized_copy(reference, quant) if quant["format"] != "none" else None
 
     def measured(runner: Any) -> dict[str, Any]:
-        return measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats, quantized)
+        from src.edge.quality import quality
+
+        figures = measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats, quantized)
+        return {**figures, **quality(runner, reference, quantized, settings, settings["held_out_after_mb"])}
 
     if backend == "vulkan":
         devices = vulkan_devices()
