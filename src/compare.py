@@ -29,7 +29,7 @@ import src.diagnose  # noqa: F401
 import src.edge  # noqa: F401
 import src.train  # noqa: F401
 from src.runtime import world_label
-from src.tracking.figures import best_row, figures_of, headline, is_number, lower_is_better
+from src.tracking.figures import best_row, figures_of, headline, is_number, left_out, lower_is_better
 from src.tracking.mlflow_run import resolve_tracking_uri
 
 PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world_size")
@@ -38,7 +38,7 @@ PARAMS = ("model", "sharding", "precision", "backend", "kernels", "data", "world
 SHORT = {"tokens_per_s_per_device": "tok/s/dev", "peak_mem_gb": "peak GB", "final_loss": "loss", "step_time_s": "step s",
          "mfu": "MFU %", "decode_tokens_per_s": "dec tok/s", "prefill_tokens_per_s": "pre tok/s", "decode_p50_ms": "dec p50 ms",
          "ttft_p50_ms": "TTFT p50", "rel_err": "rel err", "share_memory_bound": "mem-bound", "token_agreement": "same tok",
-         "params_bytes": "params B", "module_bytes": "module B"}
+         "params_bytes": "params B", "module_bytes": "module B", "perplexity_increase": "ppl rise"}
 
 
 def _experiments(client, uri: str, experiment: str | None) -> list[str]:
@@ -185,7 +185,9 @@ def render(rows: list[dict[str, Any]], metric: str | None, console: Console, ran
     same = [f"{p}={rows[0][p]}" for p in PARAMS if len({str(r.get(p)) for r in rows}) == 1 and rows[0].get(p) is not None]
     with_status = any(r["status"] != "finished" for r in rows)
     title = f"{len(rows)} {task} runs by {metric} ({'lower' if lower else 'higher'} is better{ranked_by})"
-    caption = ("all: " + " ".join(same)) if same else None
+    out = left_out(rows)  # finished runs a quality bound keeps from the star, each named with why
+    caption = "\n".join(filter(None, [("all: " + " ".join(same)) if same else None,
+                                       *(f"not ranked: {lab}: {out[id(r)]}" for lab, r in zip(labels, rows) if id(r) in out)])) or None
     shown = list(figures)
     while len(shown) > 1 and not _fits(_table(rows, labels, shown, best, with_status, caption), console.width):
         shown.pop()

@@ -176,6 +176,9 @@ class EdgeConfig:
     parameter archive and dequantized in the module before each matmul; embedding and head stay in dtype"""
     quant_group: int = 32
     """int4: weights sharing a scale (32 divides every width of tiny and small; 128 does not divide tiny's 64)"""
+    quality_tolerance: float = 0.05
+    """the largest rise of perplexity on held-out text over torch fp32's (0.05: 5%) a run may have and still be
+    a sweep's best; a run past it is left out of the ranking, saying so"""
     matvec_rows: int = 8
     """IREE modules at batch 2 or more: Linear products of 2 to this many rows (decode at batch <= it)
     exported weights first, (W @ x^T)^T, which IREE compiles as matrix-vector kernels rather than a

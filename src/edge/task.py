@@ -171,7 +171,7 @@ def run_infer(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                                "device_name": "cpu", "cooperative_matrix": None, "compile_s": None, "module_bytes": None, "params_bytes": None,
                                **{k: settings[k] for k in ("batch", "prompt_len", "decode_steps", "dtype", "max_seq")}, "model": settings["model"]["name"],
                                "quant": settings["quant"]["format"], "quant_group": settings["quant"].get("group_size"),
-                               "settings": {"model": settings["model"]["name"], "backend": backend}}
+                               "settings": {"model": settings["model"]["name"], "backend": backend}, "quality_tolerance": e.quality_tolerance}
     held = deployed(reference, settings)  # the weights as the module holds them (and torch, off IREE)
     summary.update(weight_bytes(held))
     if backend in IREE_DEVICE and e.action in ("bench", "compile"):

@@ -8,7 +8,7 @@ whatever runs tasks or compares them has the declarations.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,8 @@ class TaskFigures:
     """what a sweep.csv holds beyond those: the p90s and sizes a table in a terminal leaves out"""
     sweep_plots: tuple[str, ...] = ()
     """charts a sweep draws beside its headline's (src/tracking/sweep_plots.py's SWEEP_PLOTS)"""
+    excluded: Callable[[dict[str, Any]], str | None] | None = None
+    """(row) -> why a finished run may not be the best (a quality bound it misses), or None"""
 
 
 # task name -> its figures, filled by the tasks: tracking/ names no task, and imports none
@@ -31,9 +33,11 @@ _REGISTRY: dict[str, TaskFigures] = {}
 DEFAULT_HEADLINE = "tokens_per_s_per_device"
 
 
-def register_figures(task: str, shown: tuple[str, ...], extra: tuple[str, ...] = (), sweep_plots: tuple[str, ...] = ()) -> None:
-    """Declare a task's figures: `shown` with its headline first, what sweep.csv adds, the sweep's charts."""
-    _REGISTRY[task] = TaskFigures(tuple(shown), tuple(extra), tuple(sweep_plots))
+def register_figures(task: str, shown: tuple[str, ...], extra: tuple[str, ...] = (), sweep_plots: tuple[str, ...] = (),
+                     excluded: Callable[[dict[str, Any]], str | None] | None = None) -> None:
+    """Declare a task's figures: `shown` with its headline first, what sweep.csv adds, the sweep's
+    charts, and the rule that leaves a run out of the ranking (`excluded`)."""
+    _REGISTRY[task] = TaskFigures(tuple(shown), tuple(extra), tuple(sweep_plots), excluded)
 
 
 def figures_of(task: str) -> TaskFigures:
@@ -58,9 +62,22 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
+def left_out(rows: Iterable[dict[str, Any]]) -> dict[int, str]:
+    """id(row) -> why its task's rule leaves that finished run out of the ranking."""
+    out = {}
+    for r in rows:
+        rule = figures_of(str(r.get("task") or "")).excluded
+        why = rule(r) if rule is not None and r.get("status") == "finished" else None
+        if why:
+            out[id(r)] = why
+    return out
+
+
 def best_row(rows: Iterable[dict[str, Any]], metric: str) -> dict[str, Any] | None:
-    """The finished row with the best `metric`, or None where none has it."""
-    done = [r for r in rows if r.get("status") == "finished" and is_number(r.get(metric))]
+    """The finished row with the best `metric` that its task's rule does not leave out, or None."""
+    rows = list(rows)
+    out = left_out(rows)
+    done = [r for r in rows if r.get("status") == "finished" and is_number(r.get(metric)) and id(r) not in out]
     if not done:
         return None
     pick = min if lower_is_better(metric) else max

@@ -199,7 +199,7 @@ class MlflowSweepCallback(Callback):
                         config.hydra.job.num, type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from src.tracking.figures import best_row, figures_of, headline, lower_is_better
+        from src.tracking.figures import best_row, figures_of, headline, left_out, lower_is_better
 
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = collect_jobs(sweep_dir, self.sweep_keys) if sweep_dir.exists() else []
@@ -216,6 +216,9 @@ class MlflowSweepCallback(Callback):
             log.info("sweep: %d jobs, %d finished, %d failed -> %s", len(rows), len(rows) - len(failed), len(failed), table)
             for r in failed:
                 log.error("job %d (%s) failed: %s", r["job"], r["run"], r["error"])
+            for r in rows:  # finished, but its task's rule keeps it from being the best (a quality bound)
+                if id(r) in (out := left_out(rows)):
+                    log.info("job %d (%s) left out of the ranking: %s", r["job"], r["run"], out[id(r)])
             if skipped:
                 log.info("sweep.resume: %d job(s) skipped, finished before: %s", len(skipped), "; ".join(f"job {r['job']} ({r['run']})" for r in skipped))
         if self.client is not None and self.parent_run_id:
