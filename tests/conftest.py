@@ -181,10 +181,10 @@ def postgres_uri():
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """One real SLURM cluster for the session, this machine its one node: munged, slurmctld, slurmd
-    and slurmdbd (on a MariaDB of its own), private to the session (tests/slurm_cluster.py).
+    and slurmdbd (on a MariaDB of its own), private to the session (tests/support/slurm.py).
     Yields a SlurmCluster; its `env` (SLURM_CONF) points sbatch and the other clients at it.
     Skipped only where the programs are missing: installed but broken, the tests fail."""
-    from tests.slurm_cluster import missing_binaries, running_cluster
+    from tests.support.slurm import missing_binaries, running_cluster
 
     missing = missing_binaries()
     if missing:

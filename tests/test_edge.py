@@ -19,7 +19,7 @@ from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build
 from src.edge.runtime import LAVAPIPE_TRIES, IreeRunner, Readback, lavapipe_retry  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
 from tests.conftest import REPO, run_cli  # noqa: E402
-from tests.lavapipe_process import in_own_process, needs_vulkan  # noqa: E402
+from tests.support.lavapipe import in_own_process, needs_vulkan  # noqa: E402
 
 TINY = {"name": "tiny", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_mult": 4, "causal": True,
         "norm_eps": 1e-6, "init_std": 0.02, "mlp": "silu", "ffn_hidden": 0}

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("iree.turbine")
 
 from src.edge.bench import TOLERANCE, agreement, generate, reference_logits, relative_errors, tolerance, torch_greedy  # noqa: E402
-from tests.lavapipe_process import in_own_process, needs_vulkan  # noqa: E402
+from tests.support.lavapipe import in_own_process, needs_vulkan  # noqa: E402
 
 STEPS = 8
 

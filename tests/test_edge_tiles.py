@@ -15,7 +15,7 @@ pytest.importorskip("iree.turbine")
 from src.edge.bench import TOLERANCE, generate, reference_logits, relative_errors  # noqa: E402
 from src.edge.task import deployed, reference_model  # noqa: E402
 from src.edge.tiles import LIBRARY_FLAG, flag_name, library, prefill_tiles_flag  # noqa: E402
-from tests.lavapipe_process import in_own_process, needs_vulkan  # noqa: E402
+from tests.support.lavapipe import in_own_process, needs_vulkan  # noqa: E402
 
 PROMPT, STEPS = 32, 8
 

@@ -20,7 +20,7 @@ from src.distributed.env import build_mesh
 from src.distributed.parallelize import apply_fsdp, materialize_and_init, mixed_precision_policy
 from src.models.mini_llm import MiniLLM
 from src.train.loop import train_step
-from tests.spawned_ranks import spawn_ranks
+from tests.support.ranks import spawn_ranks
 
 MODEL = dict(vocab_size=97, dim=48, n_layers=2, n_heads=4, causal=True)
 BATCH, SEQ, STEPS, SEED = 3, 17, 4, 7

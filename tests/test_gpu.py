@@ -426,7 +426,7 @@ def test_gpu_ranks_fork_from_a_server_that_imported_the_trainer():
     must not initialise CUDA doing so, or no forked rank could use it. Two ranks each run a
     matmul on the GPU and report where their parent was."""
     from src.distributed.launch import FORKSERVER, launch_ranks
-    from tests.gpu_ranks import matmul_on_gpu
+    from tests.support.gpu_ranks import matmul_on_gpu
 
     if not FORKSERVER:
         pytest.skip("this platform has no forkserver")

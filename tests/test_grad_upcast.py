@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 from perflab_kernels.triton.cast import upcast_fp32  # noqa: E402
 from src.speed import grad_upcast  # noqa: E402
 from tests.conftest import needs_gpu  # noqa: E402
-from tests.spawned_ranks import spawn_ranks  # noqa: E402
+from tests.support.ranks import spawn_ranks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -89,7 +89,7 @@ def test_fsdp2_gradients_upcast_by_triton_equal_torchs_on_gloo(tmp_path):
     """The recipe's parity test: 2 gloo ranks, a bf16 reduce under fp32 parameters, FSDP2's own path
     against the recipe's (its Triton kernel in the interpreter): the sharded fp32 gradients are the
     same bits, and the kernel ran once a unit."""
-    from tests.fsdp_one_rank import gloo_grads_per_route
+    from tests.support.fsdp_one_rank import gloo_grads_per_route
 
     out = tmp_path / "out.pt"
     spawn_ranks(gloo_grads_per_route, (str(tmp_path / "init"), str(out), 2, torch.bfloat16, grad_upcast.install, grad_upcast.restore,
@@ -136,7 +136,7 @@ def test_fsdp2_gradients_upcast_by_triton_equal_torchs(monkeypatch):
     """One NCCL rank, a bf16 reduce under fp32 parameters: the sharded fp32 gradients after one
     backward are the same bits with either upcast, and the Triton kernel ran once a unit."""
     import perflab_kernels.triton.cast as cast
-    from tests.fsdp_one_rank import sharded_grads_per_route
+    from tests.support.fsdp_one_rank import sharded_grads_per_route
 
     calls = []
 

@@ -17,7 +17,7 @@ from src.distributed.parallelize import parallelize
 from src.models import build_model
 from src.speed.keep_unsharded import FREE, KEPT, module_groups
 from src.train.loop import train_step
-from tests.spawned_ranks import spawn_ranks
+from tests.support.ranks import spawn_ranks
 
 WORLD, STEPS = 2, 3
 

@@ -519,7 +519,7 @@ def test_bf16_moments_of_fsdp2_shards_are_the_unsharded_optimizers_bits(tmp_path
     among them) are, gathered, the same bits as one optimizer's over the whole parameters."""
     if DEVICE != "cpu":
         pytest.skip("gloo ranks on the CPU, in Triton's interpreter")
-    from tests.spawned_ranks import spawn_ranks
+    from tests.support.ranks import spawn_ranks
 
     out = tmp_path / "rank0.pt"
     spawn_ranks(_sharded_moments_rank, (str(tmp_path / "rdzv"), str(out)), 2)

@@ -166,7 +166,7 @@ def test_too_wide_rows_are_refused():
 def test_fused_norms_trace_into_one_graph_with_their_kernels():
     """What kernels=compile with kernels.fused=[rms_norm] asks of Dynamo: a block's fused norms
     traced with fullgraph=True (a graph break fails), forward and backward each down to their
-    Triton launches (tests/trace_fused_norms.py, traced only). In a process of its own: Dynamo
+    Triton launches (tests/support/trace_fused_norms.py, traced only). In a process of its own: Dynamo
     takes a Triton kernel into a graph only when it is compiled, not under this process's
     interpreter. tests/test_gpu.py runs the compiled block on the GPU, with torch's own version
     there: torch 2.11's Dynamo broke the graph at id() of a warps table in the launch key, which
@@ -176,7 +176,7 @@ def test_fused_norms_trace_into_one_graph_with_their_kernels():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.trace_fused_norms"], cwd=Path(__file__).parents[1], env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.trace_fused_norms"], cwd=Path(__file__).parents[1], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout[-3000:] + proc.stderr[-3000:]
     launches = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 from perflab_kernels.triton.chunk_cat import SLOTS, chunk_cat, takes  # noqa: E402
 from src.speed import reduce_copy_in  # noqa: E402
 from tests.conftest import needs_gpu  # noqa: E402
-from tests.spawned_ranks import spawn_ranks  # noqa: E402
+from tests.support.ranks import spawn_ranks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -117,7 +117,7 @@ def test_fsdp2_gradients_copied_by_triton_equal_torchs_on_gloo(tmp_path, reduce_
     """The recipe's parity test: 2 gloo ranks, bf16 compute, FSDP2's own copy-in against the recipe's
     (its Triton kernel in the interpreter, chunking each gradient for the two ranks): the sharded
     gradients are the same bits, and the kernel ran once a unit."""
-    from tests.fsdp_one_rank import gloo_grads_per_route
+    from tests.support.fsdp_one_rank import gloo_grads_per_route
 
     out = tmp_path / "out.pt"
     spawn_ranks(gloo_grads_per_route, (str(tmp_path / "init"), str(out), 2, reduce_dtype, reduce_copy_in.install, reduce_copy_in.restore,
@@ -151,7 +151,7 @@ def test_fsdp2_gradients_copied_by_triton_equal_torchs(monkeypatch, reduce_dtype
     """One NCCL rank, bf16 compute: the sharded fp32 gradients after one backward are the same bits
     with either copy-in, and the Triton kernel ran once a unit."""
     import perflab_kernels.triton.chunk_cat as kernel
-    from tests.fsdp_one_rank import sharded_grads_per_route
+    from tests.support.fsdp_one_rank import sharded_grads_per_route
 
     calls = []
 

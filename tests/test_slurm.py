@@ -1,5 +1,5 @@
 """Sweeps through a real SLURM: `-m hydra/launcher=submitit_slurm` submits with the real sbatch to
-the session's slurmctld (tests/slurm_cluster.py, this machine its one node), srun starts each job's
+the session's slurmctld (tests/support/slurm.py, this machine its one node), srun starts each job's
 task, and the jobs log to an `mlflow server` that the node reaches by this machine's name. A job
 that dies, one stopped by `scancel --signal`, and one at its time limit, requeued by submitit."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ import requests
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, free_port, run_cli, stop_server
-from tests.slurm_cluster import SlurmCluster
+from tests.support.slurm import SlurmCluster
 from tests.test_cluster_postgres import FAST
 
 

@@ -4,8 +4,8 @@ Run as a script in a process of its own, from outside the repository: transforme
 Hugging Face's `kernels` package, whose name this project's top-level `kernels/` would shadow on a
 path that starts at the repository.
 
-    python tests/hf_reference.py make FOLDER CONFIG_JSON SEED [MAX_SHARD]   a random checkpoint, saved
-    python tests/hf_reference.py logits FOLDER TOKENS_PT OUT_PT             its fp32 logits for the tokens
+    python tests/support/hf_reference.py make FOLDER CONFIG_JSON SEED [MAX_SHARD]   a random checkpoint, saved
+    python tests/support/hf_reference.py logits FOLDER TOKENS_PT OUT_PT             its fp32 logits for the tokens
 """
 from __future__ import annotations
 

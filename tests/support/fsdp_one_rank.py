@@ -48,7 +48,7 @@ def sharded_grads_per_route(reduce_dtype: torch.dtype, route: Callable[[str], No
 
 def gloo_grads_per_route(rank: int, init_file: str, out: str, world: int, reduce_dtype: torch.dtype, install: Callable[[], bool],
                          restore: Callable[[], None], kernel_module: str, kernel_name: str) -> None:
-    """One gloo rank of `world` (spawned: tests/spawned_ranks.py): the gradients with torch's path and
+    """One gloo rank of `world` (spawned: tests/support/ranks.py): the gradients with torch's path and
     with the recipe's (`install`), and how often the recipe's kernel ran; rank 0 saves them to `out`."""
     import importlib
     import os
