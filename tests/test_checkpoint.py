@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from src.export import main as export_main
 from src.models import build_model
-from tests.conftest import read_summary, run_cli
+from tests.support.cli import read_summary, run_cli
 
 # fp32 so that "equal" means equal: same ranks, same reduction order, same bits.
 BASE = ["precision=fp32", "train.steps=10", "checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.export_safetensors=true", "tracking.system_metrics=false"]

@@ -19,7 +19,8 @@ from mlflow.artifacts import download_artifacts
 
 from src.config.compose import ConfigError, compose_config
 from src.run import preflight
-from tests.conftest import REPO, run_cli, start_mlflow_server, stop_server
+from tests.support.cli import REPO, run_cli
+from tests.support.servers import start_mlflow_server, stop_server
 
 FAST = ["dist.nproc=1", "data=random", "train.steps=2", "tracking.system_metrics=false"]
 

@@ -10,7 +10,7 @@ from src.config import GROUPS
 from src.config.compose import CONF_DIR, ConfigError, compose_config
 from src.config.validate import validate
 from src.run import preflight
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 EXPS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
 GROUP_OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]

@@ -18,7 +18,7 @@ from src.edge.bench import generate, reference_logits, relative_errors  # noqa: 
 from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
 from src.edge.runtime import LAVAPIPE_TRIES, IreeRunner, Readback, lavapipe_retry  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
-from tests.conftest import REPO, run_cli  # noqa: E402
+from tests.support.cli import REPO, run_cli  # noqa: E402
 from tests.support.lavapipe import in_own_process, needs_vulkan  # noqa: E402
 
 TINY = {"name": "tiny", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_mult": 4, "causal": True,

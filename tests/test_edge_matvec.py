@@ -16,7 +16,7 @@ from src.edge.bench import TOLERANCE, generate, reference_logits, relative_error
 from src.edge.matvec import MatvecLinear, matvec_rows, use_matvec, weights_first  # noqa: E402
 from src.edge.quant import QuantLinear, quant_spec, quantize  # noqa: E402
 from src.edge.task import deployed, quant_setting, reference_model  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.support.cli import run_cli  # noqa: E402
 from tests.support.lavapipe import in_own_process, needs_vulkan  # noqa: E402
 
 PROMPT, STEPS, BATCH = 8, 16, 4

@@ -18,7 +18,7 @@ from src.edge.bench import TOLERANCE, agreement, generate, reference_logits, rel
 from src.edge.compile import module_key  # noqa: E402
 from src.edge.quant import QuantLinear, fuse_dequantization, grouped_product, quant_spec, quantize, quantized_copy  # noqa: E402
 from src.edge.task import deployed, quant_setting, reference_model  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.support.cli import run_cli  # noqa: E402
 from tests.support.lavapipe import in_own_process, needs_vulkan  # noqa: E402
 
 # batch 1, as the CLI runs by default: its int8 decode is a matrix-vector product with the

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from src.edge.bench import tolerance  # noqa: E402
 from src.tracking.ui_view import VIEW_TAG, read_state  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.support.cli import run_cli  # noqa: E402
 from tests.support.lavapipe import needs_vulkan  # noqa: E402
 
 QUANTS, BATCHES = ("none", "int8"), (1, 4)

@@ -19,7 +19,7 @@ from src.fusion.measure import shard_numels
 from src.run import preflight
 from src.runtime import RunContext
 from src.train.trainer import Trainer
-from tests.conftest import read_summary, run_cli
+from tests.support.cli import read_summary, run_cli
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

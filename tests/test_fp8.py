@@ -13,7 +13,8 @@ import torch
 from src.config import Fp8Recipe
 from src.config.compose import ConfigError, compose_config
 from src.config.validate import validate
-from tests.conftest import needs_capability, run_cli
+from tests.support.cli import run_cli
+from tests.support.devices import needs_capability
 
 H200 = ((9, 0), "NVIDIA H200")
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, needs_capability, needs_gpu, read_summary, run_cli
+from tests.support.cli import REPO, read_summary, run_cli
+from tests.support.devices import needs_capability, needs_gpu
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
 

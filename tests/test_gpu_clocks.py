@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from src.profiling.gpu_clocks import FIGURES, HW_THERMAL, SW_POWER_CAP, ClockSampler, Sample, describe, summarize
-from tests.conftest import needs_gpu
+from tests.support.devices import needs_gpu
 
 
 def test_the_figures_are_medians_and_shares_of_the_samples():
@@ -67,7 +67,7 @@ def test_the_sampler_reads_a_busy_gpu_from_the_step_it_is_told():
 def test_a_run_reports_its_clock_over_the_timed_steps_read_every_tenth(tmp_path):
     """+exp=fsdp4_tuned reads every 10th step: with 10 untimed steps, the sampler starts when step 9 is read
     (counting reads instead, it waited for a 10th read that a 30-step run never makes)."""
-    from tests.conftest import read_summary, run_cli
+    from tests.support.cli import read_summary, run_cli
 
     proc = run_cli(["+exp=fsdp4_tuned", "dist.nproc=1", "model=small", "train.steps=30", "train.untimed_steps=10",
                     "train.gpu_clock_interval_s=0.01", "tracking=none"], cwd=tmp_path, timeout=240)

@@ -123,7 +123,7 @@ def test_a_one_rank_run_clips_with_the_norm_from_the_copy_in(tmp_path, in_proces
     fp32's rounding at the first step, the same gradients; after it a clipping factor a unit of fp32's
     last place apart can flip a bf16 rounding of the weights, and the runs drift as such runs do)."""
     import perflab_kernels.triton.chunk_cat as chunk_cat
-    from tests.conftest import train_on_and_off
+    from tests.support.in_process import train_on_and_off
 
     taken, took = [], []
     local, takes = GradSquares.local_squares, chunk_cat.takes

@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 
 from perflab_kernels.triton.cast import upcast_fp32  # noqa: E402
 from src.speed import grad_upcast  # noqa: E402
-from tests.conftest import needs_gpu  # noqa: E402
+from tests.support.devices import needs_gpu  # noqa: E402
 from tests.support.ranks import spawn_ranks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from src.config.help import COMMON
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 # src.run as `python -m src.run` runs it, then whether torch was imported. Hydra ends --help and
 # --cfg with SystemExit(0); any other exit code is the command's failure.

@@ -292,7 +292,7 @@ def test_on_two_gloo_ranks_the_norm_summed_in_the_update_is_the_global_one(tmp_p
     the all-reduce over the sharded mesh dimension makes the global norm, foreach AdamW's (whose
     get_total_norm reduces DTensor norms); the losses follow foreach's too."""
     from src.fusion.registry import interpreter_fault
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     fault = interpreter_fault()
     if fault:  # the run's checks refuse it (a GPU image's triton 3.6 with numpy 2.5 failed so)

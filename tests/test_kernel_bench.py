@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from src.config.compose import ConfigError, compose_config
 from src.config.validate import validate
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 SHAPES = "kernel_bench.shapes={rms_norm:[[33,65]],add_rms_norm:[[9,130]],swiglu:[[17,100]],softmax:[[9,77]],cross_entropy:[[9,300],[3,1000]],linear_cross_entropy:[[40,16,300]]}"
 FAST = ["kernel_bench.copy_mb=8", "kernel_bench.rep_ms=5", "kernel_bench.warmup_ms=1"]

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from perflab_kernels.triton.device import MARKED_CONSTANT, constant_for_compile
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 
 def test_the_mark_is_what_torchs_decorator_sets():

@@ -195,7 +195,7 @@ def test_tiny_model_with_kernels_triton_trains_like_eager(tmp_path, monkeypatch)
     """Every fused variant at once (RMSNorm with the residual add, SwiGLU, linear + cross-entropy
     with label smoothing) under FSDP2 on 2 ranks: the kernels run on the gathered weights."""
     from src.fusion.registry import interpreter_fault
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     fault = interpreter_fault()
     if fault:  # refused by the run's checks (test_a_broken_interpreter_is_refused_before_the_run)

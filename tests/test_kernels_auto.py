@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from src.config.compose import ConfigError, compose_config
 from src.fusion.choice import auto_choice, choose
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
 TINY = ["model=tiny", "train.steps=3", "data.batch_size=2", "data.seq_len=16", "dist.nproc=1", "precision=fp32"]

@@ -9,7 +9,7 @@ import pytest
 
 from src.config.compose import compose_config
 from src.memory_estimate import estimate
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 # One CPU rank in the launching process (no elastic agent), fp32 (bf16 matmuls are several times
 # slower on a CPU), two steps: the optimizer's state exists from the first step's update on.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import read_summary, run_cli
+from tests.support.cli import read_summary, run_cli
 
 RUN = ["dist.nproc=1", "sharding=none", "train.steps=4", "tracking.system_metrics=false", "tracking.connect_timeout_s=2"]
 

@@ -14,7 +14,10 @@ from mlflow import MlflowClient
 
 from src.config.compose import ConfigError, compose_config
 from src.run import adopt_torchrun_shape, preflight
-from tests.conftest import REPO, free_port, read_summary, run_cli
+from tests.support.cli import REPO, read_summary, run_cli
+
+# fp32 so that "equal" means equal: the same 2 ranks, the same reduction order, the same bits.
+from tests.support.servers import free_port
 
 # fp32 so that "equal" means equal: the same 2 ranks, the same reduction order, the same bits.
 RUN = ["data=random", "precision=fp32", "train.steps=4", "tracking.system_metrics=false"]

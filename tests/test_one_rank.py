@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.speed import one_rank
-from tests.conftest import needs_gpu
+from tests.support.devices import needs_gpu
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from src.compare import main as compare_main
 from src.config.compose import ConfigError
 from src.run import preflight
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 FAST = ["dist.nproc=1", "train.steps=2", "tracking.system_metrics=false"]  # one in-process rank per trial
 # TPE's first 10 trials are random draws (n_startup_trials): seeded, the same three every time

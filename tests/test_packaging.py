@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 
 def test_the_wheel_ships_no_bench_module(tmp_path: Path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 # fp32 on fixed ranks: "the same" means the same bits. 60 steps of ~25 ms leave time to signal mid-run.
 RUN = ["precision=fp32", "train.steps=60", "tracking.system_metrics=false", "hydra.run.dir=run"]

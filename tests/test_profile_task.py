@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_summary, run_cli
+from tests.support.cli import read_summary, run_cli
 from tests.test_diagnosis import FIXTURES
 
 

@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 
 from perflab_kernels.triton.chunk_cat import SLOTS, chunk_cat, takes  # noqa: E402
 from src.speed import reduce_copy_in  # noqa: E402
-from tests.conftest import needs_gpu  # noqa: E402
+from tests.support.devices import needs_gpu  # noqa: E402
 from tests.support.ranks import spawn_ranks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ from src.config.validate import validate
 from src.diagnose import main as diagnose_main
 from src.export import main as export_main
 from src.run import preflight
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 EXPS = sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml"))
 H200 = (141_000_000_000, "an NVIDIA H200 has 141.0 GB")  # the GPU presets' target (docs/RESULTS.md)
@@ -306,7 +306,7 @@ def test_a_path_that_is_not_utf8_is_refused_before_anything_starts(tmp_path: Pat
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.support.cli import REPO
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "src.run", b"data.text_path=" + bytes(tmp_path) + b"/caf\xe9.txt"], cwd=tmp_path, env=env,

@@ -18,7 +18,8 @@ import pytest
 import requests
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, free_port, run_cli, stop_server
+from tests.support.cli import REPO, run_cli
+from tests.support.servers import free_port, stop_server
 from tests.support.slurm import SlurmCluster
 from tests.test_cluster_postgres import FAST
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 
 def test_importing_the_kernels_leaves_dynamo_unloaded():

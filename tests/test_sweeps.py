@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 from src.compare import main as compare_main
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 FAST = ["dist.nproc=1", "train.steps=2", "tracking.system_metrics=false"]  # one in-process rank per job
 
@@ -197,7 +197,7 @@ def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path):
     import sys
     import time
 
-    from tests.conftest import REPO
+    from tests.support.cli import REPO
 
     args = ["-m", "precision=fp32,bf16", *FAST]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

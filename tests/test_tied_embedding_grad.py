@@ -23,7 +23,7 @@ from perflab_kernels.triton.embedding_grad import (  # noqa: E402
     torch_sums_atomically,
 )
 from src.config.compose import compose_config  # noqa: E402
-from tests.conftest import needs_gpu  # noqa: E402
+from tests.support.devices import needs_gpu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -226,7 +226,7 @@ def test_where_it_stays_off(monkeypatch):
     assert "CUDA" in why_off(auto, model, cpu, ddp=False)  # auto: not on a CPU, interpreter or not
     untied = build_model(compose_config(["model=llama3_tiny", "model.tie_embeddings=false"]).model)
     assert "not the embedding's" in why_off(on, untied, cuda, ddp=False)
-    if interpreted():  # a CPU machine's tests run Triton's interpreter (tests/conftest.py): `on` runs there
+    if interpreted():  # a CPU machine's tests run Triton's interpreter (tests/support/devices.py): `on` runs there
         assert why_off(on, model, cpu, ddp=False) is None
     else:  # a GPU machine's compile for CUDA: a CPU run is off, `on` or not
         assert "CUDA" in why_off(on, model, cpu, ddp=False)
@@ -239,7 +239,7 @@ def test_a_one_rank_fsdp2_run_with_it_trains_as_without(tmp_path, in_process_run
     are the same to fp32's rounding (torch's CPU kernels sum the embedding's rows in another order).
     fp32 parameters: in bf16 torch's CPU kernel sums each id's rows in bf16 (3% off the gradient norm
     at this batch, where the fold and torch's CUDA kernel sum in fp32)."""
-    from tests.conftest import train_on_and_off
+    from tests.support.in_process import train_on_and_off
 
     one = ["model=llama3_tiny", "dist.nproc=1", "train.steps=3", "data.seq_len=1600", "data.batch_size=2", "tracking=none",
            "train.progress=false", "optim.grad_clip=1.0", "precision.param_dtype=float32"]

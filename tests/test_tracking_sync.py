@@ -13,7 +13,8 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, free_port, run_cli, start_mlflow_server, stop_server
+from tests.support.cli import REPO, run_cli
+from tests.support.servers import free_port, start_mlflow_server, stop_server
 
 STEPS = 80
 # tracking.retry_s=2: how long the run waits for a server that went away, kept short for the test

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import read_summary, run_cli
+from tests.support.cli import read_summary, run_cli
 
 HEADLINE = ("tokens_per_s_per_device", "tokens_per_s", "mfu", "peak_mem_gb", "final_loss", "step_time_s", "mlflow_run_id")
 
@@ -163,7 +163,7 @@ def test_ctrl_c_ends_the_run_killed_with_every_logged_step(workdir: Path, target
     import subprocess
     import time
 
-    from tests.conftest import REPO
+    from tests.support.cli import REPO
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(
@@ -217,7 +217,7 @@ def test_runs_started_together_from_one_folder_get_a_folder_each(tmp_path: Path)
     shared one (interleaved metrics.jsonl, one's config, the other's summary in both MLflow runs)."""
     import subprocess
 
-    from tests.conftest import REPO
+    from tests.support.cli import REPO
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "src.run", "train.steps=2", "dist.nproc=1", "tracking.system_metrics=false"]

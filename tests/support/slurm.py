@@ -1,8 +1,9 @@
-"""A real one-node SLURM cluster for the tests: Debian's munged, slurmctld, slurmd and slurmdbd
-(slurm-wlm 22.05) on this machine, slurmdbd's records in a private MariaDB, every file of theirs
-(config, key, sockets, state, spool, database, logs) in one private folder, listening on free
-ports, so that it stands beside a system SLURM or another test session's. Clients (sbatch, srun,
-squeue, scontrol, scancel, sinfo, sacct) find it through SLURM_CONF.
+"""Plugin: a real one-node SLURM cluster for the tests, the session's `slurm_cluster` fixture (at the
+end). Debian's munged, slurmctld, slurmd and slurmdbd (slurm-wlm 22.05) on this machine, slurmdbd's
+records in a private MariaDB, every file of theirs (config, key, sockets, state, spool, database,
+logs) in one private folder, listening on free ports, so that it stands beside a system SLURM or
+another test session's. Clients (sbatch, srun, squeue, scontrol, scancel, sinfo, sacct) find it
+through SLURM_CONF.
 
 The node is this machine as `slurmd -C` sees it (its CPUs, sockets, cores and RealMemory, under
 its short hostname), reached at 127.0.0.1. slurmdbd is there because submitit learns that a job
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 # what the fixture starts, and what submitit calls (sbatch to submit, sacct to watch, scontrol to
 # requeue, scancel)
@@ -271,3 +274,18 @@ def _stop(cluster: SlurmCluster) -> None:
             proc.wait(timeout=30)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """One real SLURM cluster for the session, this machine its one node: munged, slurmctld, slurmd
+    and slurmdbd (on a MariaDB of its own), private to the session (running_cluster above).
+    Yields a SlurmCluster; its `env` (SLURM_CONF) points sbatch and the other clients at it.
+    Skipped only where the programs are missing: installed but broken, the tests fail."""
+    missing = missing_binaries()
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"SLURM is not installed ({', '.join(missing)} missing); .ci/run installs it (apt-get install slurm-wlm munge slurmdbd mariadb-server)")
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing; apt-get install slurm-wlm munge slurmdbd mariadb-server); the SLURM tests need it")
+    with running_cluster() as cluster:
+        yield cluster
