@@ -13,7 +13,7 @@ Gradients live from backward to the optimizer step (the loop's zero_grad(set_to_
 backward frees the activations as it makes them, so the peak holds the larger of the two (the
 gradients with what the update allocates), not both. Against H200 runs (docs/RESULTS.md) this
 gives 17.7 GB for +exp=fsdp4 on one GPU (17.74 GB measured) and 13.3 GB a rank on two (13.33 GB);
-tests/test_memory_estimate.py holds it to CPU runs' measured peaks.
+tests/integration/test_memory_estimate.py holds it to CPU runs' measured peaks.
 """
 from __future__ import annotations
 

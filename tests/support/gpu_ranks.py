@@ -1,4 +1,4 @@
-"""A rank entry for tests/test_gpu.py's forkserver test: its module imports the trainer, as the
+"""A rank entry for tests/integration/test_gpu.py's forkserver test: its module imports the trainer, as the
 real entry's (src/train/worker.py) does, so the forkserver preloads the same modules."""
 from __future__ import annotations
 

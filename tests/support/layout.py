@@ -1,5 +1,16 @@
-"""Plugin: the order the suite's files run in under `-n 2 --dist loadfile` (CONTRIBUTING.md)."""
+"""Plugin: each test's layer, a marker from its folder (`pytest -m unit`), and the order the suite's
+files run in under `-n 2 --dist loadfile` (CONTRIBUTING.md)."""
 from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+# tests/unit: in-process only; tests/integration: starts the project's own processes (CLI runs,
+# ranks); tests/system: starts real services or whole journeys (MLflow server, PostgreSQL, SLURM,
+# Chromium, IREE on lavapipe, preemption drills)
+LAYERS = ("unit", "integration", "system")
 
 # The longest test files first (seconds on one worker of a 2-core machine, the 120 slowest of
 # `--durations`, 2026-12-05; test_fp8.py after its float8 cases shrank):
@@ -21,5 +32,10 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = item.path.parent
+        if folder.parent == TESTS and folder.name in LAYERS:
+            item.add_marker(folder.name)
     items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # a stable sort: each file's own order kept

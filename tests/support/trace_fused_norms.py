@@ -2,7 +2,7 @@
 the Triton launches in each traced forward and backward body. Traced only, never run: on a machine
 without a GPU Dynamo leaves Triton kernels out of graphs (torch.utils._triton.has_triton), so that
 gate is opened here; this process must not run Triton's interpreter (TRITON_INTERPRET unset).
-Run by tests/test_kernel_rms_norm.py as `python -m tests.support.trace_fused_norms`."""
+Run by tests/integration/test_kernel_rms_norm.py as `python -m tests.support.trace_fused_norms`."""
 from __future__ import annotations
 
 import json

@@ -200,7 +200,7 @@ def test_cuda_graphs_under_fsdp2_need_the_gathered_weights_kept():
 def test_kernels_auto_takes_the_inductor_options_for_what_it_compiles():
     """kernels=auto may compile the blocks (always with float8): speed.cudagraphs and the other Inductor options
     apply to what it compiles, so `+exp=fsdp4_fp8 kernels=auto` composes, and FSDP2 still needs the weights kept."""
-    fixture = str(Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json")
+    fixture = str(Path(__file__).parents[1] / "fixtures" / "mini_llm_h200_diagnosis.json")
     h200 = {"cuda_device_count": 1, "mps_available": False, "cuda_capability": ((9, 0), "NVIDIA H200")}
     validate(compose_config(["+exp=fsdp4_fp8", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={fixture}"]), **h200)
     auto_graphs = ["+exp=fsdp4", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={fixture}", "speed.cudagraphs=true"]

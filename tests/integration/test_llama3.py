@@ -23,7 +23,7 @@ from src.models import build_model  # noqa: E402
 from src.models.llama3.hf import hf_config, load_hf_weights, model_fields, save_hf  # noqa: E402
 from tests.support.ranks import spawn_ranks  # noqa: E402
 
-REFERENCE = Path(__file__).parent / "support" / "hf_reference.py"
+REFERENCE = Path(__file__).parents[1] / "support" / "hf_reference.py"
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -13,7 +13,7 @@ from src.config.compose import ConfigError, compose_config
 from src.fusion.choice import auto_choice, choose
 from tests.support.cli import run_cli
 
-FIXTURE = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "mini_llm_h200_diagnosis.json"
 TINY = ["model=tiny", "train.steps=3", "data.batch_size=2", "data.seq_len=16", "dist.nproc=1", "precision=fp32"]
 
 

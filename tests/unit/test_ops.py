@@ -9,7 +9,7 @@ import pytest
 
 from src.fusion.ops import BENCHES, OPS, load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = {op.name for op in OPS} | {b.name for b in BENCHES}
 
 
@@ -39,7 +39,7 @@ def test_every_op_has_a_kernel_a_case_a_diagnosis_and_a_default(op):
     # every named piece of code is there (the Liger factories import Liger-Kernel only when called)
     for ref in _refs(op):
         if ref.startswith("kernels.") and importlib.util.find_spec("triton") is None:
-            continue  # the kernels import triton (tests/test_kernel_*.py skip without it too)
+            continue  # the kernels import triton (tests/unit/test_kernel_*.py skip without it too)
         assert callable(load(ref)), ref
 
 

@@ -1,6 +1,6 @@
 """The prefill's matmul tiles through an IREE transform library (src/edge/tiles.py): the tiled module
 gives torch's tokens on lavapipe, the flag's path and name, the tiles refused (what IREE makes of the
-library for `pascal`: tests/test_edge_configs.py)."""
+library for `pascal`: tests/system/test_edge_configs.py)."""
 from __future__ import annotations
 
 import copy

@@ -1,6 +1,6 @@
 """Products of a few rows as matrix-vector kernels (edge.matvec_rows, src/edge/matvec.py): the same
 numbers as F.linear in torch, torch's tokens on lavapipe at batch 4, the refusals (what IREE makes of
-them for an NVIDIA-class target: tests/test_edge_configs.py)."""
+them for an NVIDIA-class target: tests/system/test_edge_configs.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -351,7 +351,7 @@ def test_kernels_auto_keeps_the_fused_head_that_a_float8_head_runs_in(caplog):
     keeps the fused head beside what it picked, and says so."""
     from src.fusion.choice import apply_auto_choice
 
-    fixture = str(Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json")
+    fixture = str(Path(__file__).parents[1] / "fixtures" / "mini_llm_h200_diagnosis.json")
     base = ["+exp=fsdp4_fp8", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={fixture}", "precision.fp8_impl=triton",
             "precision.fp8_recipe=rowwise_with_gw_tensorwise"]
     for head, kept in ((True, True), (False, False)):

@@ -55,7 +55,7 @@ def _experiment_runs(url: str, name: str):
 def test_a_submitit_local_sweep_on_the_postgres_server_finishes_its_jobs_and_records_a_dead_one(tmp_path: Path, team_server: TeamServer):
     """Two jobs in parallel, each a submitit job; the `kill` one SIGKILLs its own process at step 0,
     as a scheduler's time limit or the OOM killer would: recorded FAILED, and the sweep goes on.
-    (Two jobs, not a 2x2 grid: tests/test_sweeps.py covers grids, and four jobs' start-ups on two
+    (Two jobs, not a 2x2 grid: tests/integration/test_sweeps.py covers grids, and four jobs' start-ups on two
     cores made this the suite's slowest test, 140 s.)"""
     work = tmp_path / "work"
     work.mkdir()

@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from tests.support.cli import REPO, run_cli
 from tests.support.servers import free_port, stop_server
 from tests.support.slurm import SlurmCluster
-from tests.test_cluster_postgres import FAST
+from tests.system.test_cluster_postgres import FAST
 
 
 class ClusterTracking:
@@ -164,7 +164,7 @@ def test_a_job_killed_without_a_result_is_seen_through_sacct_and_recorded_failed
 # Preemption and the time limit (src/train/preempt.py): two jobs of one sweep, identical but for
 # their MLflow run names, a CPU each, so both run at once on the same thread count; one is stopped
 # mid-run and requeued, the other runs straight, and their final losses must be the same bits.
-# fp32 on CPU is what makes "the same" exact (tests/test_preemption.py).
+# fp32 on CPU is what makes "the same" exact (tests/system/test_preemption.py).
 TWINS = ["tracking.run_name=straight,stopped", "precision=fp32", "dist.nproc=1", "data=random", "tracking.system_metrics=false"]
 
 

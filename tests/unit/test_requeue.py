@@ -2,7 +2,7 @@
 client runs with SIGTERM ignored, both in a SLURM batch job (checkpoint.requeue) and inside
 submitit's own requeue (src/distributed/cluster.py). The stand-in scontrol below sends itself that
 SIGTERM mid-command, as the job's end does when it wins the race; the real SLURM path is
-tests/test_slurm.py's."""
+tests/system/test_slurm.py's."""
 from __future__ import annotations
 
 import logging

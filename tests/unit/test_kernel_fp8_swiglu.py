@@ -14,7 +14,7 @@ from perflab_kernels.triton import fp8_swiglu  # noqa: E402
 from perflab_kernels.triton.fp8_linear import Float8RowwiseLinearFunction, rowwise_e4m3, swap_to_float8  # noqa: E402
 from perflab_kernels.triton.fp8_swiglu import Float8SwiGLUFunction, fold_swiglu, rowwise_pair_e4m3, swiglu_grad_e4m3  # noqa: E402
 from src.models.layers import SwiGLUFeedForward  # noqa: E402
-from tests.test_kernel_fp8_linear import _bits, _silu_as_stored, _within_an_e4m3_step  # noqa: E402  (the same checks as the linear's casts)
+from tests.unit.test_kernel_fp8_linear import _bits, _silu_as_stored, _within_an_e4m3_step  # noqa: E402  (the same checks as the linear's casts)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

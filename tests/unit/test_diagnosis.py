@@ -14,7 +14,7 @@ from src.profiling.diagnosis import SCHEMA, diagnose, fusable_ops, module_of
 from src.profiling.ncu_reader import read_report, to_base_unit
 
 # The real captures travel with the project (tests/fixtures/ncu/README.md says how each was made).
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ncu"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ncu"
 REP, REP_CSV, METRICS_CSV = FIXTURES / "h200_ops.ncu-rep.gz", FIXTURES / "h200_ops_raw.csv", FIXTURES / "h200_targets_metrics_raw.csv"
 OPS = ["rms_norm", "copy", "softmax", "silu", "mul", "gemm"]  # workload.py's order inside the NVTX range "ops"
 
@@ -118,7 +118,7 @@ def test_cli_names_a_missing_report(tmp_path, capsys):
 
 def test_a_diagnosis_json_can_be_diagnosed_again(tmp_path):
     """mini_llm's step on one H200 (task=diagnose, 2026-11-30): 701 kernels kept in diagnosis.json."""
-    source = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
+    source = Path(__file__).parents[1] / "fixtures" / "mini_llm_h200_diagnosis.json"
     d = diagnose(read_report(source), unranged="backward")
     assert d["kernel_count"] == 701
     by_key = {o["key"]: o for o in d["ops"]}
@@ -144,7 +144,7 @@ def test_a_diagnosis_json_can_be_diagnosed_again(tmp_path):
 
 
 def test_the_cli_on_a_diagnosis_json_keeps_the_device(tmp_path, capsys):
-    source = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
+    source = Path(__file__).parents[1] / "fixtures" / "mini_llm_h200_diagnosis.json"
     assert diagnose_cli([str(source), "--out", str(tmp_path)]) == 0
     d = json.loads((tmp_path / "diagnosis.json").read_text())
     assert d["device"] == "NVIDIA H200" and d["has_backward"]
@@ -155,7 +155,7 @@ def test_the_table_explains_its_marks_with_the_thresholds_it_used():
 
     from src.profiling.diagnosis import top_ops_table
 
-    diagnosis = _json.loads((Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json").read_text())
+    diagnosis = _json.loads((Path(__file__).parents[1] / "fixtures" / "mini_llm_h200_diagnosis.json").read_text())
     diagnosis["thresholds"] = {**diagnosis.get("thresholds", {}), "hbm_bound_pct": 70.0}
     table = top_ops_table(diagnosis, limit=3)
     assert "compute-bound *" in table  # the fixture's GEMMs read SM 92% / HBM 20%: textbook

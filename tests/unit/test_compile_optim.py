@@ -109,7 +109,7 @@ def test_clipping_inside_the_fused_update_gives_the_clipped_step(tmp_path: Path,
 
 def test_clipping_factor_rides_in_fused_adamw_only():
     """The fold applies to torch's fused Adam/AdamW (their step reads grad_scale) and to
-    optim.impl=triton's (tests/test_kernel_adamw.py); foreach and for-loop AdamW refuse a divisor,
+    optim.impl=triton's (tests/integration/test_kernel_adamw.py); foreach and for-loop AdamW refuse a divisor,
     so they keep clip_grads_with_norm_'s pass. Either way the gradients left behind are the clipped
     ones (clip_grads_with_norm_ takes the parameters: handed the gradients themselves it found no
     .grad and clipped nothing)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import read_summary, run_cli
-from tests.test_diagnosis import FIXTURES
+from tests.unit.test_diagnosis import FIXTURES
 
 
 @pytest.fixture(scope="module")

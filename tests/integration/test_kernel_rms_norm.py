@@ -168,7 +168,7 @@ def test_fused_norms_trace_into_one_graph_with_their_kernels():
     traced with fullgraph=True (a graph break fails), forward and backward each down to their
     Triton launches (tests/support/trace_fused_norms.py, traced only). In a process of its own: Dynamo
     takes a Triton kernel into a graph only when it is compiled, not under this process's
-    interpreter. tests/test_gpu.py runs the compiled block on the GPU, with torch's own version
+    interpreter. tests/integration/test_gpu.py runs the compiled block on the GPU, with torch's own version
     there: torch 2.11's Dynamo broke the graph at id() of a warps table in the launch key, which
     this torch traces, so that break showed only on the GPU."""
     import json
@@ -176,7 +176,7 @@ def test_fused_norms_trace_into_one_graph_with_their_kernels():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.trace_fused_norms"], cwd=Path(__file__).parents[1], env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.trace_fused_norms"], cwd=Path(__file__).parents[2], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout[-3000:] + proc.stderr[-3000:]
     launches = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -224,7 +224,7 @@ def test_kernels_triton_without_gpu_or_interpreter_is_refused(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"kernels.fused=\[cross_entropy\] \(kernels=eager\): Triton .* or set kernels.fused=\[\]$"):
         validate(compose_config(["+exp=fsdp4_tuned", "kernels=eager", "backend=cpu"]), cuda_device_count=0, mps_available=False)
     # auto's picks come from a diagnosis, not from kernels.fused: the fix is kernels=eager
-    fixture = Path(__file__).parent / "fixtures" / "mini_llm_h200_diagnosis.json"
+    fixture = Path(__file__).parents[1] / "fixtures" / "mini_llm_h200_diagnosis.json"
     with pytest.raises(ConfigError, match=r"^kernels=auto: Triton kernels need an NVIDIA GPU .* or use kernels=eager$"):
         validate(compose_config(["kernels=auto", "model=mini_llm", f"kernels.diagnosis={fixture}"]), cuda_device_count=0, mps_available=False)
     # a misspelt op is named before anything about the machine: the same line with or without a

@@ -1,6 +1,6 @@
 """speed.norm_in_copy_in (src/speed/grad_squares.py): clipping's norm from the sums of squares the
 one-rank copy-in leaves, against get_total_norm; what it refuses to count, and where it stays off.
-The copy-in kernel's own sums: tests/test_reduce_copy_in.py."""
+The copy-in kernel's own sums: tests/integration/test_reduce_copy_in.py."""
 from __future__ import annotations
 
 import pytest

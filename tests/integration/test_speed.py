@@ -23,7 +23,7 @@ from src.speed.apply import decide, install_fsdp
 from src.speed.recipe import FSDP, Recipe
 from src.speed.versions import release, torch_version
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ONE_RANK = ["dist.nproc=1", "train.steps=3", "data.seq_len=32", "data.batch_size=2", "tracking=none", "train.progress=false"]
 
 

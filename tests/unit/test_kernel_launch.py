@@ -1,6 +1,6 @@
 """kernels/triton/launch.py: what its cache keys on, and that the plain launch is kept where there
 is no compiled kernel (Triton's interpreter). The cached launch itself is checked on a GPU
-(tests/test_gpu.py: bit for bit against plain launches, over shapes and alignments that change
+(tests/integration/test_gpu.py: bit for bit against plain launches, over shapes and alignments that change
 Triton's specialisation)."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_kernels_call_jit_functions_by_their_own_names():
     from pathlib import Path
 
     offenders = []
-    for path in sorted(Path(__file__).parents[1].joinpath("kernels", "triton").glob("*.py")):
+    for path in sorted(Path(__file__).parents[2].joinpath("kernels", "triton").glob("*.py")):
         module = importlib.import_module(f"perflab_kernels.triton.{path.stem}")
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in fn.decorator_list):
