@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -231,19 +232,35 @@ def test_the_greedy_token_is_torch_argmax_with_ties_to_the_first_index():
 
 
 
-@needs_vulkan
-def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp_path, cache):
-    proc = _cli(["edge.action=compile", f"edge.artifacts={tmp_path / 'art'}", "tracking=none"], tmp_path, cache)
+@pytest.fixture(scope="module")
+def compile_run(tmp_path_factory, cache) -> Path:
+    """One `edge.action=compile` run, untracked, for the tests that run, edit or break its artifacts
+    (each its own copy, `_compiled`): the folder it ran in, its artifacts in `art` there."""
+    cwd = tmp_path_factory.mktemp("compiled")
+    proc = _cli(["edge.action=compile", f"edge.artifacts={cwd / 'art'}", "tracking=none"], cwd, cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
-    assert manifest["target"] == "llvmpipe" and manifest["weights"] == {"seed": 0} and (tmp_path / "art" / "params.irpa").is_file()
+    return cwd
 
-    proc = _cli(["edge.action=run", f"edge.artifacts={tmp_path / 'art'}", "tracking=none"], tmp_path, cache)
+
+def _compiled(tmp_path: Path, compile_run: Path) -> Path:
+    art = tmp_path / "art"
+    shutil.copytree(compile_run / "art", art)
+    return art
+
+
+@needs_vulkan
+def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp_path, cache, compile_run):
+    art = _compiled(tmp_path, compile_run)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["target"] == "llvmpipe" and manifest["weights"] == {"seed": 0} and (art / "params.irpa").is_file()
+
+    proc = _cli(["edge.action=run", f"edge.artifacts={art}", "tracking=none"], tmp_path, cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = _cli(["tracking=none"], tmp_path, cache)  # bench: compiles (from the cache) and runs in one go
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"source, compiled from {REPO} at " in proc.stdout  # a cached module says whose compile it is
-    summaries = sorted((json.loads(p.read_text()) for p in tmp_path.glob("outputs/*/*/summary.json")), key=lambda s: s["action"])
+    summaries = sorted((json.loads(p.read_text()) for folder in (compile_run, tmp_path) for p in folder.glob("outputs/*/*/summary.json")),
+                       key=lambda s: s["action"])
     benched, compiled, ran = summaries
     assert [s["action"] for s in summaries] == ["bench", "compile", "run"] and benched["cache"] == "hit"
     assert compiled["status"] == "finished" and compiled["module_bytes"] > 0 and compiled["variant"] == "llvmpipe-nocoop"
@@ -256,21 +273,14 @@ def test_compile_then_run_from_the_artifact_directory_gives_the_same_numbers(tmp
     assert 1 <= ran["device_tries"] <= LAVAPIPE_TRIES  # more than 1 only where lavapipe lost the device mid-run
 
 
-def _compiled(tmp_path: Path, cache: Path) -> Path:
-    art = tmp_path / "art"
-    proc = _cli(["edge.action=compile", f"edge.artifacts={art}", "tracking=none"], tmp_path, cache)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return art
-
-
 def _edit_manifest(art: Path, **changes) -> None:
     manifest = json.loads((art / "manifest.json").read_text())
     (art / "manifest.json").write_text(json.dumps({**manifest, **changes}))
 
 
 @needs_vulkan
-def test_wrong_numbers_end_the_run_failed_in_one_line(tmp_path, cache):
-    art = _compiled(tmp_path, cache)
+def test_wrong_numbers_end_the_run_failed_in_one_line(tmp_path, cache, compile_run):
+    art = _compiled(tmp_path, compile_run)
     _edit_manifest(art, weights={"seed": 1})  # the reference from other weights than the archive holds
     proc = _cli(["edge.action=run", f"edge.artifacts={art}"], tmp_path, cache)
     last = proc.stderr.strip().splitlines()[-1]  # above it only MLflow's own lines about creating its tables
@@ -293,8 +303,8 @@ def test_wrong_numbers_end_the_run_failed_in_one_line(tmp_path, cache):
     ({"cooperative_matrix": True, "variant": "ampere-coop", "dtype": "fp16"},
      "error: target llvmpipe fp16 module (ampere-coop) failed on llvmpipe"),
 ])
-def test_a_module_that_cannot_run_here_is_one_line(change, line, tmp_path, cache):
-    art = _compiled(tmp_path, cache)
+def test_a_module_that_cannot_run_here_is_one_line(change, line, tmp_path, cache, compile_run):
+    art = _compiled(tmp_path, compile_run)
     _edit_manifest(art, **change)
     if "cooperative_matrix" in change:
         (art / "module.vmfb").write_bytes(b"not a module")  # what the driver cannot load, as NVIDIA's could not the fp16 one

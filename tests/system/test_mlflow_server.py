@@ -3,50 +3,24 @@ API; with the server gone, the run still completes and keeps its metrics on disk
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.support.cli import read_summary, run_cli
+from tests.support.servers import free_port, start_mlflow_server, stop_server
 
 RUN = ["dist.nproc=1", "sharding=none", "train.steps=4", "tracking.system_metrics=false", "tracking.connect_timeout_s=2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path):
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "artifacts"),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:  # bounded wait for /health
-        try:
-            if requests.get(f"{url}/health", timeout=1).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGTERM)
-        pytest.fail("mlflow server did not come up in 90 s")
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """One server for the file's two tests (a start is 7-8 s of CPU): each reads only its own runs."""
+    base = tmp_path_factory.mktemp("mlflow_server")
+    proc, url = start_mlflow_server(f"sqlite:///{base / 'server.db'}", base / "artifacts")
     yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    stop_server(proc)
 
 
 def test_a_run_logs_to_a_tracking_server(tmp_path: Path, mlflow_server: str):
@@ -66,7 +40,7 @@ def test_a_run_logs_to_a_tracking_server(tmp_path: Path, mlflow_server: str):
 
 
 def test_with_the_server_down_the_run_completes_and_keeps_its_metrics(workdir: Path):
-    down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proc = run_cli([*RUN, f"tracking.uri={down}"], cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
@@ -110,7 +84,7 @@ def test_a_call_to_a_server_still_down_after_the_retry_window_is_skipped_with_on
 
     from src.tracking.mlflow_run import MlflowTracker
 
-    down = f"http://127.0.0.1:{_free_port()}"
+    down = f"http://127.0.0.1:{free_port()}"
     tracker = MlflowTracker(down, "e", "r", {}, {}, None, metric_writer=False, retry_s=0.2)
 
     def refused():
