@@ -19,7 +19,7 @@ import requests
 from mlflow import MlflowClient
 
 from tests.support.cli import REPO, run_cli
-from tests.support.servers import free_port, stop_server
+from tests.support.servers import SERVER_ENV, free_port, stop_server
 from tests.support.slurm import SlurmCluster
 from tests.system.test_cluster_postgres import FAST
 
@@ -40,7 +40,7 @@ class ClusterTracking:
         ]
         self.log = base / "mlflow-server.log"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **SERVER_ENV})
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
