@@ -13,8 +13,6 @@ import torch
 
 pytest.importorskip("iree.turbine")
 
-from mlflow.tracking import MlflowClient  # noqa: E402
-
 from src.edge.bench import generate, reference_logits, relative_errors  # noqa: E402
 from src.edge.compile import FUNCTIONS, GROWING_HOISTS, NO_GROWING_HOISTS, build, load_artifacts  # noqa: E402
 from src.edge.runtime import LAVAPIPE_TRIES, IreeRunner, Readback, lavapipe_retry  # noqa: E402
@@ -291,6 +289,8 @@ def test_wrong_numbers_end_the_run_failed_in_one_line(tmp_path, cache, compile_r
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
     measured = json.loads((run_dir / "edge_summary.json").read_text())
     assert measured["status"] == "failed" and measured["rel_err"] > 0.001 and "| failed |" in (run_dir / "run.log").read_text()
+    from mlflow.tracking import MlflowClient  # here, not at the top: the spawned processes import this module
+
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FAILED" and "exceeds the fp32 tolerance" in run.data.tags["error"] and run.data.metrics["summary.rel_err"] > 0.001
@@ -322,6 +322,8 @@ def test_a_module_that_cannot_run_here_is_one_line(change, line, tmp_path, cache
 def test_a_two_job_sweep_is_one_parent_with_two_children(tmp_path, cache):
     proc = run_cli(["-m", "+exp=edge", "backend=vulkan,cpu", f"edge.cache_dir={cache}", "edge.prompt_len=8", "edge.decode_steps=4", "edge.repeats=2"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    from mlflow.tracking import MlflowClient  # here, not at the top: the spawned processes import this module
+
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]

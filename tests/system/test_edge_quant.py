@@ -12,8 +12,6 @@ import torch
 
 pytest.importorskip("iree.turbine")
 
-from mlflow.tracking import MlflowClient  # noqa: E402
-
 from src.edge.bench import TOLERANCE, agreement, generate, reference_logits, relative_errors, tolerance, torch_greedy  # noqa: E402
 from src.edge.compile import module_key  # noqa: E402
 from src.edge.quant import QuantLinear, fuse_dequantization, grouped_product, quant_spec, quantize, quantized_copy  # noqa: E402
@@ -194,6 +192,8 @@ def test_int8_run_reports_errors_tokens_and_sizes_and_its_archive_is_a_quarter(t
     # against fp32 torch's own generation (this prompt parts from it where fp32's two best logits nearly tie)
     assert 0 < summary["token_agreement"] <= 1 and 1 <= summary["same_tokens_steps"] <= STEPS + 1 and len(summary["generated"][0]) == STEPS + 1
     assert summary["module_bytes"] > 0 and summary["params_bytes"] == path.parent.joinpath("artifacts", "params.irpa").stat().st_size
+    from mlflow.tracking import MlflowClient  # here, not at the top: the spawned processes import this module
+
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     metrics = run.data.metrics
