@@ -1,7 +1,7 @@
 """A team's MLflow: `mlflow server` on PostgreSQL with proxied artifacts, fed by sweeps that
 Hydra's submitit launcher runs through submitit's real local executor (each job a process, watched
-as on SLURM), and a server that dies mid-run. One PostgreSQL for the session (conftest.py), one
-server for this module."""
+as on SLURM), and a server that dies mid-run. One PostgreSQL for the session (tests/support/servers.py),
+one server for this module."""
 from __future__ import annotations
 
 import json
@@ -88,12 +88,27 @@ def test_a_submitit_local_sweep_on_the_postgres_server_finishes_its_jobs_and_rec
 
 
 def test_a_postgres_backed_server_that_dies_mid_run_loses_no_metric(tmp_path: Path, team_server: TeamServer):
-    """The server is SIGKILLed once the run has logged a step, and started again: the writer
-    retries with backoff until it answers, and MLflow ends up with every step metrics.jsonl has."""
+    """The server is SIGKILLed once the run has logged a step, and started again once the writer has
+    said it did not take the metrics (however long its start takes: a server that came back before
+    the writer first sent would test nothing): the writer retries with backoff until it answers, and
+    MLflow ends up with every step metrics.jsonl has."""
+    import threading
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "src.run", "dist.nproc=1", "sharding=none", "data=random", "train.steps=12", "tracking.system_metrics=false",
            f"tracking.uri={team_server.url}", "tracking.experiment=outage"]
     run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err_lines: list[str] = []
+    refused = threading.Event()
+
+    def read_stderr() -> None:  # the writer's warnings come on the run's stderr
+        for line in run.stderr:
+            err_lines.append(line)
+            if "did not take step metrics" in line:
+                refused.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not any(p.read_text().strip() for p in tmp_path.glob("outputs/*/*/metrics.jsonl")):
@@ -102,8 +117,12 @@ def test_a_postgres_backed_server_that_dies_mid_run_loses_no_metric(tmp_path: Pa
         team_server.kill()
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{team_server.url}/health", timeout=2)
+        refused.wait(timeout=120)
         team_server.start()
-        out, err = run.communicate(timeout=240)
+        out = run.stdout.read()
+        run.wait(timeout=240)
+        reader.join(timeout=60)
+        err = "".join(err_lines)
     finally:
         if run.poll() is None:
             run.kill()
