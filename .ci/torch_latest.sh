@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LATEST=2.15.0   # the newest release pyproject.toml's range admits
 VENV=.venv-torch-latest
-FILES=(tests/test_speed.py tests/test_grad_upcast.py tests/test_reduce_copy_in.py tests/test_grad_squares.py tests/test_one_rank.py
-       tests/test_kept_unshard.py tests/test_kernel_adamw.py tests/test_fsdp_parity.py tests/test_compile_optim.py
-       tests/test_kernel_device.py tests/test_startup.py tests/test_tied_embedding_grad.py)
+FILES=(tests/integration/test_speed.py tests/integration/test_grad_upcast.py tests/integration/test_reduce_copy_in.py
+       tests/integration/test_grad_squares.py tests/unit/test_one_rank.py tests/integration/test_kept_unshard.py
+       tests/integration/test_kernel_adamw.py tests/integration/test_fsdp_parity.py tests/unit/test_compile_optim.py
+       tests/unit/test_kernel_device.py tests/integration/test_startup.py tests/unit/test_tied_embedding_grad.py)
 if [ "${1:-install}" = install ] || [ $# = 0 ]; then
   python3 -m venv "$VENV"
   # PIP_CONFIG_FILE=/dev/null: no pip config, so no local cap on torch's version (a CI machine's pip

@@ -11,7 +11,7 @@ float8 and torch.compile change (they keep less, so the estimate stays above suc
 Gradients live from backward to the optimizer step (the loop's zero_grad(set_to_none=True)), and
 backward frees the activations as it makes them, so the peak holds the larger of the two (the
 gradients with what the update allocates), not both. It matches GPU runs' peaks of docs/RESULTS.md
-to within 1%; tests/test_memory_estimate.py holds it to CPU runs' measured peaks.
+to within 1%; tests/integration/test_memory_estimate.py holds it to CPU runs' measured peaks.
 """
 from __future__ import annotations
 

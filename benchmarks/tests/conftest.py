@@ -1,3 +1,3 @@
-"""The benches' tests share the suite's helpers; importing them first sets TRITON_INTERPRET where
-there is no GPU, before any kernel is imported."""
-import tests.conftest  # noqa: F401
+"""The benches' tests use the suite's plugins (tests/support/); devices first sets TRITON_INTERPRET
+where there is no GPU, before any kernel is imported."""
+pytest_plugins = ["tests.support.devices", "tests.support.cli"]

@@ -12,8 +12,8 @@ pytest.importorskip("iree.turbine")
 
 from src.edge.compile import build  # noqa: E402
 from src.edge.task import reference_model  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
-from tests.lavapipe_process import needs_vulkan  # noqa: E402
+from tests.support.cli import run_cli  # noqa: E402
+from tests.support.lavapipe import needs_vulkan  # noqa: E402
 
 TINY = {"name": "tiny", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_mult": 4, "causal": True,
         "norm_eps": 1e-6, "init_std": 0.02, "mlp": "silu", "ffn_hidden": 0}

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import needs_gpu, run_cli
+from tests.support.cli import run_cli
+from tests.support.devices import needs_gpu
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
 

@@ -9,7 +9,7 @@ float per tile instead of a second pass over the gradients.
 
 The update is torch's AdamW (decoupled weight decay, bias corrections from the step count, no
 amsgrad), in fp32, in the order torch's fused kernel computes it; results agree with it to fp32
-rounding (tests/test_kernel_adamw.py), not bit for bit. `TritonAdamW` is torch.optim.AdamW with
+rounding (tests/integration/test_kernel_adamw.py), not bit for bit. `TritonAdamW` is torch.optim.AdamW with
 this step (optim.impl=triton builds it), over plain tensors or FSDP2's DTensors.
 
 The same launch can also write each updated parameter's bf16 copy (`TritonAdamW.write_copies`):

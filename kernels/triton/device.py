@@ -56,7 +56,7 @@ def _properties(index: int):
 
 
 # The attribute torch.compiler.assume_constant_result sets, all it does (torch 2.11, 2.13, 2.14.1,
-# 2.15.0: tests/test_kernel_device.py compares the two on the torch installed).
+# 2.15.0: tests/unit/test_kernel_device.py compares the two on the torch installed).
 MARKED_CONSTANT = "_dynamo_marked_constant"
 
 

@@ -107,7 +107,7 @@ def _standard_start_method() -> None:
 # How CPU ranks start. A spawned rank is a fresh interpreter that imports torch and the project
 # (5-7 s of CPU a rank on a 2-core machine); a forkserver imports them once, then forks each rank
 # from itself, so a 2-rank CPU run starts in one import instead of two. GPU ranks are spawned:
-# forking works for them too (the server's imports leave CUDA uninitialised; tests/test_gpu.py
+# forking works for them too (the server's imports leave CUDA uninitialised; tests/integration/test_gpu.py
 # runs two GPU ranks forked from a server that imported the trainer), but a GPU host has cores
 # for every rank, so their imports run side by side and one import in the server saves no time.
 FORKSERVER = "forkserver" in multiprocessing.get_all_start_methods()
@@ -174,7 +174,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple, nproc: int, nnodes: int
     value} of this node's ranks. The agent's records go to `notes_dir`/`log_name`. `forkserver`:
     fork the ranks from a fresh forkserver that imported the entry's module (FORKSERVER above),
     else, or where that server cannot be restarted, spawn them. For GPU ranks it holds only while
-    importing that module leaves CUDA uninitialised (tests/test_gpu.py checks the trainer's).
+    importing that module leaves CUDA uninitialised (tests/integration/test_gpu.py checks the trainer's).
     `kept_signals`: signals whose handlers the caller installed, left out of the agent's
     (AGENT_SIGNALS): the ranks stop on them and return, and the agent reads what they return."""
     # Each rank gets an equal share of the cores; oversubscribed OpenMP threads make a 2-core

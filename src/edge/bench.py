@@ -37,7 +37,7 @@ from src.edge.model import EdgeLM
 # logits are nearly flat (a random initialisation), so int4's 15 levels a group move them by a
 # quarter of their largest value; their greedy tokens part from fp32's within 1-10 steps (small:
 # 0-1 of 65), int8's within 8-65: reported (token_agreement, same_tokens_steps), not bounded; what
-# is bounded is a module against torch in its own format (tests/test_edge_quant.py: every token).
+# is bounded is a module against torch in its own format (tests/system/test_edge_quant.py: every token).
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 1e-1, "int8": 5e-2, "int4": 5e-1}
 
 

@@ -17,7 +17,7 @@ the low nibble, 2j + 1 in the high one; extsi sign-extends the two's-complement 
 arithmetic shifts did). The rest (to the dtype, times the group's scale) is elementwise on it, and
 QuantLinear's grouped product (`grouped_product`) contracts over groups and their members, the form
 IREE clones the dequantization into: for `pascal`, one row is one `matvec_like` dispatch reading
-the i4 weight (SubgroupReduce), and 4 rows weights first another (tests/test_edge_configs.py).
+the i4 weight (SubgroupReduce), and 4 rows weights first another (tests/system/test_edge_configs.py).
 
 Verified with IREE 3.13 (iree-base-compiler) and iree-turbine 3.9 exporting from torch 2.13 (the tests' torch);
 build() refuses a module whose unpackings it did not all find.

@@ -31,7 +31,7 @@ What IREE 3.13 makes of it for Vulkan (from the dispatch sources `iree-compile -
 - int4: exported, one row and (edge.matvec_rows) 2-8 rows are a contraction over the groups and
   their members (`grouped_product`), into which IREE clones the i4 weight's dequantization: for
   `pascal`, each of tiny's decode products one dispatch reading i4, SubgroupReduce, at batch 1 and
-  at batch 4 with matvec_rows=4 (tests/test_edge_configs.py); F.linear on the shifted and reshaped
+  at batch 4 with matvec_rows=4 (tests/system/test_edge_configs.py); F.linear on the shifted and reshaped
   weight would be three dispatches a product (unpack into an int8 transient, dequantize, multiply). More
   rows (prefill) and llvmpipe (`fuse` off) dequantize from i4 in a dispatch of their own, then
   multiply.

@@ -9,13 +9,13 @@ SMs, in a step whose products run one after another. `prefill_tiles_flag` makes 
 matches every f16 or f32 contraction with `rows` rows (the prompt's tokens times the batch: the
 projections'; attention's too at batch 1, whose rows are one sequence's) and gives it `tile`
 outputs a workgroup with a 4 x 4 thread tile; at 16 x 64, those become 192, 64, 256, 64
-workgroups, and attention's 128 and 64 (tests/test_edge_configs.py reads them back).
+workgroups, and attention's 128 and 64 (tests/system/test_edge_configs.py reads them back).
 
 How: `--iree-codegen-transform-dialect-library=FILE` (its `__kernel_config` sequence runs on each
 executable before IREE's own configuration, and what it annotates keeps its `compilation_info`).
 IREE's `--iree-codegen-tuning-spec-path` is not read for SPIR-V in 3.13 (a file of garbage
 compiles without a word), the library is (the same garbage fails the compile). On lavapipe the
-tiled module gives torch's tokens (tiny, fp32 and fp16: tests/test_edge_tiles.py).
+tiled module gives torch's tokens (tiny, fp32 and fp16: tests/system/test_edge_tiles.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 task=kernel_bench and kernels=auto time (cases.py, measure.py), what runs under torch.compile on
 its own (compiled.py), which profiled kernels a diagnosis hands to it (src/profiling/diagnosis.py)
 and the kernel_bench defaults (src/config/tasks.py) are all read from here. A new kernel is its file
-in kernels/triton/, one row below, and one test (tests/test_ops.py checks every row).
+in kernels/triton/, one row below, and one test (tests/unit/test_ops.py checks every row).
 
 Plain data: code is named by "module:attr" strings and imported on use (`load`), so that the config
 layer reads this table without importing torch or triton.

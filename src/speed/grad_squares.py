@@ -110,7 +110,7 @@ RECIPE = Recipe(
     reads=(),
     signatures={"torch.nn.utils:get_total_norm": ("tensors", "norm_type")},
     gain="1.4-1.6% of +exp=llama3_1b_fp8's step: docs/RESULTS.md, Speed recipes",
-    parity="tests/test_grad_squares.py::test_the_norm_is_get_total_norms_and_falls_back_to_a_pass_where_the_sums_do_not_cover",
+    parity="tests/integration/test_grad_squares.py::test_the_norm_is_get_total_norms_and_falls_back_to_a_pass_where_the_sums_do_not_cover",
     restore=SQUARES.reset,
     triton=TRITON_TESTED,
     notes=("the same sum in another order (not bit for bit); one rank, with reduce_copy_in and one_rank_copies running",),

@@ -57,7 +57,7 @@ RECIPE = Recipe(
     reads=(),
     signatures={COLLECTIVES + "_to_dtype_if_needed": ("tensor", "dtype")},
     gain="0.5-1.0 ms a step of +exp=fsdp4_tuned: docs/RESULTS.md, Speed recipes",
-    parity="tests/test_grad_upcast.py::test_fsdp2_gradients_upcast_by_triton_equal_torchs_on_gloo",
+    parity="tests/integration/test_grad_upcast.py::test_fsdp2_gradients_upcast_by_triton_equal_torchs_on_gloo",
     restore=restore,
     originals=lambda: PATCH.originals(COLLECTIVES),
     triton=TRITON_TESTED,

@@ -105,7 +105,7 @@ RECIPE = Recipe(
            PARAM + "FSDPParam._orig_size", PARAM + "FSDPParam.sharded_param"),
     signatures={PARAM + "FSDPParam.free_unsharded_param": ("self",)},
     gain="what speed.cudagraphs needs under FSDP2: docs/RESULTS.md, Speed recipes (speed.cudagraphs)",
-    parity="tests/test_kept_unshard.py::test_kept_training_is_the_same_bits_as_fsdp2s_own",
+    parity="tests/integration/test_kept_unshard.py::test_kept_training_is_the_same_bits_as_fsdp2s_own",
     restore=restore,
     originals=lambda: FREE.originals(PARAM + "FSDPParam."),
     torch=("2.11", "2.13", "2.14"),

@@ -373,7 +373,7 @@ RECIPE = Recipe(
     signatures={**_SIGNATURES, API + "ReduceScatter.allocate": ("self", "size", "dtype", "device"),
                 API + "ReduceScatter.__call__": ("self", "output_tensor", "input_tensor", "group", "op", "async_op")},
     gain="2.6-2.7 ms a step of +exp=fsdp4: docs/RESULTS.md, Speed recipes",
-    parity="tests/test_one_rank.py::test_direct_copies_give_fsdp2s_bits_without_its_casts_and_gradient_copies",
+    parity="tests/unit/test_one_rank.py::test_direct_copies_give_fsdp2s_bits_without_its_casts_and_gradient_copies",
     restore=restore,
     originals=_originals,
 )
@@ -386,7 +386,7 @@ CAST_RECIPE = Recipe(
     reads=(*_READS, PARAM + "FSDPParam.mp_policy"),
     signatures={**_SIGNATURES, PARAM + "FSDPParam.free_unsharded_param": ("self",)},
     gain="1.8-2.0 ms a step of +exp=fsdp4 optim.impl=triton: docs/RESULTS.md, Speed recipes",
-    parity="tests/test_one_rank.py::test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote",
+    parity="tests/unit/test_one_rank.py::test_the_update_writes_the_unsharded_parameters_and_unshards_cast_nothing_it_wrote",
     restore=restore,
     originals=lambda: {**_originals(), **FREE.originals(PARAM + "FSDPParam.")},
     triton=TRITON_TESTED,

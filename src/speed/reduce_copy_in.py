@@ -64,7 +64,7 @@ RECIPE = Recipe(
     reads=(),
     signatures={COLLECTIVES + "foreach_reduce_scatter_copy_in": ("unsharded_grads", "reduce_scatter_input", "world_size")},
     gain="1.0-1.5 ms a step of +exp=fsdp4: docs/RESULTS.md, Speed recipes",
-    parity="tests/test_reduce_copy_in.py::test_fsdp2_gradients_copied_by_triton_equal_torchs_on_gloo",
+    parity="tests/integration/test_reduce_copy_in.py::test_fsdp2_gradients_copied_by_triton_equal_torchs_on_gloo",
     restore=restore,
     originals=lambda: PATCH.originals(COLLECTIVES),
     triton=TRITON_TESTED,

@@ -19,7 +19,7 @@ from src.speed.versions import TRITON_TESTED, release, torch_version
 
 VERIFIED: tuple[str, ...] = ("2.11",)
 """torch releases (major.minor) whose CUDA embedding backward the fold matched bit for bit on a GPU
-(tests/test_tied_embedding_grad.py's GPU tests); `auto` is off on any other"""
+(tests/unit/test_tied_embedding_grad.py's GPU tests); `auto` is off on any other"""
 
 RECIPE = Recipe(
     name="tied_embedding_grad",
@@ -28,7 +28,7 @@ RECIPE = Recipe(
     reads=("torch.nn.functional:embedding",),
     signatures={"torch.nn.modules.sparse:Embedding.forward": ("self", "input"), "torch.nn.functional:embedding": ("input", "weight")},
     gain="0.2-0.9% of +exp=llama3_1b_fp8's step: docs/RESULTS.md, Speed recipes",
-    parity="tests/test_tied_embedding_grad.py::test_on_a_gpu_the_fold_is_torchs_own_backward_and_add",
+    parity="tests/unit/test_tied_embedding_grad.py::test_on_a_gpu_the_fold_is_torchs_own_backward_and_add",
     restore=lambda: None,  # a class swap on the run's own embedding: nothing of torch's to put back
     torch=VERIFIED,
     triton=TRITON_TESTED[:1],  # the Triton beside the torch of VERIFIED
