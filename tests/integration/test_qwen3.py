@@ -100,9 +100,10 @@ def test_a_run_starts_from_the_folder_with_model_hf_alone(tmp_path, checkpoint):
 
 
 def test_no_file_outside_its_folder_and_its_yaml_names_the_family():
-    """Adding an architecture is its folder and a YAML: nothing else in the repository knows Qwen3."""
+    """Adding an architecture is its folder and a YAML: no other code, config or packaging file of the
+    repository knows Qwen3 (the docs and the lab's notes may report its figures)."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     own = ("src/models/qwen3/", "conf/model/qwen3_0_6b.yaml", Path(__file__).relative_to(ROOT).as_posix())
-    naming = [f for f in tracked if not f.startswith(own) and (ROOT / f).is_file()
-              and "qwen3" in (ROOT / f).read_bytes().decode("utf-8", "replace").lower()]
-    assert naming == []
+    code = [f for f in tracked if not f.startswith(own) and not f.endswith(".md") and (ROOT / f).is_file()]
+    assert len(code) > 100 and "setup.py" in code and "pyproject.toml" in code
+    assert [f for f in code if "qwen3" in (ROOT / f).read_bytes().decode("utf-8", "replace").lower()] == []
