@@ -84,15 +84,15 @@ def torch_perplexity(lm, tokens: np.ndarray, prompt_len: int) -> float:
     return math.exp(float(np.mean(nll)))
 
 
-def quality(runner: Any, reference, quantized, settings: dict, after_mb: float) -> dict[str, Any]:
-    """summary.json's quality figures: perplexity through the module, through torch fp32 with the
-    trained weights and (quantized) with the module's weights, and the module's increase over fp32."""
-    batch, prompt, steps = settings["batch"], settings["prompt_len"], settings["decode_steps"]
-    if settings["model"]["vocab_size"] < 256:
+def quality(runner: Any, reference, quantized, batch: int, prompt: int, steps: int, vocab: int, after_mb: float) -> dict[str, Any]:
+    """summary.json's quality figures for `batch` sequences of `prompt` + `steps` + 1 held-out bytes:
+    perplexity through the module, through torch fp32 with the trained weights and (quantized) with
+    the module's weights, and the module's rise over fp32."""
+    if vocab < 256:
         return {"perplexity": None, "na_perplexity": "the model's vocabulary holds fewer than the 256 byte ids of the held-out text"}
     tokens = held_out_tokens(batch, prompt + steps + 1, after_mb)
     fp32 = torch_perplexity(reference, tokens, prompt)
     ppl = perplexity(runner, tokens, prompt)
     return {"perplexity": ppl, "perplexity_fp32": fp32, "perplexity_increase": ppl / fp32 - 1,
             "perplexity_quantized_torch": torch_perplexity(quantized, tokens, prompt) if quantized is not None else None,
-            "perplexity_tokens": batch * (steps + 1), "uniform_perplexity": float(settings["model"]["vocab_size"])}
+            "perplexity_tokens": batch * (steps + 1), "uniform_perplexity": float(vocab)}

@@ -27,6 +27,8 @@ from src.runtime import RunContext
 log = logging.getLogger("src.run")
 
 IREE_DEVICE = {"vulkan": "vulkan", "mps": "metal"}
+CORPUS_MB = 4.0
+"""data.corpus_mb's default: the training text a held-out perplexity starts after"""
 
 
 class EdgeRunFailed(RankFailed):
@@ -245,7 +247,9 @@ def _run(backend: str, artifacts: Artifacts | None, reference: EdgeLM, settings:
         from src.edge.quality import quality
 
         figures = measure(runner, reference, tokens, e.decode_steps, e.warmup, e.repeats, quantized)
-        return {**figures, **quality(runner, reference, quantized, settings, settings["held_out_after_mb"])}
+        # the text after what training on data=text read (its default corpus where the caller names none: the lab's benches)
+        return {**figures, **quality(runner, reference, quantized, tokens.shape[0], tokens.shape[1], e.decode_steps,
+                                     settings["model"]["vocab_size"], settings.get("held_out_after_mb", CORPUS_MB))}
 
     if backend == "vulkan":
         devices = vulkan_devices()
