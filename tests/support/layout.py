@@ -23,6 +23,21 @@ LONGEST_FIRST = {"test_edge.py": 380, "test_slurm.py": 338, "test_checkpoint.py"
                  "test_cluster_postgres.py": 96, "test_multinode.py": 92, "test_edge_shapes.py": 90}
 
 
+class Misplaced(pytest.File):
+    """A test file outside the three layers (one merged from before the split, or a new one put
+    beside them): an error that names where it goes, instead of its tests."""
+
+    def collect(self):
+        raise self.CollectError(f"{self.path.relative_to(TESTS.parent)}: a test file goes in tests/unit, tests/integration or "
+                                "tests/system, by what it starts (CONTRIBUTING.md, Running the tests)")
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent):
+    if TESTS in module_path.parents and not (module_path.parent.parent == TESTS and module_path.parent.name in LAYERS):
+        return Misplaced.from_parent(parent, path=module_path)
+    return None
+
+
 def pytest_configure(config):
     # pytest-xdist's file scheduler sorts the files by their number of tests, most first, unless told
     # not to (xdist 3.8, LoadScopeScheduling.schedule), which undid the order below: test_edge_sweep.py,
