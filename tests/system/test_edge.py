@@ -322,8 +322,10 @@ def test_a_module_that_cannot_run_here_is_one_line(change, line, tmp_path, cache
 
 
 @needs_vulkan
-def test_a_two_job_sweep_is_one_parent_with_two_children(tmp_path, cache):
-    proc = run_cli(["-m", "+exp=edge", "backend=vulkan,cpu", f"edge.cache_dir={cache}", "edge.prompt_len=8", "edge.decode_steps=4", "edge.repeats=2"], cwd=tmp_path)
+def test_a_two_job_sweep_is_one_parent_with_two_children(tmp_path, cache, compile_run):
+    # the module's shapes and settings are _cli's: the vulkan job takes compile_run's module from the cache
+    proc = run_cli(["-m", "+exp=edge", "backend=vulkan,cpu", f"edge.cache_dir={cache}", f"edge.prompt_len={PROMPT}", f"edge.decode_steps={STEPS}",
+                    "edge.repeats=2", "edge.warmup=1"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     from mlflow.tracking import MlflowClient  # here, not at the top: the spawned processes import this module
 
