@@ -333,32 +333,6 @@ def test_float8_blocks_with_grouped_query_attention_train_near_bf16(impl, recipe
     assert losses["fp8"] == pytest.approx(losses["bf16"], abs=0.15)
 
 
-@pytest.mark.parametrize("n_kv_heads", [1, 4])
-def test_the_edge_kv_cache_decodes_as_the_model_runs_the_whole_sequence(n_kv_heads):
-    """src/edge/model.py over LLaMA 3: prefill, then each decode step writing its token's rotated keys
-    and values (n_kv_heads of them) at its position, gives the full forward's logits at every position."""
-    from src.distributed.parallelize import materialize_and_init
-    from src.edge.model import EdgeLM
-    from src.models.llama3.model import Llama3
-
-    with torch.device("meta"):
-        model = Llama3(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, ffn_hidden=96, rope_theta=10000.0,
-                       rope_factor=8.0, rope_original_len=8, tie_embeddings=True)
-    materialize_and_init(model, torch.device("cpu"), seed=3)
-    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        full = model(tokens)  # (B, T, V)
-        lm = EdgeLM(model.eval(), max_seq=16, batch=2)
-        assert tuple(lm.k_cache.shape) == (2, 2, n_kv_heads, 16, 16)
-        _, logits = lm.prefill(tokens[:, :5].to(torch.int32))
-        steps = [logits]
-        for i in range(5, 12):
-            _, logits = lm.decode(tokens[:, i].to(torch.int32), torch.tensor([i], dtype=torch.int32))
-            steps.append(logits)
-    for i, logits in enumerate(steps):
-        torch.testing.assert_close(logits, full[:, 4 + i], rtol=1e-5, atol=1e-5)
-
-
 def _tampered(folder: Path, to: Path, change) -> Path:
     """A copy of a Hugging Face folder whose tensors went through `change` (a dict of name -> tensor)."""
     import shutil

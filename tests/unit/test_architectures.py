@@ -25,7 +25,7 @@ def _small(arch: str, **extra) -> list[str]:
     first = next(p.stem for p in sorted(CONF.glob("*.yaml")) if f"/base_model_{arch}@" in p.read_text())
     names = {f.name for f in fields(schema)}
     small = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 96, "ffn_hidden": 96, "n_kv_heads": 2, "head_dim": 24,
-             "rope_factor": 0.0, "tie_embeddings": True, **extra}
+             "rope_factor": 8.0, "rope_original_len": 8, "rope_theta": 10000.0, "tie_embeddings": True, **extra}
     return [f"model={first}", *[f"model.{k}={v}" for k, v in small.items() if k in names]]
 
 
@@ -62,20 +62,24 @@ def test_model_blocks_and_attention_are_what_the_protocol_says(arch):
     assert q.shape == (2, a.n_heads, 5, a.head_dim) and k.shape == v.shape == (2, a.n_kv_heads, 5, a.head_dim)
 
 
+@pytest.mark.parametrize("n_kv_heads", [1, 4])
 @pytest.mark.parametrize("arch", sorted(arch_configs()))
-def test_the_edge_kv_cache_decodes_as_the_model_runs_the_whole_sequence(arch):
-    """src/edge/model.py reads a block only through the protocol: prefill, then a decode step a token,
-    gives the full forward's logits at every position, for every architecture."""
+def test_the_edge_kv_cache_decodes_as_the_model_runs_the_whole_sequence(arch, n_kv_heads):
+    """src/edge/model.py reads a block only through the protocol: prefill, then each decode step
+    writing its token's keys and values (n_kv_heads of them, rotated where the family rotates) at its
+    position, gives the full forward's logits at every position, for every architecture."""
     from src.distributed.parallelize import materialize_and_init
     from src.edge.model import EdgeLM
     from src.models import meta_model
 
-    model = meta_model(compose_config(_small(arch)).model)
+    model = meta_model(compose_config(_small(arch, n_kv_heads=n_kv_heads)).model)
     materialize_and_init(model, torch.device("cpu"), seed=3)
     tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = model(tokens)  # (B, T, V)
         lm = EdgeLM(model.eval(), max_seq=16, batch=2)
+        attn = model.layers[0].attn
+        assert tuple(lm.k_cache.shape) == (2, 2, attn.n_kv_heads, 16, attn.head_dim)
         _, logits = lm.prefill(tokens[:, :5].to(torch.int32))
         steps = [logits]
         for i in range(5, 12):
