@@ -7,6 +7,11 @@ Hugging Face folder instead, config.json and model.safetensors, that transformer
 (Qwen2ForCausalLM where q, k and v have biases) loads:
 
     python -m src.export outputs/.../checkpoints/step_00000100 --hf --out llama-hf
+
+With `--gguf TYPE` (f16, q8_0, q4_0; the same family) the output is one GGUF file for llama.cpp, the
+blocks' linear weights in TYPE (src/edge/gguf_file.py):
+
+    python -m src.export outputs/.../checkpoints/step_00000100 --gguf q8_0 --out model-q8_0.gguf
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ def _check_writable(out: Path, folder: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from src.edge.gguf_file import TYPES as GGUF_TYPES
     from src.models import architecture, build_model
     from src.train.checkpoint import CheckpointError, export_checkpoint
 
@@ -42,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint", type=Path, help="a step_NNNNNNNN folder")
     ap.add_argument("--out", type=Path, default=None, help="the file (model.safetensors) or, with --hf, the folder (hf/)")
     ap.add_argument("--hf", action="store_true", help="a Hugging Face folder (config.json, model.safetensors); the LLaMA 3 family only")
+    ap.add_argument("--gguf", metavar="TYPE", choices=GGUF_TYPES, default=None,
+                    help=f"one GGUF file for llama.cpp, the blocks' linears in TYPE ({', '.join(GGUF_TYPES)}); the LLaMA 3 family only")
     args = ap.parse_args(argv)
-    args.out = args.out or Path("hf" if args.hf else "model.safetensors")
+    if args.hf and args.gguf:
+        ap.error("--hf and --gguf each name the output's format; give one")
+    args.out = args.out or Path("hf" if args.hf else f"model-{args.gguf}.gguf" if args.gguf else "model.safetensors")
     config = args.checkpoint / "config.yaml"
     try:
         if not args.checkpoint.is_dir():
@@ -60,19 +70,28 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{config}: cut off or not YAML ({type(err).__name__}); it tells the model's shape, "
                                   "so the checkpoint cannot be read without it") from None
         adapter = architecture(model_cfg.get("arch", "mini_llm")).hf
-        if args.hf and adapter is None:
-            raise CheckpointError(f"--hf writes a Hugging Face folder, and this checkpoint's model is {model_cfg.get('name')} "
-                                  f"(arch {model_cfg.get('arch', 'mini_llm')}), which has no Hugging Face adapter; drop --hf for a plain safetensors file")
+        wanted = "--hf writes a Hugging Face folder" if args.hf else "--gguf writes llama.cpp's file from the Hugging Face layout" if args.gguf else None
+        if wanted and adapter is None:
+            raise CheckpointError(f"{wanted}, and this checkpoint's model is {model_cfg.get('name')} "
+                                  f"(arch {model_cfg.get('arch', 'mini_llm')}), which has no Hugging Face adapter; drop {'--hf' if args.hf else '--gguf'} for a plain safetensors file")
         _check_writable(args.out, folder=args.hf)
         model = build_model(model_cfg)
-        if args.hf:
+        if args.hf or args.gguf:
             import tempfile
 
             from safetensors.torch import load_file
 
             with tempfile.TemporaryDirectory() as tmp:
                 export_checkpoint(args.checkpoint, Path(tmp) / "model.safetensors", model)
-                adapter.save(model, OmegaConf.to_container(model_cfg, resolve=True), load_file(Path(tmp) / "model.safetensors"), args.out)
+                folder = args.out if args.hf else Path(tmp) / "hf"
+                adapter.save(model, OmegaConf.to_container(model_cfg, resolve=True), load_file(Path(tmp) / "model.safetensors"), folder)
+                if args.gguf:
+                    from src.edge.gguf_file import GGUFError, write_gguf
+
+                    try:
+                        write_gguf(folder, args.out, args.gguf)
+                    except GGUFError as err:
+                        raise CheckpointError(str(err)) from None
         else:
             export_checkpoint(args.checkpoint, args.out, model)
     except CheckpointError as err:
