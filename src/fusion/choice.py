@@ -34,8 +34,8 @@ AUTO_FILE = "kernels_auto.json"
 """kernels=auto's record in the run folder: the choice, its timings and reasons, what the model swapped"""
 OPTIMIZER = "adamw"
 """the diagnosis's op for AdamW's kernels: not a module swap, optim.impl (src/fusion/measure.py)"""
-FP8_HEAD_OP = "linear_cross_entropy"
-"""the fused head whose logits GEMM precision.fp8_head runs in float8"""
+FUSED_HEAD = "linear_cross_entropy"
+"""the fused head + loss: weighed against the loss alone in the run's steps, and the one precision.fp8_head runs in float8"""
 log = logging.getLogger("src.run")
 
 
@@ -54,6 +54,8 @@ class AutoChoice:
     """on a GPU: op -> the rule that picked it where GPU time alone would not have"""
     picks: dict[str, str] = field(default_factory=dict)
     """on a GPU: op -> the candidate chosen (eager, compile, triton, ...; the block: picked, compile or eager)"""
+    head_trial: str = ""
+    """on a GPU: the loss candidate the fused head is weighed against in the run's own steps (head_contest); empty: none"""
 
     def describe(self) -> str:
         return ", ".join(self.ops) or "nothing (no op is memory-bound or latency-limited)"
@@ -140,6 +142,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
                  "this GPU instead, and the timing alone decides (a diagnosis narrows what is timed: `%s`)", cfg.model.name, make_one(cfg))
     module_ops = [op for op in choice.ops if op in REGISTRY]
     fused, compiled, measured, compile_blocks, optimizer, reasons, picks = module_ops, [], {}, bool(cfg.kernels.compile), None, {}, {}
+    head_trial, trial_pairs = "", cfg.kernels.loss_trial
     if OPTIMIZER in choice.ops:
         from src.fusion.measure import optimizer_swappable
 
@@ -147,10 +150,24 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
         if why_not:
             log.info("kernels=auto: the diagnosis calls for AdamW's kernels, and they stay: %s", why_not)
     if measure and (choice.ops or cfg.precision.float8) and cfg.backend.name == "cuda" and _gpu_present():
-        from src.fusion.measure import BLOCK, chosen, graphs_hint, optimizer_chosen
+        from src.fusion.measure import (
+            BLOCK,
+            HEAD_BAND,
+            HEAD_TRIAL_PAIRS,
+            chosen,
+            graphs_hint,
+            head_contest,
+            optimizer_chosen,
+        )
 
         timings = _timings(cfg, list(choice.ops))
         fused, compiled, compile_blocks = chosen(timings)
+        contender = None if cfg.precision.get("fp8_head") else head_contest(timings)  # float8's head is fused whatever the timing
+        if contender is not None and cfg.train.steps > 1 + 2 * max(trial_pairs, HEAD_TRIAL_PAIRS):
+            head_trial, trial_pairs = contender, max(trial_pairs, HEAD_TRIAL_PAIRS)
+            fused = [*fused, FUSED_HEAD]
+            log.info("kernels=auto: the fused head + loss (%s) timed within %d%% of cross_entropy as %s, where the step holds the logits "
+                     "it never does: the run's own steps decide between them (src/fusion/trial.py)", FUSED_HEAD, round(100 * HEAD_BAND), contender)
         optimizer = optimizer_chosen(timings)
         # GPU ms a step per candidate, and beside it ("CANDIDATE.host") the host ms to issue it
         measured = {t.op: {**{k: v for k, v in t.ms.items() if v is not None},
@@ -170,7 +187,7 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
                  " (AdamW's kernels are swapped only where they are timed)" if OPTIMIZER in choice.ops else "")
     kept = with_float8_head(cfg, fused)
     if kept != fused:
-        log.info("kernels=auto: precision.fp8_head=true runs in the fused head and loss (%s): kept beside the choice", FP8_HEAD_OP)
+        log.info("kernels=auto: precision.fp8_head=true runs in the fused head and loss (%s): kept beside the choice", FUSED_HEAD)
     fused = kept
     if cfg.speed.cudagraphs and not compile_blocks and not compiled:
         log.info("kernels=auto: speed.cudagraphs=true replays compiled graphs, and auto compiled nothing; the step launches its kernels one by one")
@@ -181,7 +198,8 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
         cfg.kernels.compiled = compiled
         cfg.kernels.compile = compile_blocks
         cfg.kernels.diagnosis = choice.diagnosis
-    choice = replace(choice, measured=measured, reasons=reasons, picks=picks)  # a copy: choose() caches the diagnosis's
+        cfg.kernels.loss_trial = trial_pairs
+    choice = replace(choice, measured=measured, reasons=reasons, picks=picks, head_trial=head_trial)  # a copy: choose() caches the diagnosis's
     if run_dir is not None:
         write_choice(choice, None, Path(run_dir) / AUTO_FILE, cfg.kernels)
     return choice
@@ -218,9 +236,9 @@ def _timings(cfg: DictConfig, ops: list[str]) -> list:
 def with_float8_head(cfg: DictConfig, fused: list[str]) -> list[str]:
     """auto's fused ops, with the fused head + loss kept where precision.fp8_head asks for it: the float8
     logits GEMM runs only there, so it is the precision setting's to decide, not the timing of the bf16 head."""
-    if not cfg.precision.get("fp8_head") or FP8_HEAD_OP in fused:
+    if not cfg.precision.get("fp8_head") or FUSED_HEAD in fused:
         return list(fused)
-    return [*fused, FP8_HEAD_OP]
+    return [*fused, FUSED_HEAD]
 
 
 def _gpu_present() -> bool:

@@ -276,6 +276,27 @@ def chosen(timings: list[OpTiming]) -> tuple[list[str], list[str], bool]:
     return fused, [t.op for t in ops if t.pick == "compile"], compile_blocks
 
 
+HEAD_BAND = 0.10
+"""The fused head + loss this close to the fastest head + loss timed alone is weighed against it in the
+run's own steps (HEAD_TRIAL_PAIRS pairs, src/fusion/trial.py): it never holds the logits, and what that
+saves in the step (their bytes written and read around the loss, the peak they set) is not in the op
+timed alone, where the two measure alike."""
+HEAD_TRIAL_PAIRS = 2
+
+
+def head_contest(timings: list[OpTiming]) -> str | None:
+    """The loss candidate (triton, compile or eager) that the fused head (linear_cross_entropy) is
+    weighed against in the run's steps: the timed pick where the fused head ran within HEAD_BAND of
+    it; None where the fused head is the pick, failed or is further off."""
+    t = next((t for t in timings if t.op == "cross_entropy"), None)
+    if t is None or t.pick == "linear_cross_entropy":
+        return None
+    fused, best = t.ms.get("linear_cross_entropy"), t.ms.get(t.pick)
+    if fused is None or best is None or fused > best * (1 + HEAD_BAND):
+        return None
+    return t.pick
+
+
 def optimizer_chosen(timings: list[OpTiming]) -> str | None:
     """optim.impl the timings call for: "triton" where it beat torch's AdamW, else None (unchanged)."""
     return "triton" if any(t.op == OPTIMIZER and t.pick == "triton" for t in timings) else None

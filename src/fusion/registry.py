@@ -82,6 +82,9 @@ class FusedModel:
     """the fused loss for the training step, None for F.cross_entropy"""
     loss_in_model: bool = False
     """model(inputs, targets) returns the loss (the head and loss are fused)"""
+    loss_beside_head: Callable | None = None
+    """where the fused head came with a loss of its own chosen too (kernels=auto's head trial): that
+    loss, for steps that compute the logits (the head's forward still gives them) and then the loss"""
 
     def describe(self) -> str:
         return ", ".join([f"{op} x{n}" for op, n in self.swapped.items()] + (["cross_entropy"] if self.loss_fn else []))
@@ -143,4 +146,5 @@ def apply_fused(model: nn.Module, ops: list[str] | None = None, label_smoothing:
     in_model = any(REGISTRY[op].loss_in_model and swapped.get(op) for op in chosen)
     if in_model:
         model.head.label_smoothing = label_smoothing
-    return FusedModel(swapped, None if in_model or not losses else losses[0], in_model)
+    beside = [load(REGISTRY[op].triton.loss) for op in subsumed if op in REGISTRY and REGISTRY[op].triton.loss and op in (ops or [])]
+    return FusedModel(swapped, None if in_model or not losses else losses[0], in_model, beside[0] if in_model and beside else None)

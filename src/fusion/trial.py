@@ -1,4 +1,5 @@
-"""kernels=auto's last word on the fused loss: a few steps of the run itself, picked loss against eager's.
+"""kernels=auto's last word on the loss: a few steps of the run itself, the picked loss against
+eager's, or the fused head + loss against the logits and the loss alone.
 
 auto picks each candidate from timings of that op alone (src/fusion/measure.py). The fused
 cross-entropy can time faster than eager's alone at the seed's shape yet make the seed's step slower:
@@ -19,12 +20,20 @@ that the kept loss runs every step.
 The eager steps hold the logits the fused loss avoids (1.2 GB more at the seed's shape): a run that
 fits only with the fused loss would run out of memory in them, which is one reason the trial runs
 only when asked for (`kernels.loss_trial`).
+
+The head trial is the same schedule between two ways of computing the step's loss that a model with
+the fused head (kernels/triton/linear_cross_entropy.py) can take from step to step: the head and the
+loss in one (the model is called with the targets; no logits exist), or the head's logits and then
+the loss alone (the cross-entropy auto timed fastest alone). auto asks for it where the two timed
+alike alone (src/fusion/measure.py head_contest): what the fused head saves in the step is the
+logits' bytes and the peak they set, which an op timed alone does not show. The fused head stays on
+a tie, as the picked loss does (it holds less memory).
 """
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,14 +69,16 @@ class CudaStepTimer:
 
 @dataclass
 class LossTrial:
-    """The picked loss (`picked`, e.g. the fused cross-entropy) against eager's (None): eager's
-    once at `first`, untimed, then `pairs` timed pairs of steps; `loss_at(step)` is the loss a step
-    runs, `settle(step)` decides once all trial steps are queued and returns the record (None before
-    and after)."""
+    """The picked way of computing the loss (`picked`, e.g. the fused cross-entropy) against `other`
+    (eager's, None, by default): `other` once at `first`, untimed, then `pairs` timed pairs of steps;
+    `loss_at(step)` is what a step runs, `settle(step)` decides once all trial steps are queued and
+    returns the record (None before and after). `names`: how the record and the log call the two."""
 
-    picked: Callable
+    picked: Any
     first: int
     pairs: int
+    other: Any = None
+    names: tuple[str, str] = ("fused", "eager")
     timer: object = field(default_factory=CudaStepTimer)
     kept: bool | None = None
 
@@ -83,12 +94,12 @@ class LossTrial:
         i, second = divmod(step - self.first - 1, 2)
         return (second == 0) == (i % 2 == 0)
 
-    def loss_at(self, step: int) -> Callable | None:
+    def loss_at(self, step: int) -> Any:
         if self.kept is None and step == self.first:
-            return None  # eager's loss once, untimed: its first step's one-time costs stay out of the trial
+            return self.other  # once, untimed: its first step's one-time costs stay out of the trial
         if self.timed(step):
-            return self.picked if self.runs_picked(step) else None
-        return None if self.kept is False else self.picked
+            return self.picked if self.runs_picked(step) else self.other
+        return self.other if self.kept is False else self.picked
 
     def begin(self, step: int) -> None:
         if self.timed(step):
@@ -119,4 +130,5 @@ class LossTrial:
             "picked_ms": picked, "eager_ms": eager,  # this rank's steps
             "picked_median_ms": picked_median, "eager_median_ms": eager_median,  # the slowest rank's
             "kept": "picked" if self.kept else "eager",
+            "names": list(self.names), "kept_name": self.names[0] if self.kept else self.names[1],
         }

@@ -40,8 +40,9 @@ def log_auto_choice(cfg: DictConfig, kernels: FusedModel, run_dir: Path | None, 
     else:  # no diagnosis of this model: preflight timed every fusable op here, and cfg.kernels holds its picks
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
         choice = AutoChoice("", device, {op: [MEASURED_ONLY] for op in measured}, measured, why, picks)
-        log.info("kernels=auto from timing on this GPU (%s), no diagnosis: fused %s, compiled %s", device or "unknown GPU",
-                 ", ".join(cfg.kernels.fused) or "none", ", ".join(cfg.kernels.compiled) or "none")
+        log.info("kernels=auto from timing on this GPU (%s), no diagnosis: fused %s, ops compiled alone %s, blocks %s", device or "unknown GPU",
+                 ", ".join(cfg.kernels.fused) or "none", ", ".join(cfg.kernels.compiled) or "none",
+                 "compiled" if cfg.kernels.compile else "eager")
     for op, reasons in choice.ops.items():
         if op == "adamw":  # not a module: auto's pick is the optimizer's kernels
             note = f"  (optim.impl={cfg.optim.impl})"

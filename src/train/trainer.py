@@ -191,51 +191,66 @@ class Trainer:
             compiled_swapped, compiled_loss = apply_compiled(model, list(cfg.kernels.compiled))
             if compiled_loss is not None and kernels.loss_fn is None and not kernels.loss_in_model:
                 kernels.loss_fn = compiled_loss
+            elif compiled_loss is not None and kernels.loss_in_model:
+                kernels.loss_beside_head = compiled_loss
             if env.is_main:
                 log.info("ops under torch.compile: %s", ", ".join(f"{op} x{n}" for op, n in compiled_swapped.items()) + (" cross_entropy" if compiled_loss else ""))
         return kernels
 
     def _loss_trial(self) -> LossTrial | None:
-        """kernels=auto with the fused Triton loss on a GPU and kernels.loss_trial pairs: the run's
-        own steps decide between it and eager's loss (src/fusion/trial.py), from the step after the
-        first. Not for a resumed run (the decision is not in the checkpoint: the resumed run keeps
-        auto's pick) nor under task=profile (the profiler's cost would fall on the timed steps)."""
-        cfg, env = self.cfg, self.env
+        """kernels=auto on a GPU with kernels.loss_trial pairs: the run's own steps decide
+        (src/fusion/trial.py), from the step after the first, between the fused head + loss and the
+        logits with the loss alone (auto's head trial: the fused head swapped in beside a loss of its
+        own), or else between the fused Triton loss and eager's. Not for a resumed run (the decision
+        is not in the checkpoint: the resumed run keeps auto's pick) nor under task=profile (the
+        profiler's cost would fall on the timed steps)."""
+        cfg, env, k = self.cfg, self.env, self.kernels
         pairs = cfg.kernels.loss_trial
-        fused_loss = "cross_entropy" in selected_ops(cfg.kernels.fused) and self.kernels.loss_fn is not None and not self.kernels.loss_in_model
-        if not (cfg.kernels.auto and pairs and env.device.type == "cuda" and fused_loss):
+        head = k.loss_in_model and not cfg.precision.get("fp8_head")  # float8's logits GEMM runs only in the fused head
+        fused_loss = "cross_entropy" in selected_ops(cfg.kernels.fused) and k.loss_fn is not None and not k.loss_in_model
+        if not (cfg.kernels.auto and pairs and env.device.type == "cuda" and (head or fused_loss)):
             return None
         why_not = ("a resumed run keeps auto's pick" if self.start_step else
                    "task=profile would time the profiler" if cfg.task.name == "profile" else None)
-        trial = LossTrial(self.kernels.loss_fn, 1, pairs)
+        if head:
+            other = "cross_entropy " + ("fused" if "cross_entropy" in selected_ops(cfg.kernels.fused) else
+                                        "compiled" if k.loss_beside_head is not None else "eager")
+            trial = LossTrial((None, True), 1, pairs, other=(k.loss_beside_head, False), names=("fused head", f"logits, {other}"))
+        else:
+            trial = LossTrial((k.loss_fn, False), 1, pairs, other=(None, False))
         if why_not is None and trial.last >= cfg.train.steps:
             why_not = f"{cfg.train.steps} steps leave no room for it (step 1 and {2 * pairs} more)"
         if why_not:
             if env.is_main:
-                log.info("kernels=auto: no loss trial (%s); the fused loss stays, untried", why_not)
+                log.info("kernels=auto: no loss trial (%s); the %s stays, untried", why_not, "fused head" if head else "fused loss")
             return None
         if env.is_main:
-            log.info("kernels=auto: step %d runs eager's loss, steps %d-%d alternate it with the fused loss (kernels.loss_trial=%d); the faster stays",
-                     trial.first, trial.first + 1, trial.last, pairs)
+            log.info("kernels=auto: step %d runs the %s, steps %d-%d alternate it with the %s (kernels.loss_trial=%d); the faster stays",
+                     trial.first, trial.names[1], trial.first + 1, trial.last, trial.names[0], pairs)
         return trial
 
     def _record_loss_trial(self, record: dict) -> None:
         """The trial's timings and decision: the log, MLflow (a tag and two metrics) and kernels_auto.json."""
         if not self.env.is_main:
             return
-        kept = "fused" if record["kept"] == "picked" else "eager"
-        log.info("kernels=auto loss trial, steps %d-%d: fused %.2f ms, eager %.2f ms a step (median, slowest rank) -> %s loss",
-                 *record["steps"], record["picked_median_ms"], record["eager_median_ms"], kept)
-        tags = {"kernels.auto.loss_trial": kept}
-        if kept == "eager":  # the run's fused list no longer has the loss
-            tags["kernels.auto.fused"] = ",".join(op for op in self.cfg.kernels.fused if op != "cross_entropy") or "none"
+        picked_name, other_name = record["names"]
+        kind = "head_trial" if picked_name == "fused head" else "loss_trial"
+        log.info("kernels=auto %s, steps %d-%d: %s %.2f ms, %s %.2f ms a step (median, slowest rank) -> %s",
+                 kind.replace("_", " "), *record["steps"], picked_name, record["picked_median_ms"], other_name, record["eager_median_ms"],
+                 record["kept_name"])
+        kept = record["kept_name"] if kind == "head_trial" else "fused" if record["kept"] == "picked" else "eager"
+        tags = {f"kernels.auto.{kind}": kept}
+        if record["kept"] != "picked":  # the run's fused list no longer has what the trial let go
+            gone = "linear_cross_entropy" if kind == "head_trial" else "cross_entropy"
+            tags["kernels.auto.fused"] = ",".join(op for op in self.cfg.kernels.fused if op != gone) or "none"
         self.tracker.set_tags(tags)
-        self.tracker.log_step(record["steps"][1], {"auto.loss_trial.fused_ms": record["picked_median_ms"],
-                                                   "auto.loss_trial.eager_ms": record["eager_median_ms"]})
+        first, second = ("fused_head_ms", "logits_ms") if kind == "head_trial" else ("fused_ms", "eager_ms")
+        self.tracker.log_step(record["steps"][1], {f"auto.{kind}.{first}": record["picked_median_ms"],
+                                                   f"auto.{kind}.{second}": record["eager_median_ms"]})
         path = self.run_dir / "kernels_auto.json" if self.run_dir is not None else None
         if path is not None and path.exists():
             auto = json.loads(path.read_text())
-            auto["loss_trial_result"] = record
+            auto[f"{kind}_result"] = record
             write_json(path, auto)
             self.tracker.log_artifact(path)
 
@@ -344,7 +359,7 @@ class Trainer:
             group["lr"] = lr
         trial = self.loss_trial
         if trial is not None:
-            self.kernels.loss_fn = trial.loss_at(step)
+            self.kernels.loss_fn, self.kernels.loss_in_model = trial.loss_at(step)
             trial.begin(step)
         with profiled_step() if step == cfg.profile.nvtx_step else contextlib.nullcontext():
             loss, norm = self.train_step(inputs, targets, need_norm=read)

@@ -100,6 +100,55 @@ def test_on_a_gpu_without_a_diagnosis_auto_times_every_fusable_op_and_says_so(tm
         apply_auto_choice(compose_config(["kernels=auto", "kernels.diagnosis=nowhere.json", "backend=cuda", "dist.nproc=1"]), tmp_path)
 
 
+@pytest.mark.parametrize("fused_head_ms, trial", [(0.93, True), (1.2, False)], ids=["within-the-band", "further-off"])
+def test_a_fused_head_that_times_like_the_loss_alone_is_decided_by_the_run_s_own_steps(tmp_path, monkeypatch, caplog, fused_head_ms, trial):
+    """The fused head + loss within HEAD_BAND of the fastest loss timed alone (here 3% slower than the
+    fused cross-entropy): auto keeps both, the loss trial's pairs are set, and the run's steps decide
+    (src/fusion/trial.py); 20% slower, the loss alone is the choice and nothing is tried. float8's head
+    is fused whatever the timing, and never tried."""
+    import logging
+
+    import src.fusion.choice as choice_mod
+    import src.fusion.measure as measure_mod
+    from src.fusion.choice import apply_auto_choice
+    from src.fusion.measure import HEAD_TRIAL_PAIRS
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(choice_mod, "_gpu_present", lambda: True)
+    timer, _ = _stub_timer({("rms_norm", "eager"): 0.10, ("add_rms_norm", "eager"): 0.15, ("swiglu", "eager"): 0.3,
+                            ("head_loss", "eager"): 1.5, ("head_loss", "triton"): 0.9, ("head_loss", "linear_cross_entropy"): fused_head_ms,
+                            ("block", "picked"): 0.5, ("block", "compile"): 0.4})
+    monkeypatch.setattr(measure_mod, "measure_on_gpu", lambda ops, cfg: measure_mod.measure(ops, cfg, timer))
+    cfg = compose_config(["kernels=auto", "model=llama3_tiny", "backend=cuda", "dist.nproc=1", "data.seq_len=64", "train.steps=20"])
+    caplog.set_level(logging.INFO, logger="src.run")
+    choice = apply_auto_choice(cfg, tmp_path, run_dir=tmp_path)
+    assert cfg.kernels.compile  # the block compiled: its ops' own picks drop out
+    if trial:
+        assert list(cfg.kernels.fused) == ["cross_entropy", "linear_cross_entropy"] and cfg.kernels.loss_trial == HEAD_TRIAL_PAIRS
+        assert choice.head_trial == "triton"
+        assert any("the run's own steps decide between them" in r.getMessage() for r in caplog.records)
+    else:
+        assert list(cfg.kernels.fused) == ["cross_entropy"] and cfg.kernels.loss_trial == 0 and choice.head_trial == ""
+    # a run too short for the trial's steps keeps the timed pick alone
+    short = compose_config(["kernels=auto", "model=llama3_tiny", "backend=cuda", "dist.nproc=1", "data.seq_len=64", "train.steps=4"])
+    apply_auto_choice(short, tmp_path)
+    assert list(short.kernels.fused) == ["cross_entropy"] and short.kernels.loss_trial == 0
+
+
+def test_the_fused_head_beside_a_fused_loss_keeps_that_loss_for_the_trial_s_logits_steps():
+    import torch
+
+    from src.fusion.registry import REGISTRY, apply_fused, load
+    from src.models import build_model
+
+    model = build_model(compose_config(["model=llama3_tiny", "model.tie_embeddings=false"]).model)
+    both = apply_fused(model, ["cross_entropy", "linear_cross_entropy"])
+    assert both.loss_in_model and both.loss_fn is None and both.loss_beside_head is load(REGISTRY["cross_entropy"].triton.loss)
+    assert model(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 256)  # the fused head still gives logits
+    alone = apply_fused(build_model(compose_config(["model=llama3_tiny", "model.tie_embeddings=false"]).model), ["linear_cross_entropy"])
+    assert alone.loss_in_model and alone.loss_beside_head is None
+
+
 def test_auto_finds_this_models_diagnosis_swaps_its_ops_and_logs_why(tmp_path):
     # A diagnose run of model=tiny as task=diagnose leaves it: RUN/config.yaml, RUN/diagnose/diagnosis.json.
     run = tmp_path / "outputs" / "2026-11-30" / "00-00-00"

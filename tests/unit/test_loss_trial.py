@@ -62,3 +62,19 @@ def test_the_trial_decides_from_the_run_s_steps(fused_ms, eager_ms, kept, after)
     assert record["picked_ms"] == list(fused_ms) and record["eager_ms"] == list(eager_ms)
     assert record["picked_median_ms"] == pytest.approx(sum(fused_ms) / 2)
     assert trial.loss_at(6) is after and trial.loss_at(100) is after
+
+
+def test_the_head_trial_switches_between_the_fused_head_and_the_logits_with_a_loss_step_by_step():
+    """auto's head trial: each arm is (loss_fn, loss_in_model), what the training step reads; the
+    fused head (the loss in the model) against the logits and the fused cross-entropy."""
+    head, logits = (None, True), (fused, False)
+    timer = StubTimer({2: 70.0, 3: 74.0, 4: 73.8, 5: 70.2})
+    trial = LossTrial(head, first=1, pairs=2, other=logits, names=("fused head", "logits, cross_entropy fused"), timer=timer)
+    assert [trial.loss_at(s) for s in range(0, 6)] == [head, logits, head, logits, logits, head]
+    for step in range(0, 7):
+        trial.loss_at(step)
+        trial.begin(step)
+        trial.end(step)
+        record = trial.settle(step) or (record if step > 5 else None)
+    assert record["kept"] == "picked" and record["kept_name"] == "fused head" and record["names"] == ["fused head", "logits, cross_entropy fused"]
+    assert trial.loss_at(6) == head
