@@ -27,7 +27,7 @@ loss in one (the model is called with the targets; no logits exist), or the head
 the loss alone (the cross-entropy auto timed fastest alone). auto asks for it where the two timed
 alike alone (src/fusion/measure.py head_contest): what the fused head saves in the step is the
 logits' bytes and the peak they set, which an op timed alone does not show. The fused head stays on
-a tie, as the picked loss does (it holds less memory).
+a tie within HEAD_MARGIN, a wider one than the picked loss's (it holds much less memory).
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ import torch.distributed as dist
 # The pick also saves memory (the fused loss never holds fp32 logits), so a tie keeps it; the
 # margin is about the spread of one step's time between neighbouring steps of one setting.
 MARGIN = 0.005
+HEAD_MARGIN = 0.03
+"""The head trial's: the fused head holds none of the logits (gigabytes at a large vocabulary), and
+early steps of a host-bound run measure both arms alike within a few percent while the run's later
+steps part further (benchmarks/notes/2026-12-07-evening.md); so it stays unless more than this slower."""
 
 
 def keep_pick(picked_ms: list[float], eager_ms: list[float], margin: float = MARGIN) -> bool:
@@ -79,6 +83,7 @@ class LossTrial:
     pairs: int
     other: Any = None
     names: tuple[str, str] = ("fused", "eager")
+    margin: float = MARGIN
     timer: object = field(default_factory=CudaStepTimer)
     kept: bool | None = None
 
@@ -124,9 +129,9 @@ class LossTrial:
             dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's: every rank decides alike
             medians = medians.cpu()
         picked_median, eager_median = medians.tolist()
-        self.kept = keep_pick([picked_median], [eager_median])
+        self.kept = keep_pick([picked_median], [eager_median], self.margin)
         return {
-            "steps": [self.first + 1, self.last], "pairs": self.pairs, "margin": MARGIN,
+            "steps": [self.first + 1, self.last], "pairs": self.pairs, "margin": self.margin,
             "picked_ms": picked, "eager_ms": eager,  # this rank's steps
             "picked_median_ms": picked_median, "eager_median_ms": eager_median,  # the slowest rank's
             "kept": "picked" if self.kept else "eager",

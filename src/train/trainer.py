@@ -31,7 +31,7 @@ from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
-from src.fusion.trial import LossTrial
+from src.fusion.trial import HEAD_MARGIN, LossTrial
 from src.models import meta_model
 from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.annotate import profiled_step, step_marker
@@ -215,7 +215,8 @@ class Trainer:
         if head:
             other = "cross_entropy " + ("fused" if "cross_entropy" in selected_ops(cfg.kernels.fused) else
                                         "compiled" if k.loss_beside_head is not None else "eager")
-            trial = LossTrial((None, True), 1, pairs, other=(k.loss_beside_head, False), names=("fused head", f"logits, {other}"))
+            trial = LossTrial((None, True), 1, pairs, other=(k.loss_beside_head, False), names=("fused head", f"logits, {other}"),
+                              margin=HEAD_MARGIN)
         else:
             trial = LossTrial((k.loss_fn, False), 1, pairs, other=(None, False))
         if why_not is None and trial.last >= cfg.train.steps:

@@ -78,3 +78,19 @@ def test_the_head_trial_switches_between_the_fused_head_and_the_logits_with_a_lo
         record = trial.settle(step) or (record if step > 5 else None)
     assert record["kept"] == "picked" and record["kept_name"] == "fused head" and record["names"] == ["fused head", "logits, cross_entropy fused"]
     assert trial.loss_at(6) == head
+
+
+def test_the_head_trial_keeps_the_fused_head_within_its_wider_margin():
+    from src.fusion.trial import HEAD_MARGIN
+
+    timer = StubTimer({2: 89.54, 3: 89.09, 4: 89.09, 5: 89.54})  # the fused head 0.5% slower: past MARGIN, within HEAD_MARGIN
+    trial = LossTrial((None, True), first=1, pairs=2, other=(fused, False), names=("fused head", "logits"), margin=HEAD_MARGIN, timer=timer)
+    loss = LossTrial(fused, first=1, pairs=2, timer=StubTimer({2: 89.54, 3: 89.09, 4: 89.09, 5: 89.54}))
+    for t in (trial, loss):
+        for step in range(0, 6):
+            t.loss_at(step)
+            t.begin(step)
+            t.end(step)
+            t.settle(step)
+    assert trial.kept and trial.loss_at(9) == (None, True)
+    assert loss.kept is False and loss.loss_at(9) is None  # the loss trial's 0.5% margin lets the fused loss go
