@@ -71,11 +71,13 @@ def test_the_head_trial_switches_between_the_fused_head_and_the_logits_with_a_lo
     timer = StubTimer({2: 70.0, 3: 74.0, 4: 73.8, 5: 70.2})
     trial = LossTrial(head, first=1, pairs=2, other=logits, names=("fused head", "logits, cross_entropy fused"), timer=timer)
     assert [trial.loss_at(s) for s in range(0, 6)] == [head, logits, head, logits, logits, head]
+    records = []
     for step in range(0, 7):
         trial.loss_at(step)
         trial.begin(step)
         trial.end(step)
-        record = trial.settle(step) or (record if step > 5 else None)
+        records.append(trial.settle(step))
+    record = records[5]
     assert record["kept"] == "picked" and record["kept_name"] == "fused head" and record["names"] == ["fused head", "logits, cross_entropy fused"]
     assert trial.loss_at(6) == head
 
