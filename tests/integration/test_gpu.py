@@ -229,8 +229,12 @@ def test_cached_launches_give_what_plain_launches_give(op):
 
 def test_kernels_auto_tries_the_fused_loss_against_eagers_in_the_run(tmp_path: Path):
     """kernels=auto kernels.loss_trial=2 on the seed's step: after auto's measurements pick the fused
-    loss, step 1 runs eager's once and steps 2-5 alternate the two (ABBA), and kernels_auto.json and
-    the log say which stayed and why."""
+    loss, step 1 runs the other way once and steps 2-5 alternate the two (ABBA), and kernels_auto.json
+    and the log say which stayed and why. Where the fused head timed within HEAD_BAND of the fused
+    loss, auto swapped it in beside it and the trial is the head trial (HEAD_MARGIN); else eager's
+    loss against the fused one (MARGIN)."""
+    from src.fusion.trial import HEAD_MARGIN, MARGIN
+
     proc = run_cli(["+exp=fsdp4", "dist.nproc=1", "kernels=auto", f"kernels.diagnosis={REPO / 'tests/fixtures/mini_llm_h200_diagnosis.json'}",
                     "kernels.loss_trial=2", "train.steps=7", "tracking=none"], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -238,11 +242,35 @@ def test_kernels_auto_tries_the_fused_loss_against_eagers_in_the_run(tmp_path: P
     record = json.loads(auto.read_text())
     if "cross_entropy" not in record["fused"]:
         pytest.skip(f"auto's op timings on this GPU did not pick the fused loss ({record['fused']}): nothing to try")
-    trial = record["loss_trial_result"]
+    head = "linear_cross_entropy" in record["fused"]
+    trial, margin = (record["head_trial_result"], HEAD_MARGIN) if head else (record["loss_trial_result"], MARGIN)
     assert trial["steps"] == [2, 5] and len(trial["picked_ms"]) == len(trial["eager_ms"]) == 2
     assert all(ms > 1 for ms in trial["picked_ms"] + trial["eager_ms"])  # a step of the seed's model, not an empty event pair
-    assert trial["kept"] == ("picked" if trial["picked_median_ms"] <= trial["eager_median_ms"] * 1.005 else "eager")
-    assert "kernels=auto loss trial, steps 2-5" in proc.stdout + proc.stderr
+    assert trial["kept"] == ("picked" if trial["picked_median_ms"] <= trial["eager_median_ms"] * (1 + margin) else "eager")
+    assert ("kernels=auto head trial, steps 2-5" if head else "kernels=auto loss trial, steps 2-5") in proc.stdout + proc.stderr
+
+
+@needs_capability(8, 0, "the LLaMA 3.2 1B preset trains in bf16")
+def test_kernels_auto_on_llama_3_2_1b_chooses_what_its_preset_pins(tmp_path: Path):
+    """Issue 72's agreement: `+exp=llama3_1b` pins compiled blocks, the fused head + loss and the
+    Triton AdamW; `+exp=llama3_1b kernels=auto` on this GPU must end with the same (its op timings,
+    then the head trial in its own steps). Where they part, the preset or auto is wrong for this GPU."""
+    from src.config.compose import compose_config
+
+    if torch.cuda.get_device_properties(0).total_memory < 40e9:
+        pytest.skip("the preset peaks near 30 GB and auto's timings hold more: a GPU of 40 GB or more")
+    preset = compose_config(["+exp=llama3_1b"])
+    proc = run_cli(["+exp=llama3_1b", "kernels=auto", "train.steps=8", "tracking=none"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (auto,) = list(tmp_path.glob("outputs/*/*/kernels_auto.json"))
+    record = json.loads(auto.read_text())
+    fused = set(record["fused"])
+    if record.get("head_trial_result", {}).get("kept") == "eager":  # the trial let the fused head go
+        fused.discard("linear_cross_entropy")
+    else:
+        fused.discard("cross_entropy")  # the fused head subsumes the loss alone
+    assert record["compile"] == preset.kernels.compile and fused == set(preset.kernels.fused), record
+    assert not record["compiled"]
 
 
 def test_kernels_auto_times_the_float8_block_and_compiles_it(tmp_path: Path):
