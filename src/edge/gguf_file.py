@@ -1,11 +1,13 @@
-"""GGUF, llama.cpp's file, from a Hugging Face folder of the LLaMA 3 family (what `python -m src.export
---hf` writes, or transformers' own): so the weights this project deploys through IREE run in
-llama.cpp too, and the two are compared on the same weights (benchmarks/edge_vs_llama_cpp.py).
+"""GGUF, llama.cpp's file, from a Hugging Face folder of a family llama.cpp runs (what `python -m
+src.export --hf` writes, or transformers' own; each architecture's config names its llama.cpp
+architecture, GGUF_ARCHS in src/models/ARCH/config.py): so the weights this project deploys through
+IREE run in llama.cpp too, and the two are compared on the same weights
+(benchmarks/edge_vs_llama_cpp.py).
 
-The names and layouts are llama.cpp's convert_hf_to_gguf.py's: `blk.N.attn_q` and so on; LLaMA's q
-and k rows permuted from Hugging Face's rotate-half order to the pairwise order llama.cpp's `llama`
-RoPE reads (Qwen2 and Qwen3 use the rotate-half one, NEOX in llama.cpp's words, so theirs stay);
-LLaMA 3.1's RoPE scaling written as the `rope_freqs` factors. The `gguf` package writes the file
+The names and layouts are llama.cpp's convert_hf_to_gguf.py's: `blk.N.attn_q` and so on; for its
+`llama` architecture the q and k rows are permuted from Hugging Face's rotate-half order to the
+pairwise order its RoPE reads (the others here use the rotate-half one, NEOX in llama.cpp's words,
+so theirs stay); LLaMA 3.1's RoPE scaling written as the `rope_freqs` factors. The `gguf` package writes the file
 and quantizes (Q8_0, Q4_0: blocks of 32 along a row, one fp16 scale each).
 
 What is quantized matches the edge modules' `edge.quant` (src/edge/quant.py): the blocks' linear
@@ -27,8 +29,15 @@ import numpy as np
 
 TYPES = ("f16", "q8_0", "q4_0")
 """the tensor types `--gguf` writes the blocks' linear weights in"""
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-"""config.json's architecture -> llama.cpp's"""
+PAIRWISE_ROPE = ("llama",)
+"""llama.cpp's architectures whose RoPE rotates (2i, 2i + 1) pairs: their q and k rows are permuted"""
+
+
+def gguf_archs() -> dict[str, str]:
+    """config.json's architecture -> llama.cpp's, as the architectures' configs declare them."""
+    from src.models.config import arch_configs
+
+    return {hf: gguf for schema in arch_configs().values() for hf, gguf in schema.GGUF_ARCHS.items()}
 
 # Hugging Face's names inside a block -> llama.cpp's
 BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -122,9 +131,10 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
         raise GGUFError(f"{folder}: no config.json there; give a Hugging Face folder (`python -m src.export CHECKPOINT --hf`)")
     config = json.loads(config_path.read_text())
     names = config.get("architectures") or ["?"]
-    arch = ARCHS.get(names[0])
+    known = gguf_archs()
+    arch = known.get(names[0])
     if arch is None:
-        raise GGUFError(f"{folder}: a {names[0]}, and this writer knows {', '.join(ARCHS)}")
+        raise GGUFError(f"{folder}: a {names[0]}, and this writer knows {', '.join(known)}")
     n_heads, n_kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     ggml = gguf.GGMLQuantizationType
@@ -164,7 +174,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
         writer.add_tensor(name, data.astype(np.float16 if kind == ggml.F16 else np.float32))
         written.types[name] = kind.name
 
-    factors = llama3_rope_factors(config) if arch == "llama" else None
+    pairwise = arch in PAIRWISE_ROPE
+    factors = llama3_rope_factors(config) if pairwise else None
     if factors is not None:
         add("rope_freqs.weight", factors, ggml.F32)
     for hf_name, data in tensors.items():
@@ -172,9 +183,9 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
         if name is None:
             raise GGUFError(f"{folder}: tensor {hf_name} has no llama.cpp name in this writer; a {names[0]} has no such tensor")
         stem = name.rsplit(".", 1)[0].split(".")[-1]
-        if arch == "llama" and stem == "attn_q" and name.endswith(".weight"):
+        if pairwise and stem == "attn_q" and name.endswith(".weight"):
             data = llama_permute(data, n_heads)
-        elif arch == "llama" and stem == "attn_k" and name.endswith(".weight"):
+        elif pairwise and stem == "attn_k" and name.endswith(".weight"):
             data = llama_permute(data, n_kv)
         if name in ("token_embd.weight", "output.weight"):
             kind = ggml.F16

@@ -57,6 +57,8 @@ class ModelConfig:
 
     HF_ARCHITECTURES: ClassVar[tuple[str, ...]] = ()
     """the `architectures` of a Hugging Face config.json this architecture reads (none: no adapter)"""
+    GGUF_ARCHS: ClassVar[dict[str, str]] = {}
+    """of HF_ARCHITECTURES, those llama.cpp runs -> its `general.architecture` (python -m src.export --gguf)"""
 
     @classmethod
     def from_hf(cls, config: dict) -> dict:

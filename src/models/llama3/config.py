@@ -34,6 +34,7 @@ class Llama3Config(ModelConfig):
     """biases on the q, k and v projections (Qwen 2.5)"""
 
     HF_ARCHITECTURES: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+    GGUF_ARCHS: ClassVar[dict[str, str]] = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
     @classmethod
     def from_hf(cls, config: dict) -> dict:

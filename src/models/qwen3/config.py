@@ -17,6 +17,7 @@ class Qwen3Config(Llama3Config):
     rope_theta: float = 1000000.0
 
     HF_ARCHITECTURES: ClassVar[tuple[str, ...]] = ("Qwen3ForCausalLM",)
+    GGUF_ARCHS: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "qwen3"}
 
     @classmethod
     def from_hf(cls, config: dict) -> dict:
