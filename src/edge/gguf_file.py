@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,18 +49,6 @@ LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 class GGUFError(ValueError):
     """A folder this writer cannot convert: one line naming what and the way out."""
-
-
-@dataclass
-class Written:
-    path: Path
-    arch: str
-    types: dict[str, str] = field(default_factory=dict)
-    """tensor name -> the type written"""
-
-    @property
-    def bytes(self) -> int:
-        return self.path.stat().st_size
 
 
 def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -120,7 +107,7 @@ def _gguf_name(hf: str) -> str | None:
     return f"blk.{parts[2]}.{BLOCK[inner]}.{kind}" if inner in BLOCK else None
 
 
-def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
+def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> None:
     """The Hugging Face folder `folder` as one GGUF file `out`, the blocks' linears in `qtype`."""
     import gguf
 
@@ -138,8 +125,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
     n_heads, n_kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     ggml = gguf.GGMLQuantizationType
-    block_type = {"f16": ggml.F16, "q8_0": ggml.Q8_0, "q4_0": ggml.Q4_0}[qtype]
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype]
+    block_type, file_type = ggml[qtype.upper()], gguf.LlamaFileType[f"MOSTLY_{qtype.upper()}"]  # TYPES are ggml's names, lower case
 
     tensors = _tensors(folder)
     writer = gguf.GGUFWriter(str(out), arch)
@@ -160,8 +146,6 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_byte_vocab(writer, config["vocab_size"])
 
-    written = Written(out, arch)
-
     def add(name: str, data: np.ndarray, kind) -> None:
         if kind in (ggml.Q8_0, ggml.Q4_0):
             block = gguf.GGML_QUANT_SIZES[kind][0]
@@ -169,10 +153,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
                 kind = ggml.F16  # as convert_hf_to_gguf.py: a row the blocks do not tile stays fp16
             else:
                 writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-                written.types[name] = kind.name
                 return
         writer.add_tensor(name, data.astype(np.float16 if kind == ggml.F16 else np.float32))
-        written.types[name] = kind.name
 
     pairwise = arch in PAIRWISE_ROPE
     factors = llama3_rope_factors(config) if pairwise else None
@@ -183,10 +165,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
         if name is None:
             raise GGUFError(f"{folder}: tensor {hf_name} has no llama.cpp name in this writer; a {names[0]} has no such tensor")
         stem = name.rsplit(".", 1)[0].split(".")[-1]
-        if pairwise and stem == "attn_q" and name.endswith(".weight"):
-            data = llama_permute(data, n_heads)
-        elif pairwise and stem == "attn_k" and name.endswith(".weight"):
-            data = llama_permute(data, n_kv)
+        if pairwise and stem in ("attn_q", "attn_k") and name.endswith(".weight"):
+            data = llama_permute(data, n_heads if stem == "attn_q" else n_kv)
         if name in ("token_embd.weight", "output.weight"):
             kind = ggml.F16
         elif stem in LINEARS and name.endswith(".weight"):
@@ -198,7 +178,6 @@ def write_gguf(folder: Path, out: Path, qtype: str = "f16") -> Written:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return written
 
 
 def _add_byte_vocab(writer, vocab_size: int) -> None:
