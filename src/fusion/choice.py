@@ -163,7 +163,9 @@ def apply_auto_choice(cfg: DictConfig, cwd: str | Path, measure: bool = True, ru
         timings = _timings(cfg, list(choice.ops))
         fused, compiled, compile_blocks = chosen(timings)
         contender = None if cfg.precision.get("fp8_head") else head_contest(timings)  # float8's head is fused whatever the timing
-        if contender is not None and cfg.train.steps > 1 + 2 * max(trial_pairs, HEAD_TRIAL_PAIRS):
+        from src.fusion.trial import room
+
+        if contender is not None and room(cfg.train.steps, max(trial_pairs, HEAD_TRIAL_PAIRS)):
             head_trial, trial_pairs = contender, max(trial_pairs, HEAD_TRIAL_PAIRS)
             fused = [*fused, FUSED_HEAD]
             log.info("kernels=auto: the fused head + loss (%s) timed within %d%% of cross_entropy as %s, where the step holds the logits "

@@ -140,11 +140,12 @@ def apply_fused(model: nn.Module, ops: list[str] | None = None, label_smoothing:
     if unknown:
         raise ValueError(f"no fused Triton variant for {', '.join(unknown)}; there are: {', '.join(REGISTRY)}")
     subsumed = {r for op in chosen for r in REGISTRY[op].replaces}
+    beside = [op for op in chosen if op in subsumed and REGISTRY[op].triton.loss]  # a loss chosen with the head that replaces it
     chosen = [op for op in chosen if op not in subsumed]
     swapped = {op: load(REGISTRY[op].triton.modules)(model) for op in chosen if REGISTRY[op].triton.modules}
     losses = [load(REGISTRY[op].triton.loss) for op in chosen if REGISTRY[op].triton.loss]
     in_model = any(REGISTRY[op].loss_in_model and swapped.get(op) for op in chosen)
     if in_model:
         model.head.label_smoothing = label_smoothing
-    beside = [load(REGISTRY[op].triton.loss) for op in subsumed if op in REGISTRY and REGISTRY[op].triton.loss and op in (ops or [])]
-    return FusedModel(swapped, None if in_model or not losses else losses[0], in_model, beside[0] if in_model and beside else None)
+    return FusedModel(swapped, None if in_model or not losses else losses[0], in_model,
+                      load(REGISTRY[beside[0]].triton.loss) if in_model and beside else None)

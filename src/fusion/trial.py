@@ -47,6 +47,11 @@ early steps of a host-bound run measure both arms alike within a few percent whi
 steps part further (benchmarks/notes/2026-12-07-evening.md); so it stays unless more than this slower."""
 
 
+def room(steps: int, pairs: int, first: int = 1) -> bool:
+    """Whether a run of `steps` steps holds a trial of `pairs` pairs from step `first` (LossTrial.last before its end)."""
+    return first + 2 * pairs < steps
+
+
 def keep_pick(picked_ms: list[float], eager_ms: list[float], margin: float = MARGIN) -> bool:
     """Whether the pick stays: its median step no more than `margin` slower than eager's."""
     return statistics.median(picked_ms) <= statistics.median(eager_ms) * (1 + margin)

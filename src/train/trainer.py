@@ -31,7 +31,7 @@ from src.distributed.env import build_mesh, init_distributed, launched_as_worker
 from src.distributed.launch import ERROR_NOTE
 from src.distributed.parallelize import parallelize
 from src.fusion.registry import FusedModel, apply_fused, selected_ops
-from src.fusion.trial import HEAD_MARGIN, LossTrial
+from src.fusion.trial import HEAD_MARGIN, LossTrial, room
 from src.models import meta_model
 from src.profiling.anatomy import metrics as anatomy_metrics
 from src.profiling.annotate import profiled_step, step_marker
@@ -219,7 +219,7 @@ class Trainer:
                               margin=HEAD_MARGIN)
         else:
             trial = LossTrial((k.loss_fn, False), 1, pairs, other=(None, False))
-        if why_not is None and trial.last >= cfg.train.steps:
+        if why_not is None and not room(cfg.train.steps, pairs, trial.first):
             why_not = f"{cfg.train.steps} steps leave no room for it (step 1 and {2 * pairs} more)"
         if why_not:
             if env.is_main:
