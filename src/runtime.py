@@ -11,6 +11,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 
+def installed_version(distribution: str) -> str:
+    """The installed version of a pip distribution (what cache keys record); "" where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return ""
+
+
 @dataclass
 class RunContext:
     run_dir: str | None

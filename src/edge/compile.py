@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from src.edge.model import EdgeLM
+from src.runtime import installed_version
 
 log = logging.getLogger("src.edge")
 
@@ -102,8 +103,8 @@ def module_key(model: dict, batch: int, prompt_len: int, max_seq: int, dtype: st
     import iree.compiler
     import iree.turbine
 
-    versions = {"iree": getattr(iree.compiler, "__version__", "") or _dist_version("iree-base-compiler"),
-                "turbine": _dist_version("iree-turbine"), "torch": torch.__version__, "code": _code_hash()}
+    versions = {"iree": getattr(iree.compiler, "__version__", "") or installed_version("iree-base-compiler"),
+                "turbine": installed_version("iree-turbine"), "torch": torch.__version__, "code": _code_hash()}
     blob = json.dumps({"schema": SCHEMA, "model": model, "batch": batch, "prompt_len": prompt_len, "max_seq": max_seq,
                        "dtype": dtype, "quant": quant or {"format": "none"}, "device": device, "functions": functions, "flags": [f for f in flags if "dump-executable" not in f], **versions,
                        **({"matvec_rows": matvec_rows} if matvec_rows else {})}, sort_keys=True)
@@ -124,15 +125,6 @@ def _code_hash() -> str:
         digest.update(path.read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]
-
-
-def _dist_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return ""
 
 
 def export_module(lm: EdgeLM, prompt_len: int, mlir: Path, functions: tuple[str, ...] = FUNCTIONS) -> None:

@@ -39,12 +39,9 @@ def _compiler() -> str | None:
 
 
 def compiler_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from src.runtime import installed_version
 
-    try:
-        return version("iree-base-compiler")
-    except PackageNotFoundError:
-        return "(version unknown)"
+    return installed_version("iree-base-compiler") or "(version unknown)"
 
 
 @functools.cache

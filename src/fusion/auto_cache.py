@@ -17,10 +17,11 @@ import json
 import os
 import subprocess
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from src.runtime import installed_version
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = ("kernels/triton", "src/fusion", "src/models")
@@ -63,17 +64,10 @@ def code_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def _version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return ""
-
-
 def machine(gpu: str | None = None) -> dict:
     import torch
 
-    return {"gpu": gpu_name() if gpu is None else gpu, "torch": torch.__version__, "triton": _version("triton"), "code": code_hash()}
+    return {"gpu": gpu_name() if gpu is None else gpu, "torch": torch.__version__, "triton": installed_version("triton"), "code": code_hash()}
 
 
 def run_key(cfg: DictConfig, ops: list[str]) -> dict:
