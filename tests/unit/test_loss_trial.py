@@ -27,6 +27,17 @@ class StubTimer:
         return {s: self.ms[s] for s in self.timed}
 
 
+def run_steps(trial: LossTrial, steps: int) -> list[dict | None]:
+    """Steps 0 .. steps-1 as the trainer drives them: the loss, the timer around the step, then settle."""
+    records = []
+    for step in range(steps):
+        trial.loss_at(step)
+        trial.begin(step)
+        trial.end(step)
+        records.append(trial.settle(step))
+    return records
+
+
 def test_keep_pick_keeps_the_faster_and_a_tie():
     assert keep_pick([70.0, 71.0], [72.0, 73.0])
     assert keep_pick([72.0 * (1 + MARGIN)], [72.0])  # within the margin: the pick (and its memory saving) stays
@@ -49,12 +60,7 @@ def test_the_trial_decides_from_the_run_s_steps(fused_ms, eager_ms, kept, after)
     ms = {1: 500.0, 2: fused_ms[0], 3: eager_ms[0], 4: eager_ms[1], 5: fused_ms[1], 9: 1000.0}  # step 1: eager's first, slow
     timer = StubTimer(ms)
     trial = LossTrial(fused, first=1, pairs=2, timer=timer)
-    records = []
-    for step in range(0, 8):
-        trial.loss_at(step)
-        trial.begin(step)
-        trial.end(step)
-        records.append(trial.settle(step))
+    records = run_steps(trial, 8)
     assert timer.timed == [2, 3, 4, 5]  # only the trial's timed steps: not eager's first
     assert records[:5] == [None] * 5 and records[6:] == [None, None]  # decided once, after step 5
     record = records[5]
@@ -71,13 +77,7 @@ def test_the_head_trial_switches_between_the_fused_head_and_the_logits_with_a_lo
     timer = StubTimer({2: 70.0, 3: 74.0, 4: 73.8, 5: 70.2})
     trial = LossTrial(head, first=1, pairs=2, other=logits, names=("fused head", "logits, cross_entropy fused"), timer=timer)
     assert [trial.loss_at(s) for s in range(0, 6)] == [head, logits, head, logits, logits, head]
-    records = []
-    for step in range(0, 7):
-        trial.loss_at(step)
-        trial.begin(step)
-        trial.end(step)
-        records.append(trial.settle(step))
-    record = records[5]
+    record = run_steps(trial, 7)[5]
     assert record["kept"] == "picked" and record["kept_name"] == "fused head" and record["names"] == ["fused head", "logits, cross_entropy fused"]
     assert trial.loss_at(6) == head
 
@@ -89,10 +89,6 @@ def test_the_head_trial_keeps_the_fused_head_within_its_wider_margin():
     trial = LossTrial((None, True), first=1, pairs=2, other=(fused, False), names=("fused head", "logits"), margin=HEAD_MARGIN, timer=timer)
     loss = LossTrial(fused, first=1, pairs=2, timer=StubTimer({2: 89.54, 3: 89.09, 4: 89.09, 5: 89.54}))
     for t in (trial, loss):
-        for step in range(0, 6):
-            t.loss_at(step)
-            t.begin(step)
-            t.end(step)
-            t.settle(step)
+        run_steps(t, 6)
     assert trial.kept and trial.loss_at(9) == (None, True)
     assert loss.kept is False and loss.loss_at(9) is None  # the loss trial's 0.5% margin lets the fused loss go
