@@ -151,6 +151,11 @@ def _torch(art: Path, tokens_by_prompt: dict[int, Any], quality_tokens, compiled
     return row
 
 
+def _error(err: Exception) -> dict[str, str]:
+    """A row that failed, in one line: the rest of the grid goes on."""
+    return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+
+
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
@@ -191,14 +196,14 @@ def run(artifacts: Path, out: Path, steps: int, warmup: int, repeats: int, flags
                 else:
                     row = _llama_cpp(artifacts / f"model-{gguf}.gguf", tokens_by_prompt, quality_tokens, warmup, repeats)
             except Exception as err:  # one failed row, the rest go on
-                row = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+                row = _error(err)
             rows.append({"runner": runner, "format": quant if runner == "iree" else gguf, "seconds": time.perf_counter() - t0, **row})
             print(json.dumps(rows[-1]), flush=True)
     for compiled in (False, True):
         try:
             row = _torch(artifacts / f"iree-none-p{PROMPTS[0]}", tokens_by_prompt, quality_tokens, compiled, warmup, repeats)
         except Exception as err:
-            row = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+            row = _error(err)
         rows.append({"runner": "torch.compile" if compiled else "torch eager", "format": "fp16", **row})
         print(json.dumps(rows[-1]), flush=True)
     table = markdown(rows)
