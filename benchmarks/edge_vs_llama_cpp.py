@@ -194,7 +194,7 @@ def run(artifacts: Path, out: Path, steps: int, warmup: int, repeats: int, flags
                         "perplexity_fp32": first.get("perplexity_fp32"),
                         **{f"ttft_p{p}_ms": got[p].get("ttft_p50_ms") for p in PROMPTS}}
                 else:
-                    row = _llama_cpp(artifacts / f"model-{gguf}.gguf", tokens_by_prompt, quality_tokens, warmup, repeats)
+                    row = _llama_cpp(out / f"model-{gguf}.gguf", tokens_by_prompt, quality_tokens, warmup, repeats)
             except Exception as err:  # one failed row, the rest go on
                 row = _error(err)
             rows.append({"runner": runner, "format": quant if runner == "iree" else gguf, "seconds": time.perf_counter() - t0, **row})

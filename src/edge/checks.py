@@ -2,6 +2,7 @@
 and target that can run here, refused with the value and the fix before anything starts."""
 from __future__ import annotations
 
+import json
 import os
 
 from omegaconf import DictConfig, OmegaConf
@@ -76,6 +77,12 @@ def check_infer(cfg: DictConfig, backend: str, cuda_device_count: int, mps_avail
             manifest = os.path.join(e.artifacts, "manifest.json")
             if not e.artifacts or not os.path.isfile(manifest):
                 raise ConfigError(f"edge.artifacts={e.artifacts or '(empty)'}: no manifest.json there; make the artifacts with edge.action=compile")
+            with open(manifest) as f:
+                m = json.load(f)
+            room = m["max_seq"] - m["prompt_len"]
+            if e.decode_steps > room:
+                raise ConfigError(f"edge.decode_steps={e.decode_steps}: the module at {e.artifacts} caches {m['max_seq']} positions, "
+                                  f"its prompt {m['prompt_len']}; use edge.decode_steps<={room}, or compile with a larger edge.decode_steps")
         else:
             spec = vulkan_target(target)
             if spec is None:

@@ -17,6 +17,10 @@ one) comes before the head. With what ahead-of-time compilers need:
   takes one token per sequence and a position, and writes that position of every layer with one
   `index_copy_` (a scatter into the global, done in place by IREE). Attention reads the position
   being written through a one-hot select, so each layer needs only the old cache.
+- RMSNorm squares and sums in fp32 whatever the weights' dtype (FP32RMSNorm), as torch's own
+  kernels and Hugging Face's LLaMA do: torch-mlir lowers `rms_norm` in its input's dtype, and a
+  trained model's residual rows have sums of squares past fp16's largest value, which overflow to
+  inf and zero the normed row (and every logit after it).
 - Greedy sampling inside the module (`greedy_token`): each call returns the argmax token (int32, one per sequence)
   for the host to read, and the logits as a device buffer the host reads only to check them.
   `decode_token` returns the token alone: its logits stay a transient of the call, so a timed step
@@ -35,6 +39,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from src.models.layers import add_norm
 
@@ -49,6 +54,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # softmax in fp32: fp16 scores of a 256-wide row would round the normaliser to 11 bits
     probs = torch.softmax((scores + mask).float(), dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
+
+
+class FP32RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm computed in fp32 and returned in the input's dtype; the same parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), self.normalized_shape, weight, self.eps).to(x.dtype)
 
 
 GREEDY_CHUNK = 128
@@ -77,6 +90,9 @@ def greedy_token(logits: torch.Tensor) -> torch.Tensor:
 class EdgeLM(nn.Module):
     def __init__(self, model: nn.Module, max_seq: int, batch: int = 1):
         super().__init__()
+        for norm in model.modules():
+            if type(norm) is nn.RMSNorm:
+                norm.__class__ = FP32RMSNorm  # in place: the parameters and their names stay
         self.model = model
         self.max_seq = max_seq
         attn = model.layers[0].attn

@@ -102,6 +102,26 @@ def test_the_llama_family_with_rope_and_grouped_kv_cache_matches_torch_on_vulkan
     in_own_process(_llama_matches_torch, tmp_path, cache)
 
 
+def _large_residual_matches_torch_in_fp16(tmp_path: Path, cache: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from src.config.compose import compose_config
+
+    model = OmegaConf.to_container(compose_config(["model=llama3_tiny"]).model, resolve=True)
+    ref = reference_model(model, {"seed": 0}, PROMPT + STEPS, BATCH)
+    with torch.no_grad():  # the first block's MLP writes rows ~40 per entry: sums of squares past fp16's largest value
+        ref.model.layers[0].ffn.down.weight.mul_(20_000)
+    artifacts = build(copy.deepcopy(ref).half(), model, PROMPT, "fp16", "vulkan", "llvmpipe", "", tmp_path / "art", cache)
+    _generates_torch_tokens(IreeRunner(artifacts, "vulkan"), ref, "fp16")
+
+
+@needs_vulkan
+def test_a_residual_stream_past_fp16s_range_normalises_as_in_fp32(tmp_path, cache):
+    """A trained model's residual rows square and sum past 65504: an fp16 RMSNorm overflows to inf
+    and zeroes every logit after it (relative error 1). The module's norms compute in fp32."""
+    in_own_process(_large_residual_matches_torch_in_fp16, tmp_path, cache)
+
+
 @needs_vulkan
 def test_no_growing_hoists_by_default_take_the_constant_copy_and_its_gpu_wait_out_of_decode(tmp_path, cache):
     in_own_process(_no_growing_hoists_match_torch, tmp_path, cache)
@@ -319,6 +339,16 @@ def test_a_module_that_cannot_run_here_is_one_line(change, line, tmp_path, cache
         # the module never loaded: one runner tried (a lost device is the only error tried again)
         (measured,) = [json.loads(p.read_text()) for p in tmp_path.glob("outputs/*/*/edge_summary.json")]
         assert measured["status"] == "failed" and measured["device_tries"] == 1
+
+
+@needs_vulkan
+def test_a_decode_longer_than_the_modules_cache_is_refused_before_it_starts(tmp_path, cache, compile_run):
+    """The module caches prompt + its compile's decode steps; more decode steps would index past it."""
+    art = _compiled(tmp_path, compile_run)
+    proc = _cli(["edge.action=run", f"edge.artifacts={art}", f"edge.decode_steps={STEPS + 5}"], tmp_path, cache)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: edge.decode_steps={STEPS + 5}: the module at {art} caches "
+                                                           f"{PROMPT + STEPS} positions, its prompt {PROMPT}; use edge.decode_steps<={STEPS}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 @needs_vulkan
