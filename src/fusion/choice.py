@@ -231,8 +231,16 @@ def _timings(cfg: DictConfig, ops: list[str]) -> list:
     start = time.perf_counter()
     timings = measure_on_gpu(ops, cfg)
     kept = f"; kept in {cache.store(timings)}" if cache is not None else " (the GPU has no name NVML gives: not kept)"
-    log.info("kernels=auto: timed in %.0f s%s", time.perf_counter() - start, kept)
+    log.info("kernels=auto: timed in %s%s", search_seconds(timings, time.perf_counter() - start), kept)
     return timings
+
+
+def search_seconds(timings: list, total: float) -> str:
+    """Where the search's wall time went: each op's candidates (built, compiled, timed), and the rest
+    (the timing process's start: torch, CUDA and the model's config)."""
+    parts = [f"{t.op} {t.seconds:.0f}" for t in timings]
+    rest = total - sum(t.seconds for t in timings)
+    return f"{total:.0f} s ({', '.join([*parts, f'the process {rest:.0f}'])})"
 
 
 def with_float8_head(cfg: DictConfig, fused: list[str]) -> list[str]:

@@ -49,6 +49,7 @@ runs and graphs are off, the log says so and names the setting (graphs_hint).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -93,6 +94,8 @@ class OpTiming:
     """eager, compile, triton, or linear_cross_entropy (the loss only)"""
     why: str = ""
     """where the pick is not GPU time's: the rule that decided (the block: HOST_CHARGED, FLOAT8_EAGER_BLOCKS)"""
+    seconds: float = 0.0
+    """wall seconds its candidates took where they were timed: building, compiling and timing them"""
 
 
 def uses(cfg: DictConfig) -> dict[str, list[Use]]:
@@ -250,7 +253,7 @@ def block_paid_ms(timing: OpTiming) -> dict[str, float | None]:
 def _timed(op: str, op_uses: list[Use], candidates: tuple[str, ...], timer: Timer, base: str = "eager") -> OpTiming:
     """Each candidate's ms per step over `op_uses`, and the pick; a candidate that fails to run (a
     compile error) is None, never chosen."""
-    timing = OpTiming(op)
+    timing, start = OpTiming(op), time.perf_counter()
     for candidate in candidates:
         try:
             times = [(use.per_step, timer(use, candidate)) for use in op_uses]
@@ -263,6 +266,7 @@ def _timed(op: str, op_uses: list[Use], candidates: tuple[str, ...], timer: Time
         hosts = [n * host for n, (_, host) in pairs if host is not None]
         timing.host_ms[candidate] = sum(hosts) if len(hosts) == len(pairs) else None
     timing.pick = pick(timing.ms, base=base)
+    timing.seconds = time.perf_counter() - start
     return timing
 
 

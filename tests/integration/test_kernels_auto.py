@@ -228,6 +228,29 @@ def test_auto_measures_each_use_per_step_and_picks_the_fastest():
     assert chosen(list(timings.values())) == (["linear_cross_entropy"], ["rms_norm"], False)
 
 
+def test_the_search_says_where_its_time_went_op_by_op():
+    """Each op's candidates are clocked where they are timed (built, compiled, timed), and the log's
+    line splits the search's wall time into them and the timing process's own start."""
+    import time
+
+    from src.fusion.choice import search_seconds
+    from src.fusion.measure import measure
+
+    table = {("rms_norm", c): 0.1 for c in ("eager", "compile", "triton")} | {("add_rms_norm", c): 0.1 for c in ("eager", "compile", "triton")}
+    table |= {("block", "picked"): 5.0, ("block", "compile"): 4.0}
+    timer, _ = _stub_timer(table)
+
+    def slow_block(use, candidate):
+        if use.case == "block":
+            time.sleep(0.2)  # a compile
+        return timer(use, candidate)
+
+    timings = {t.op: t for t in measure(["rms_norm"], _seed_cfg(), slow_block)}
+    assert timings["block"].seconds >= 0.4 and timings["rms_norm"].seconds < timings["block"].seconds
+    line = search_seconds([timings["rms_norm"], timings["block"]], 5.0)
+    assert line == f"5 s (rms_norm {timings['rms_norm'].seconds:.0f}, block {timings['block'].seconds:.0f}, the process {5.0 - timings['rms_norm'].seconds - timings['block'].seconds:.0f})"
+
+
 def test_a_compiled_block_that_beats_the_picks_subsumes_the_in_block_ops():
     from src.fusion.measure import chosen, measure
 
