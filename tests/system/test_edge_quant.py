@@ -145,8 +145,13 @@ def _generates(dtype: str, quant: str, tmp_path: Path, cache: Path) -> dict:
     fed = gen.tokens[:-1]
     quantized = quantized_copy(ref, settings["quant"])
     share, same_steps = agreement(gen.tokens, torch_greedy(copy.deepcopy(ref), tokens, STEPS))
-    _, same_format_steps = agreement(gen.tokens, torch_greedy(deployed(ref, settings), tokens, STEPS))
-    return {"same_format_steps": same_format_steps,"rel_err": max(relative_errors(gen.logits, reference_logits(copy.deepcopy(ref), tokens, fed))),
+    same_format = reference_logits(deployed(ref, settings), tokens, fed)  # torch in the module's dtype and weights, fed its tokens
+    errors = relative_errors(gen.logits, same_format)
+    # a token other than torch's argmax where torch's top logit leads it by more than twice the
+    # module's error at that step: a near-tie of random weights parts the two, a wrong module does more
+    departures = [(step, b) for step, (got, want, err) in enumerate(zip(gen.tokens, same_format, errors)) for b in range(len(got))
+                  if want[b].max() - want[b][got[b]] > 2 * err * np.abs(want[b]).max()]
+    return {"format_departures": departures, "rel_err": max(relative_errors(gen.logits, reference_logits(copy.deepcopy(ref), tokens, fed))),
             "rel_err_vs_quantized": max(relative_errors(gen.logits, reference_logits(quantized, tokens, fed))),
             "token_agreement": share, "same_tokens_steps": same_steps, "manifest": art.manifest}
 
@@ -159,8 +164,9 @@ def test_each_format_is_within_its_tolerance_of_torch_on_lavapipe(dtype, quant, 
     # the device computes what was quantized: against the quantized torch model, the dtype's own tolerance
     assert got["rel_err_vs_quantized"] <= TOLERANCE[dtype], got
     assert got["manifest"]["quant"] == quant_setting(quant, 32, fused=False) and (quant == "none") == ("int" not in got["manifest"]["variant"])
-    # torch's greedy tokens in the same format (dtype and weights) at every one of the 32 decode steps
-    assert got["same_format_steps"] == STEPS + 1, got
+    # torch's greedy tokens in the same format (dtype and weights), fed the module's, at every one of
+    # the 32 decode steps, but where torch's top two logits are closer than the module's error
+    assert got["format_departures"] == [], got
     if quant != "int4":
         # against fp32 torch unquantized they part where its two best logits are closer than the
         # format's error: at step 14 of this prompt fp32's top two differ by 2.5e-6 of a largest
