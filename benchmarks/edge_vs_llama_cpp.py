@@ -90,8 +90,10 @@ def _edge_run(art: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     """This project's module through task=infer edge.action=run: its summary (timings, perplexity)."""
     run_dir = out / f"iree-{art.name}"
     flag_list = "[" + ",".join(f'"{f}"' for f in flags) + "]"
+    manifest = json.loads((art / "manifest.json").read_text())
+    steps = manifest["max_seq"] - manifest["prompt_len"]  # the decode steps its cache holds
     proc = subprocess.run([sys.executable, "-m", "src.run", "task=infer", "backend=vulkan", *MODEL, "edge.action=run", f"edge.artifacts={art}",
-                           f"edge.runtime_flags={flag_list}", "tracking=none", f"hydra.run.dir={run_dir}"],
+                           f"edge.decode_steps={steps}", f"edge.runtime_flags={flag_list}", "tracking=none", f"hydra.run.dir={run_dir}"],
                           capture_output=True, text=True, timeout=900)
     path = run_dir / "summary.json"
     if proc.returncode != 0 or not path.is_file():
