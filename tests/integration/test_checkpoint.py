@@ -54,13 +54,14 @@ def test_keep_last_and_only_complete_checkpoints(straight: Path):
     assert [s["step"] for s in saves] == [5, 10] and all(s["total_s"] > 0 for s in saves)
 
 
-def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path: Path, straight: Path):
+def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path: Path, straight: Path, mlflow_store):
     ck = tmp_path / "ck"
     first = tmp_path / "first"
     first.mkdir()
     assert run_cli([*BASE, "train.steps=5", f"checkpoint.folder={ck}", "tracking=none"], cwd=first).returncode == 0
     second = tmp_path / "second"
     second.mkdir()
+    mlflow_store(second)
     proc = run_cli([*BASE, f"checkpoint.folder={ck}"], cwd=second)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = read_summary(second)
@@ -73,7 +74,8 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path: Path, straight: P
     assert run.data.tags["resumed_at_step"] == "5"
 
 
-def test_a_killed_rank_restarts_and_resumes_to_the_same_weights(workdir: Path, straight: Path):
+def test_a_killed_rank_restarts_and_resumes_to_the_same_weights(workdir: Path, straight: Path, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli([*BASE, "dist.max_restarts=1", "fault.kind=kill", "fault.rank=1", "fault.step=7", f"checkpoint.folder={workdir / 'ck'}"], cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = read_summary(workdir)
@@ -90,8 +92,9 @@ def test_a_killed_rank_restarts_and_resumes_to_the_same_weights(workdir: Path, s
     assert (_run_dir(workdir) / "curves.png").exists()
 
 
-def test_a_run_finished_after_a_restart_keeps_no_error_tag(workdir: Path):
+def test_a_run_finished_after_a_restart_keeps_no_error_tag(workdir: Path, mlflow_store):
     """Rank 0 raises, ends the MLflow run FAILED with its error, and the restart finishes it."""
+    mlflow_store(workdir)
     proc = run_cli(["precision=fp32", "train.steps=4", "checkpoint.enabled=true", "checkpoint.interval=2", "dist.max_restarts=1",
                     "fault.kind=raise", "fault.rank=0", "fault.step=3", "tracking.system_metrics=false"], cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -222,7 +225,8 @@ def test_two_rank_checkpoint_loads_in_one_process_and_exports_for_inference(tmp_
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
 
 
-def test_a_nan_loss_fails_the_run_with_its_step_and_saves_no_nan_checkpoint(workdir: Path):
+def test_a_nan_loss_fails_the_run_with_its_step_and_saves_no_nan_checkpoint(workdir: Path, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli([*BASE, "checkpoint.interval=2", "fault.kind=nan", "fault.rank=0", "fault.step=3", f"checkpoint.folder={workdir / 'ck'}"], cwd=workdir)
     assert proc.returncode == 1
     assert "non-finite loss nan" in proc.stderr and "at step 3" in proc.stderr
@@ -233,7 +237,8 @@ def test_a_nan_loss_fails_the_run_with_its_step_and_saves_no_nan_checkpoint(work
     assert "killed by signal" not in run.data.tags["error"]  # the cause, never a peer's abort (once seen under load)
 
 
-def test_nonfinite_skip_drops_the_step_warns_and_counts_it(workdir: Path):
+def test_nonfinite_skip_drops_the_step_warns_and_counts_it(workdir: Path, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli([*BASE, "train.nonfinite=skip", "fault.kind=nan", "fault.rank=0", "fault.step=3"], cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     weights = load_file(str(_run_dir(workdir) / "model.safetensors"))

@@ -40,7 +40,8 @@ def test_a_faked_group_shards_each_parameter_as_rank_0_of_that_group(tmp_path: P
         shutdown()
 
 
-def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path, capsys):
+def test_a_faked_two_gpu_run_trains_in_this_process_and_says_so(workdir: Path, capsys, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli(["dist.nproc=2", "dist.fake=true", "train.steps=4", "tracking.uri=sqlite:///mlflow.db"], workdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(workdir)

@@ -21,7 +21,8 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a m
 
 
 @cpu_only
-def test_every_op_and_variant_is_timed_checked_and_logged(tmp_path):
+def test_every_op_and_variant_is_timed_checked_and_logged(tmp_path, mlflow_store):
+    mlflow_store(tmp_path)
     proc = run_cli(["task=kernel_bench", SHAPES, "kernel_bench.providers=[eager,triton,liger]", *FAST], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]

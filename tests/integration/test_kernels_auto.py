@@ -149,7 +149,7 @@ def test_the_fused_head_beside_a_fused_loss_keeps_that_loss_for_the_trial_s_logi
     assert alone.loss_in_model and alone.loss_beside_head is None
 
 
-def test_auto_finds_this_models_diagnosis_swaps_its_ops_and_logs_why(tmp_path):
+def test_auto_finds_this_models_diagnosis_swaps_its_ops_and_logs_why(tmp_path, mlflow_store):
     # A diagnose run of model=tiny as task=diagnose leaves it: RUN/config.yaml, RUN/diagnose/diagnosis.json.
     run = tmp_path / "outputs" / "2026-11-30" / "00-00-00"
     (run / "diagnose").mkdir(parents=True)
@@ -160,6 +160,7 @@ def test_auto_finds_this_models_diagnosis_swaps_its_ops_and_logs_why(tmp_path):
     shutil.copy(FIXTURE, other / "diagnose" / "diagnosis.json")
     (other / "config.yaml").write_text(OmegaConf.to_yaml(compose_config(["model=mini_llm"])))
 
+    mlflow_store(tmp_path)
     proc = run_cli(["kernels=auto", *TINY], cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -54,7 +54,8 @@ def single_node(tmp_path_factory) -> dict[int, float]:
     return _losses(metrics)
 
 
-def test_two_torchrun_agents_on_loopback_train_as_one_two_rank_run(workdir: Path, single_node: dict[int, float]):
+def test_two_torchrun_agents_on_loopback_train_as_one_two_rank_run(workdir: Path, single_node: dict[int, float], mlflow_store):
+    mlflow_store(workdir)
     endpoint = f"127.0.0.1:{free_port()}"
     torchrun = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes", "--monitor-interval=0.5", "-m", "src.run", *RUN]
@@ -73,10 +74,12 @@ def test_two_torchrun_agents_on_loopback_train_as_one_two_rank_run(workdir: Path
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2, 3]
 
 
-def test_a_rank_killed_on_one_node_restarts_both_and_resumes_from_the_last_checkpoint(workdir: Path, single_node: dict[int, float]):
+def test_a_rank_killed_on_one_node_restarts_both_and_resumes_from_the_last_checkpoint(workdir: Path, single_node: dict[int, float],
+                                                                                     mlflow_store):
     """perflab's agent on each node (what a submitit task runs): rank 1, the second node's, is
     SIGKILLed at step 3; both nodes restart their ranks, which resume from step 2's checkpoint."""
     run_dir = workdir / "run"  # one folder for both nodes, as a cluster's shared filesystem gives
+    mlflow_store(workdir)
     node = ["-m", "src.run", *RUN, "dist.nnodes=2", "dist.nproc=1", f"dist.rdzv_endpoint=127.0.0.1:{free_port()}", "dist.max_restarts=1",
             "checkpoint.enabled=true", "checkpoint.interval=2", "fault.kind=kill", "fault.rank=1", "fault.step=3", f"hydra.run.dir={run_dir}"]
     nodes = _two_nodes([node, node], workdir)

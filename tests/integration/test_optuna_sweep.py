@@ -22,7 +22,8 @@ SEARCH = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sam
           "sweep.objective=final_loss", "optim.lr=interval(1e-4,1e-2)"]
 
 
-def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best(workdir: Path, capsys, monkeypatch):
+def test_an_optuna_sweep_is_one_parent_with_a_child_per_trial_and_names_the_best(workdir: Path, capsys, monkeypatch, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli(["-m", *SEARCH, *FAST], cwd=workdir, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")

@@ -11,9 +11,10 @@ from tests.unit.test_diagnosis import FIXTURES
 
 
 @pytest.fixture(scope="module")
-def cpu_profile(tmp_path_factory) -> tuple[Path, str]:
+def cpu_profile(tmp_path_factory, mlflow_store) -> tuple[Path, str]:
     """One +exp=profile run on 2 CPU ranks, tracked in a private MLflow store; (cwd, console, stderr)."""
     cwd = tmp_path_factory.mktemp("profile")
+    mlflow_store(cwd)
     proc = run_cli(["+exp=profile"], cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return cwd, proc.stdout, proc.stderr
@@ -115,7 +116,8 @@ def test_diagnose_without_a_gpu_says_so_and_points_elsewhere(workdir: Path):
     assert list(workdir.iterdir()) == []
 
 
-def test_diagnose_an_existing_report_through_the_run(workdir: Path):
+def test_diagnose_an_existing_report_through_the_run(workdir: Path, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli(["+exp=diagnose", f"diagnose.report={FIXTURES / 'h200_ops_raw.csv'}"], cwd=workdir, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = read_summary(workdir)

@@ -156,9 +156,10 @@ def test_a_missing_config_dir_is_refused(tmp_path: Path):
         "e.g. DIR/model/mine.yaml for model=mine")
 
 
-def test_a_non_ascii_run_name_lands_in_mlflow(workdir: Path):
+def test_a_non_ascii_run_name_lands_in_mlflow(workdir: Path, mlflow_store):
     from mlflow.tracking import MlflowClient
 
+    mlflow_store(workdir)
     proc = run_cli([*QUICK, "tracking.run_name=expérience", "tracking.system_metrics=false"], cwd=workdir, timeout=300)
     assert proc.returncode == 0, proc.stderr
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")

@@ -20,8 +20,9 @@ def _runs(cwd: Path):
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> Path:
+def sweep(tmp_path_factory, mlflow_store) -> Path:
     cwd = tmp_path_factory.mktemp("sweep")
+    mlflow_store(cwd)
     proc = run_cli(["-m", "precision=fp32,bf16", "sharding=none,fsdp2", *FAST], cwd=cwd, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return cwd
@@ -74,7 +75,8 @@ def test_compare_prints_the_sweep_with_the_best_run_marked(sweep: Path, capsys, 
     assert "4 train runs by final_loss (lower is better)" in out and "…" not in out
 
 
-def test_a_failing_job_is_failed_and_the_sweep_goes_on(workdir: Path):
+def test_a_failing_job_is_failed_and_the_sweep_goes_on(workdir: Path, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli(["-m", "fault.kind=raise,none", "fault.rank=0", "fault.step=1", *FAST], cwd=workdir, timeout=300)
     assert proc.returncode == 1  # the sweep finished, and says a job failed
     assert "job 0 (fault.kind=raise" in proc.stdout + proc.stderr
@@ -187,7 +189,7 @@ def _children(client, parent_id: str) -> dict[str, object]:
     return {r.info.run_name.removeprefix("precision="): r for r in runs}  # a run killed at its start may have no params yet
 
 
-def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path):
+def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path, mlflow_store):
     """The sweep's own process killed (kill -9, a lost login node) while its second job trains: the
     first job FINISHED, the second's run left RUNNING, the parent too. The same command with
     sweep.resume=true reopens that parent, skips the first job by its config_hash and runs the
@@ -200,6 +202,7 @@ def test_a_killed_sweep_resumed_runs_only_what_did_not_finish(workdir: Path):
     from tests.support.cli import REPO
 
     args = ["-m", "precision=fp32,bf16", *FAST]
+    mlflow_store(workdir)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.Popen([sys.executable, "-m", "src.run", *args], cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -116,7 +116,8 @@ def test_text_corpus_loss_falls(workdir: Path):
     assert summary["initial_loss"] > 5.0 and summary["final_loss"] < 3.5, summary
 
 
-def test_a_crashing_rank_fails_the_run_with_its_rank_and_error(workdir: Path):
+def test_a_crashing_rank_fails_the_run_with_its_rank_and_error(workdir: Path, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli(["fault.kind=raise", "fault.rank=1", "fault.step=2", "train.steps=5", "tracking.system_metrics=false"], cwd=workdir)
     assert proc.returncode == 1
     # one line on the console; the elastic agent's traceback goes to run.log
@@ -136,7 +137,8 @@ def test_a_crashing_rank_fails_the_run_with_its_rank_and_error(workdir: Path):
     assert {"run.log", "summary.json", "config.yaml", "metrics.jsonl"} <= artifacts
 
 
-def test_a_killed_rank_0_leaves_no_mlflow_run_running(workdir: Path):
+def test_a_killed_rank_0_leaves_no_mlflow_run_running(workdir: Path, mlflow_store):
+    mlflow_store(workdir)
     proc = run_cli(["fault.kind=kill", "fault.rank=0", "fault.step=1", "train.steps=4"], cwd=workdir)
     assert proc.returncode == 1
     assert "error: rank 0 failed: killed by signal SIGKILL" in proc.stderr.splitlines()
@@ -160,7 +162,7 @@ def test_under_torchrun_the_entry_is_a_worker_and_rank_0_owns_the_run_dir(workdi
 
 
 @pytest.mark.parametrize("target", ["group", "launcher"])
-def test_ctrl_c_ends_the_run_killed_with_every_logged_step(workdir: Path, target: str):
+def test_ctrl_c_ends_the_run_killed_with_every_logged_step(workdir: Path, target: str, mlflow_store):
     """SIGINT to the whole process group (a terminal's Ctrl-C), or to the launcher alone."""
     import signal
     import subprocess
@@ -169,6 +171,7 @@ def test_ctrl_c_ends_the_run_killed_with_every_logged_step(workdir: Path, target
     from tests.support.cli import REPO
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    mlflow_store(workdir)
     proc = subprocess.Popen(
         [sys.executable, "-m", "src.run", "train.steps=100000", "tracking.system_metrics=false"],
         cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -205,8 +208,9 @@ def test_ctrl_c_ends_the_run_killed_with_every_logged_step(workdir: Path, target
     assert left == "", left
 
 
-def test_system_metrics_have_a_first_and_a_last_sample_even_in_a_short_run(workdir: Path):
+def test_system_metrics_have_a_first_and_a_last_sample_even_in_a_short_run(workdir: Path, mlflow_store):
     # 3 steps take well under the default 10 s interval, after which MLflow's own sampler first logs
+    mlflow_store(workdir)
     proc = run_cli(["dist.nproc=1", "sharding=none", "train.steps=3"], cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run,) = _runs(workdir)
@@ -215,9 +219,11 @@ def test_system_metrics_have_a_first_and_a_last_sample_even_in_a_short_run(workd
     assert sorted(m.step for m in history) == [0, 1]
 
 
-def test_runs_started_together_from_one_folder_get_a_folder_each(tmp_path: Path):
+def test_runs_started_together_from_one_folder_get_a_folder_each_and_both_land_in_its_new_store(tmp_path: Path):
     """The default folders name the second a run starts: two commands of the same second once
-    shared one (interleaved metrics.jsonl, one's config, the other's summary in both MLflow runs)."""
+    shared one (interleaved metrics.jsonl, one's config, the other's summary in both MLflow runs).
+    And both make the folder's new SQLite store at once: MLflow's schema migration raced (one died
+    with "table ... already exists" or "duplicate column name"); the store is now made under a lock."""
     import subprocess
 
     from tests.support.cli import REPO
@@ -233,6 +239,8 @@ def test_runs_started_together_from_one_folder_get_a_folder_each(tmp_path: Path)
     assert all(len((f / "metrics.jsonl").read_text().splitlines()) == 2 for f in folders)
     assert len({s["mlflow_run_id"] for s in summaries}) == 2
     client = _client(tmp_path)
+    runs = client.search_runs([client.get_experiment_by_name("perflab").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
     for s in summaries:  # each MLflow run holds its own folder's summary, not the other's
         stored = json.loads(Path(client.download_artifacts(s["mlflow_run_id"], "summary.json", str(tmp_path))).read_text())
         assert stored["mlflow_run_id"] == s["mlflow_run_id"]

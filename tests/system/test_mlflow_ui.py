@@ -25,11 +25,11 @@ FIGURES = ("tokens_per_s_per_device", "peak_mem_gb", "final_loss", "step_time_s"
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweep(tmp_path_factory, mlflow_store_template):
     """The server's URL, the sweep's console output, and a folder for browser profiles."""
     tmp = tmp_path_factory.mktemp("ui")
     (tmp / "artifacts").mkdir()
-    proc, url = start_mlflow_server(f"sqlite:///{tmp / 'server.db'}", tmp / "artifacts")
+    proc, url = start_mlflow_server(f"sqlite:///{tmp / 'server.db'}", tmp / "artifacts", seed=mlflow_store_template)
     try:
         work = tmp / "work"
         work.mkdir()

@@ -66,8 +66,8 @@ def straight(tmp_path_factory) -> dict[int, dict]:
     (2, signal.SIGUSR1, False),   # to the launcher alone: it hands the request to its ranks
     (2, signal.SIGTERM, True),    # to the whole process group, the metric writer too: SLURM's preemption
 ], ids=["1rank-usr1", "2ranks-usr1-launcher", "2ranks-term-group"])
-def test_a_stop_signal_saves_and_the_same_command_continues_bit_identically(tmp_path: Path, straight, nproc, sig, group):
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_a_stop_signal_saves_and_the_same_command_continues_bit_identically(tmp_path: Path, straight, nproc, sig, group, mlflow_store):
+    store = mlflow_store(tmp_path)
     args = [*RUN, f"dist.nproc={nproc}", f"tracking.uri={store}"]
     proc = _start(args, tmp_path)
     out, took = _signal_mid_run(proc, tmp_path, sig, group)
@@ -101,11 +101,11 @@ def test_a_stop_signal_saves_and_the_same_command_continues_bit_identically(tmp_
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(60))
 
 
-def test_with_the_default_folders_the_same_command_continues_the_stopped_run_in_its_folder(tmp_path: Path, straight):
+def test_with_the_default_folders_the_same_command_continues_the_stopped_run_in_its_folder(tmp_path: Path, straight, mlflow_store):
     """No hydra.run.dir, no checkpoint.folder: SIGTERM stops the run in outputs/DATE/TIME; the same
     command, word for word, goes on in that folder, from its checkpoint, in its MLflow run, and ends
     bit-identical to an undisturbed twin; another command gets a folder of its own."""
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = mlflow_store(tmp_path)
     args = [a for a in RUN if not a.startswith("hydra.run.dir")] + ["dist.nproc=1", f"tracking.uri={store}"]
     proc = _start(args, tmp_path)
     deadline = time.monotonic() + 120
@@ -134,7 +134,7 @@ def test_with_the_default_folders_the_same_command_continues_the_stopped_run_in_
     assert sorted(m.step for m in client.get_metric_history(second["mlflow_run_id"], "loss")) == list(range(60))
     assert len((folder / "metrics.jsonl").read_text().splitlines()) == 60
 
-    proc = _start([*args, "train.steps=2"], tmp_path)  # another command: a folder of its own
+    proc = _start([*args, "train.steps=2", "tracking=none"], tmp_path)  # another command: a folder of its own (its MLflow run not read)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "continuing" not in out, out
     assert len(list(tmp_path.glob("outputs/*/*/summary.json"))) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,7 +30,8 @@ class ClusterTracking:
     launcher refuses a loopback URI under SLURM), listening on the address that name resolves to.
     SQLite behind it: the server is its one writer, whatever number of jobs log at once."""
 
-    def __init__(self, hostname: str, base: Path):
+    def __init__(self, hostname: str, base: Path, seed: Path):
+        shutil.copyfile(seed, base / "mlflow.db")  # a made store: the server's start skips making its tables
         port = free_port()
         self.url = f"http://{hostname}:{port}"
         cmd = [
@@ -60,8 +62,8 @@ class ClusterTracking:
 
 
 @pytest.fixture(scope="module")
-def tracking(slurm_cluster: SlurmCluster, tmp_path_factory):
-    server = ClusterTracking(slurm_cluster.hostname, tmp_path_factory.mktemp("tracking"))
+def tracking(slurm_cluster: SlurmCluster, tmp_path_factory, mlflow_store_template):
+    server = ClusterTracking(slurm_cluster.hostname, tmp_path_factory.mktemp("tracking"), mlflow_store_template)
     yield server
     stop_server(server.proc)
 
